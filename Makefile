@@ -1,0 +1,49 @@
+# klpipe: `make demo` runs both stages on sample_data/, `make test` runs the suite.
+# Both create .venv on first use. The CPU torch pin goes in first: a bare `torch`
+# requirement would pull a multi-GB CUDA build. On a GPU machine, install your own
+# torch build into the venv before `make install`; it is kept.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+DEMO := build/demo
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-faults bench sample-data clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	rm -rf $(DEMO)
+	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/rollouts.parquet \
+		--output $(DEMO)/cached.parquet
+	$(BIN)/klpipe score $(DEMO)/cached.parquet --output $(DEMO)/scored.parquet \
+		--report $(DEMO)/report.json --state $(DEMO)/kl_state.json --plot $(DEMO)/report.png
+	@echo "demo outputs in $(DEMO)/"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-faults: install
+	$(BIN)/python -m pytest -q -m faults
+
+bench: install
+	$(BIN)/python benchmarks/bench_precompute.py
+	$(BIN)/python benchmarks/bench_score.py
+
+# Rebuild the tiny models and rollouts under sample_data/ (deterministic).
+sample-data: install
+	$(BIN)/python sample_data/generate.py
+
+clean:
+	rm -rf build .pytest_cache

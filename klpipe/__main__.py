@@ -1,0 +1,3 @@
+from klpipe.cli import main
+
+main()

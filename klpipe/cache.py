@@ -1,0 +1,175 @@
+"""The cache contract: the one place where both stages agree on columns, types and provenance.
+
+`klpipe precompute` writes caches that satisfy this contract and `klpipe score` reads them.
+Pure pyarrow: importing this module must never pull in torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from klpipe.errors import InputError, ProvenanceError
+
+# Rollout columns (input to precompute).
+ID = "id"
+STEP = "step"
+PROMPT = "prompt"  # text mode: the exact prompt text the policy saw, chat template applied
+RESPONSE = "response"
+PROMPT_IDS = "prompt_ids"  # token-id mode (preferred: exact)
+RESPONSE_IDS = "response_ids"
+POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy
+REWARD = "reward"
+
+# Added by precompute: log p_ref(response_ids[i] | prompt_ids + response_ids[:i]), one per response token.
+REF_LOGPROBS = "ref_logprobs"
+REF_LOGPROBS_TYPE = pa.list_(pa.float32())
+
+# Parquet schema-metadata key holding the JSON provenance record.
+METADATA_KEY = b"klpipe"
+
+
+@dataclass
+class Provenance:
+    """How a cache was made. Caches scored together must agree on `identity()`."""
+
+    model: str  # hub id or local path, as given
+    revision: str | None  # commit hash when known, else the requested revision
+    tokenizer: str  # sha256 of the tokenizer's serialised vocabulary and settings
+    dtype: str
+    temperature: float
+    klpipe_version: str
+    inputs: list[dict] = field(default_factory=list)  # [{name, size, sha256}] per input file
+    shard: dict | None = None  # {"index": i, "count": n} for sharded runs
+
+    # The fields that change the numbers in ref_logprobs; the rest is bookkeeping.
+    IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature")
+
+    def identity(self) -> dict:
+        return {name: getattr(self, name) for name in self.IDENTITY_FIELDS}
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Provenance:
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def schema_with_provenance(schema: pa.Schema, provenance: Provenance) -> pa.Schema:
+    metadata = dict(schema.metadata or {})
+    metadata[METADATA_KEY] = provenance.to_json()
+    return schema.with_metadata(metadata)
+
+
+def read_provenance(path: str | Path) -> Provenance | None:
+    """The provenance of a cache file, or None when klpipe did not write it."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        return Provenance.from_json(raw)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"{path}: corrupt klpipe provenance metadata ({exc})") from None
+
+
+def check_compatible(provenances: list[tuple[str, Provenance | None]]) -> None:
+    """Refuse to mix caches whose reference logprobs were made differently."""
+    known = [(name, p) for name, p in provenances if p is not None]
+    if not known:
+        return
+    first_name, first = known[0]
+    for name, other in known[1:]:
+        for key in Provenance.IDENTITY_FIELDS:
+            a, b = getattr(first, key), getattr(other, key)
+            if a != b:
+                raise ProvenanceError(
+                    f"caches disagree on {key}: {first_name} has {a!r}, {name} has {b!r}; "
+                    "score caches made with one reference model and settings at a time"
+                )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# -- sharded outputs ------------------------------------------------------------------------------
+
+PART_PATTERN = re.compile(r"^part-(\d+)-of-(\d+)\.parquet$")
+
+
+def expand_cache_inputs(paths: list[str | Path]) -> list[Path]:
+    """Cache files in scoring order. A directory of shard parts must be complete and consistent.
+
+    A sharded precompute writes `part-<i>-of-<n>.parquet` plus a `.done` marker per shard; the
+    parts in index order concatenate to the input order. Scoring a directory with a missing or
+    unfinished shard, shards from different runs (n or provenance), would silently skip or mix rows.
+    """
+    from klpipe.files import PARQUET_SUFFIXES, expand_inputs
+
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir() and any(PART_PATTERN.match(p.name) for p in path.iterdir()):
+            found.extend(_shard_parts(path))
+        else:
+            found.extend(expand_inputs([path], PARQUET_SUFFIXES))
+    return found
+
+
+def _shard_parts(directory: Path) -> list[Path]:
+    parts: dict[int, Path] = {}
+    counts: set[int] = set()
+    for path in sorted(directory.iterdir()):
+        match = PART_PATTERN.match(path.name)
+        if match:
+            index, count = int(match.group(1)), int(match.group(2))
+            parts[index] = path
+            counts.add(count)
+    if len(counts) > 1:
+        raise ProvenanceError(f"{directory}: holds parts of runs with different shard counts "
+                              f"({', '.join(str(c) for c in sorted(counts))}); remove the stale parts")
+    count = counts.pop()
+    missing = [i for i in range(count) if i not in parts]
+    unfinished = [i for i, p in sorted(parts.items()) if not p.with_suffix(".done").is_file()]
+    if missing or unfinished:
+        problems = []
+        if missing:
+            problems.append(f"missing shard{'s' if len(missing) > 1 else ''} {_ranges(missing)}")
+        if unfinished:
+            problems.append(f"no completion marker for shard{'s' if len(unfinished) > 1 else ''} {_ranges(unfinished)}")
+        raise InputError(f"{directory}: incomplete: {' and '.join(problems)} of {count}; "
+                         "rerun those shards of klpipe precompute first")
+    ordered = [parts[i] for i in range(count)]
+    provenances = [(str(p), read_provenance(p)) for p in ordered]
+    check_compatible(provenances)
+    first_name, first = provenances[0]
+    next_row = 0
+    for name, provenance in provenances:
+        if provenance is None or provenance.shard is None:
+            raise ProvenanceError(f"{name}: a part file without klpipe shard provenance")
+        if provenance.inputs != first.inputs:
+            raise ProvenanceError(f"caches disagree on their input files: {first_name} and {name} were made "
+                                  "from different rollouts; rerun klpipe precompute into a clean directory")
+        start, stop = provenance.shard["rows"]
+        if start != next_row:
+            raise ProvenanceError(f"{name}: covers rows {start}..{stop}, expected to start at row {next_row}")
+        next_row = stop
+    return ordered
+
+
+def _ranges(indices: list[int]) -> str:
+    shown = ", ".join(str(i) for i in indices[:10])
+    return shown + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")

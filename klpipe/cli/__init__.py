@@ -1,0 +1,16 @@
+"""Command line: a thin layer that maps options onto typed configs and calls one library function.
+
+Each command lives in its own module. None of them imports torch at module level, so
+`klpipe score` starts fast and works where torch is not installed.
+"""
+
+from klpipe.cli import precompute as _precompute  # noqa: F401  (registers the command)
+from klpipe.cli import score as _score  # noqa: F401  (registers the command)
+from klpipe.cli.app import app
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

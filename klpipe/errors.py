@@ -1,0 +1,33 @@
+"""Every error klpipe expects a user to see. The CLI renders them as one `Error: ...` line."""
+
+
+class KlpipeError(Exception):
+    """Base class: a problem with the user's input, model or environment, not a bug in klpipe."""
+
+    exit_code = 2
+
+
+class InputError(KlpipeError):
+    """An input file is missing, unreadable, or has bad columns or values."""
+
+
+class ModelError(KlpipeError):
+    """The reference model or tokenizer cannot be loaded or used safely."""
+
+
+class ProvenanceError(KlpipeError):
+    """Caches or work directories that disagree about how they were made."""
+
+
+class StateError(KlpipeError):
+    """A controller state file that cannot be used with this run."""
+
+
+class OutputError(KlpipeError):
+    """An output cannot be written (disk full, permissions, another run holds it)."""
+
+
+class Preempted(KlpipeError):
+    """Stopped by SIGTERM or SIGUSR1 after flushing finished work; rerun the same command to resume."""
+
+    exit_code = 75  # EX_TEMPFAIL: "try again later", distinct from bad input (2) and bugs (1)

@@ -1,0 +1,118 @@
+"""File plumbing shared by both stages: finding inputs, fingerprints, atomic outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from klpipe.errors import InputError, OutputError
+
+PARQUET_SUFFIXES = (".parquet",)
+
+
+def _read_umask() -> int:
+    # os.umask can only be read by setting it; done once at import, before any thread exists.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
+
+def is_datasets_dir(path: Path) -> bool:
+    """A directory written by `datasets.Dataset.save_to_disk`."""
+    return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+
+
+def expand_inputs(paths: list[str | Path], suffixes: tuple[str, ...]) -> list[Path]:
+    """Files named on the command line, with directories expanded to their files in sorted order.
+
+    A `save_to_disk` directory stays whole: `datasets` reads it as one input.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise InputError(f"{path}: no such file or directory")
+        if path.is_dir() and not is_datasets_dir(path):
+            children = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(suffixes))
+            if not children:
+                raise InputError(f"{path}: directory holds no {'/'.join(suffixes)} files")
+            found.extend(children)
+        else:
+            found.append(path)
+    return found
+
+
+def fingerprint(path: Path) -> dict:
+    """Name, size and sha256 of a file (or of every file of a directory), to detect changed inputs."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    size = 0
+    for file in files:
+        size += file.stat().st_size
+        with open(file, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
+
+
+@contextmanager
+def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterator[Path]:
+    """Yield a temporary path; rename it to `path` only if the block succeeds.
+
+    The temporary file lives beside `path` (or in `tmp_dir`, which must be on the same
+    filesystem) so the final rename is atomic, and a crash never leaves anything under the
+    final name. A work directory as `tmp_dir` means a kill -9 leaves no stray file beside outputs.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir or path.parent)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+    os.close(fd)
+    tmp = Path(tmp_name)
+    # mkstemp makes 0600 files; outputs should get the usual umask-derived mode, like open() gives.
+    os.chmod(tmp, 0o666 & ~_UMASK)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, data: object) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
