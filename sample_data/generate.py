@@ -1,0 +1,462 @@
+"""Regenerate every file under ``sample_data/`` deterministically, offline.
+
+Builds:
+
+* a 512-token byte-level BPE tokenizer trained on the small corpus below, with
+  Gemma's special-token id layout (``<pad>``=0, ``<eos>``=1, ``<bos>``=2,
+  ``<unk>``=3) and a post-processor that prepends ``<bos>`` by default, as
+  Gemma's tokenizer does;
+* ``tiny-gemma4/``: a random ``Gemma4ForCausalLM`` that keeps the E2B features
+  klpipe has to get right: final-logit softcapping, sliding + full attention
+  with a window shorter than the sample prompts, KV-shared layers and
+  per-layer inputs. Its LM head is scaled by ``HEAD_SCALE`` because a random
+  head gives raw logits far below the cap of 30, where ``tanh`` is nearly the
+  identity and a pipeline that forgot the softcap would still pass. The
+  ``<eos>`` row is scaled further so sampled responses end at varied lengths;
+* ``tiny-llama/``: a random ``LlamaForCausalLM`` sharing the tokenizer, as a
+  plain architecture with no softcap;
+* ``rollouts.parquet``: GRPO-style rollouts sampled from a *policy* that is a
+  noise-perturbed copy of tiny-gemma4, so that tiny-gemma4 acts as the
+  reference model and the policy-vs-reference KL is clearly non-zero.
+  Sampling covers the full vocabulary, so a few responses contain ``<pad>`` or
+  ``<bos>`` ids mid-sequence; ids, not text, are authoritative.
+
+Run ``python sample_data/generate.py`` from anywhere; outputs land next to
+this file. Everything is seeded, so reruns reproduce the same bytes of data.
+"""
+
+import os
+
+# Must precede the transformers import: nothing here may touch the Hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import copy
+import random
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+from transformers.utils import logging as hf_logging
+
+OUT_DIR = Path(__file__).resolve().parent
+GEMMA_DIR = OUT_DIR / "tiny-gemma4"
+LLAMA_DIR = OUT_DIR / "tiny-llama"
+ROLLOUTS_PATH = OUT_DIR / "rollouts.parquet"
+
+VOCAB_SIZE = 512
+PAD, EOS, BOS, UNK = 0, 1, 2, 3
+SOFTCAP = 30.0
+SLIDING_WINDOW = 8
+# Large enough that a clear share of raw logits lands beyond the softcap, and no larger:
+# every extra factor amplifies fp32 rounding noise, which the 1e-4 oracle tests must stay under.
+HEAD_SCALE = 100.0
+# Relative (per-tensor RMS) Gaussian noise that turns the reference into the
+# policy; tuned so the mean per-token KL estimate is a few nats, i.e. visible
+# in the adaptive KL controller without being absurd.
+POLICY_NOISE = 0.2
+# A random head almost never picks <eos>, which would make every response
+# exactly MAX_NEW_TOKENS long. Giving the <eos> row a larger norm pushes its
+# raw logit past the cap at a good share of positions, so responses end at
+# natural, varied lengths.
+EOS_ROW_SCALE = 4.0
+# A random 6-layer Gemma is chaotic: fp32 rounding differences between a padded batch and a
+# single sequence grow ~2x per layer, and the x100 head turns them into ~1e-4 logprob noise,
+# the oracle tests' whole tolerance. A larger token embedding keeps the residual stream
+# dominated by it, so the noise drops ~10x while attention still moves logprobs by nats
+# (a sliding-window or padding bug still shows up 10^4 times above the tolerance).
+EMBED_SCALE = 30.0
+MAX_NEW_TOKENS = 24
+STEPS = 6
+SAMPLES_PER_GROUP = 4
+
+SEED_TOKENIZER_SHUFFLE = 0
+SEED_GEMMA = 1234
+SEED_LLAMA = 4321
+SEED_POLICY_NOISE = 777
+SEED_SAMPLING = 2024
+SEED_REWARD = 99
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "A gentle rain fell on the quiet village while the children slept.",
+    "Please summarize the following paragraph in one short sentence.",
+    "Reinforcement learning trains a policy to maximize expected reward.",
+    "The reference model stays frozen while the policy keeps changing.",
+    "Kullback-Leibler divergence measures how one distribution differs from another.",
+    "She opened the old wooden door and found a garden full of roses.",
+    "Two plus three equals five, and five times four equals twenty.",
+    "Write a haiku about autumn leaves drifting across a cold pond.",
+    "The library closes at nine o'clock on weekdays and at noon on Sundays.",
+    "Our team shipped the new release after fixing three critical bugs.",
+    "Mountains rise above the clouds where eagles circle in the wind.",
+    "Translate the sentence into French: the cat is sleeping on the chair.",
+    "He poured a cup of strong coffee and read the morning newspaper.",
+    "Every prime number greater than two is odd, but not every odd number is prime.",
+    "The museum displays paintings, sculptures, and ancient pottery from Greece.",
+    "Explain why the sky looks blue during the day and red at sunset.",
+    "A small robot rolled across the kitchen floor looking for crumbs.",
+    "The train to Berlin leaves from platform seven at half past ten.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "Good software is tested, documented, and easy to change later.",
+    "The orchestra tuned their instruments before the concert began.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Bright stars shimmered over the desert as the campfire crackled.",
+    "Sort the list of numbers from smallest to largest and print it.",
+    "The farmer planted wheat in spring and harvested it in late summer.",
+    "Gradient descent takes small steps in the direction of steepest decrease.",
+    "My grandmother bakes bread every Saturday morning before sunrise.",
+    "The detective noticed a muddy footprint beside the broken window.",
+    "Thank you for your help; I could not have finished without you.",
+    "Ocean waves crashed against the rocks, sending spray into the air.",
+    "A tokenizer splits text into pieces that a language model can read.",
+    "The committee will vote on the proposal next Tuesday afternoon.",
+    "Lions rest in the shade during the hottest hours of the day.",
+    "Compute the average of seven, eleven, and fifteen, then round it.",
+    "The violinist played a slow melody that filled the empty hall.",
+    "Fresh snow covered the streets, and the city became strangely silent.",
+    "Always back up your files before upgrading the operating system.",
+    "The spaceship drifted past Jupiter, its engines humming softly.",
+    "Which weighs more, a kilogram of feathers or a kilogram of iron?",
+    "Children laughed as they chased bubbles through the sunny park.",
+    "The chef added a pinch of salt, some pepper, and fresh basil.",
+    "History shows that bridges, roads, and ports help cities grow.",
+    "Is it better to sample with temperature one or to decode greedily?",
+    "The old lighthouse keeper climbed the stairs every single night.",
+    "Bees carry pollen from flower to flower throughout the warm season.",
+    "Numbers like 3.14, 42, and 2048 often appear in examples and jokes.",
+    "If the policy drifts too far, the controller raises the KL penalty.",
+    "Yes.",
+    "No, thank you.",
+    "Hello there!",
+    "Once upon a time,",
+]
+
+# Two prompts per step. A mix of short ones (fewer tokens than the sliding
+# window) and long ones (well past it) so both attention paths matter.
+PROMPTS = [
+    "Hello there!",
+    "Explain why the sky looks blue during the day and red at sunset.",
+    "Once upon a time,",
+    "Which weighs more, a kilogram of feathers or a kilogram of iron?",
+    "Yes.",
+    "If the policy drifts too far, the controller raises the KL penalty.",
+    "Write a haiku about autumn leaves drifting across a cold pond.",
+    "No, thank you.",
+    "Translate the sentence into French: the cat is sleeping on the chair.",
+    "Sort the list of numbers from smallest to largest and print it.",
+    "The quick brown fox",
+    "Compute the average of seven, eleven, and fifteen, then round it.",
+]
+assert len(PROMPTS) == 2 * STEPS
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # Byte-level so any text, including sampled garbage, round-trips.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        # Listed first so they get ids 0..3 in Gemma's order.
+        special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = list(CORPUS)
+    random.Random(SEED_TOKENIZER_SHUFFLE).shuffle(corpus)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    # The model's embedding has VOCAB_SIZE rows; a smaller tokenizer would let
+    # the policy sample ids the tokenizer cannot decode.
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    for name, idx in [("<pad>", PAD), ("<eos>", EOS), ("<bos>", BOS), ("<unk>", UNK)]:
+        assert tok.token_to_id(name) == idx, (name, tok.token_to_id(name))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A",
+        pair="<bos> $A $B:1",
+        special_tokens=[("<bos>", BOS)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=512,
+    )
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = "Héllo,  wörld! 🙂\n\ttabs"
+    with_bos = tok(text).input_ids
+    without = tok(text, add_special_tokens=False).input_ids
+    assert with_bos[0] == BOS and with_bos[1:] == without, (with_bos, without)
+    assert BOS not in without
+    assert tok.decode(without) == text
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (PAD, EOS, BOS, UNK)
+
+
+def gemma_config() -> Gemma4TextConfig:
+    # Non-shared layers (0..3) must hold both attention types, since each
+    # KV-shared layer reuses the cache of the last earlier layer of its type.
+    layer_types = [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ]
+    return Gemma4TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=32,
+        sliding_window=SLIDING_WINDOW,
+        num_kv_shared_layers=2,
+        final_logit_softcapping=SOFTCAP,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        layer_types=layer_types,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+    )
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+    )
+
+
+def save_and_verify(model, tokenizer, out_dir: Path, probe_ids: torch.Tensor) -> None:
+    if out_dir.exists():
+        # Stale files (e.g. an old pytorch_model.bin) would otherwise survive.
+        shutil.rmtree(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    assert not list(out_dir.glob("*.bin")), "expected safetensors only"
+    check_tokenizer(out_dir)
+
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    reloaded.eval()
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{out_dir.name}: loading info not clean: {problems}"
+    assert type(reloaded) is type(model), type(reloaded)
+    with torch.no_grad():
+        before = model(probe_ids).logits
+        after = reloaded(probe_ids).logits
+    assert torch.equal(before, after), (before - after).abs().max()
+
+
+def build_gemma() -> Gemma4ForCausalLM:
+    torch.manual_seed(SEED_GEMMA)
+    model = Gemma4ForCausalLM(gemma_config()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(HEAD_SCALE)
+        model.lm_head.weight[EOS].mul_(EOS_ROW_SCALE)
+        model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+    return model
+
+
+def build_llama() -> LlamaForCausalLM:
+    torch.manual_seed(SEED_LLAMA)
+    return LlamaForCausalLM(llama_config()).eval()
+
+
+def head_logits_over_cap(model: Gemma4ForCausalLM, ids: torch.Tensor) -> float:
+    """Fraction of raw (pre-softcap) head logits with |z| > SOFTCAP."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        raw = hidden @ model.lm_head.weight.T
+        capped = model(input_ids=ids).logits
+    assert raw.abs().max() > SOFTCAP, raw.abs().max()
+    # Guards against a transformers change silently dropping the softcap.
+    torch.testing.assert_close(capped, SOFTCAP * torch.tanh(raw / SOFTCAP), rtol=1e-5, atol=1e-4)
+    return (raw.abs() > SOFTCAP).float().mean().item()
+
+
+def make_policy(ref: Gemma4ForCausalLM) -> Gemma4ForCausalLM:
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(SEED_POLICY_NOISE)
+    with torch.no_grad():
+        for _, param in sorted(policy.named_parameters()):
+            # Scale by each tensor's own RMS: the x100 head and the O(1) norms
+            # get the same relative perturbation.
+            rms = param.pow(2).mean().sqrt()
+            param.add_(torch.randn(param.shape, generator=gen) * rms * POLICY_NOISE)
+    return policy
+
+
+@torch.no_grad()
+def sample_group(policy, prompt_ids: list[int], n: int, gen: torch.Generator):
+    """Sample n responses with full forward passes (no KV cache)."""
+    seqs = torch.tensor([prompt_ids] * n)
+    responses = [[] for _ in range(n)]
+    logprobs = [[] for _ in range(n)]
+    done = [False] * n
+    for _ in range(MAX_NEW_TOKENS):
+        logits = policy(input_ids=seqs, use_cache=False).logits[:, -1, :].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+        for i in range(n):
+            if done[i]:
+                continue
+            t = int(nxt[i, 0])
+            responses[i].append(t)
+            logprobs[i].append(float(logp[i, t]))
+            done[i] = t == EOS
+        if all(done):
+            break
+        seqs = torch.cat([seqs, nxt], dim=1)
+    return responses, logprobs
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + response_ids])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    pos = torch.arange(len(prompt_ids) - 1, ids.shape[1] - 1)
+    return logp[pos, torch.tensor(response_ids)]
+
+
+def reward_fn(response_ids: list[int], tokenizer, rng: random.Random) -> float:
+    # "Readability": share of ASCII letters/spaces in the text. Distinct-token
+    # fraction would be ~1.0 for nearly every random sample, leaving GRPO
+    # groups with no reward signal beyond the noise.
+    text = tokenizer.decode(response_ids, skip_special_tokens=True)
+    readable = sum(c.isascii() and (c.isalpha() or c == " ") for c in text) / len(text) if text else 0.0
+    return readable + rng.gauss(0.0, 0.05)
+
+
+def build_rollouts(tokenizer, ref, policy):
+    gen = torch.Generator().manual_seed(SEED_SAMPLING)
+    reward_rng = random.Random(SEED_REWARD)
+    rows = []
+    kl_terms = []
+    for step in range(STEPS):
+        for p in range(2):
+            prompt = PROMPTS[2 * step + p]
+            prompt_ids = tokenizer(prompt).input_ids
+            responses, logprobs = sample_group(policy, prompt_ids, SAMPLES_PER_GROUP, gen)
+            group_id = 2 * step + p
+            for g, (resp, lps) in enumerate(zip(responses, logprobs)):
+                pol_tf = teacher_forced_logprobs(policy, prompt_ids, resp)
+                # Incremental sampling and one full forward must agree, or the
+                # stored logprobs would not be what stage 2 assumes they are.
+                torch.testing.assert_close(pol_tf, torch.tensor(lps), rtol=0, atol=1e-3)
+                ref_tf = teacher_forced_logprobs(ref, prompt_ids, resp)
+                kl_terms.append(pol_tf - ref_tf)
+                rows.append(
+                    {
+                        "id": f"s{step}-p{p}-g{g}",
+                        "step": step,
+                        "group_id": group_id,
+                        "prompt": prompt,
+                        # Special tokens kept so an emitted <eos> survives in text mode.
+                        "response": tokenizer.decode(resp, skip_special_tokens=False),
+                        "prompt_ids": prompt_ids,
+                        "response_ids": resp,
+                        "policy_logprobs": lps,
+                        "reward": reward_fn(resp, tokenizer, reward_rng),
+                    }
+                )
+    return rows, torch.cat(kl_terms)
+
+
+def write_parquet(rows) -> None:
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("step", pa.int64()),
+            ("group_id", pa.int64()),
+            ("prompt", pa.string()),
+            ("response", pa.string()),
+            ("prompt_ids", pa.list_(pa.int32())),
+            ("response_ids", pa.list_(pa.int32())),
+            ("policy_logprobs", pa.list_(pa.float32())),
+            ("reward", pa.float64()),
+        ]
+    )
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, ROLLOUTS_PATH)
+
+
+def main() -> None:
+    hf_logging.disable_progress_bar()
+    # CPU float reductions can vary with the thread count, and one flipped
+    # low bit can change a sampled token; a single thread keeps reruns stable.
+    torch.set_num_threads(1)
+
+    tokenizer = build_tokenizer()
+    long_prompt = "Kullback-Leibler divergence measures how one distribution differs from another."
+    probe = torch.tensor([tokenizer(long_prompt).input_ids])
+    assert probe.shape[1] > SLIDING_WINDOW
+
+    gemma = build_gemma()
+    over_cap = head_logits_over_cap(gemma, probe)
+    save_and_verify(gemma, tokenizer, GEMMA_DIR, probe)
+    save_and_verify(build_llama(), tokenizer, LLAMA_DIR, probe)
+
+    prompt_lens = [len(tokenizer(p).input_ids) for p in PROMPTS]
+    assert max(prompt_lens) >= 12 and min(prompt_lens) < SLIDING_WINDOW, prompt_lens
+
+    policy = make_policy(gemma).eval()
+    rows, kl_terms = build_rollouts(tokenizer, gemma, policy)
+    write_parquet(rows)
+
+    lengths = [len(r["response_ids"]) for r in rows]
+    n_eos = sum(r["response_ids"][-1] == EOS for r in rows)
+    round_trip = sum(
+        tokenizer(r["response"], add_special_tokens=False).input_ids == r["response_ids"] for r in rows
+    )
+    mean_kl = kl_terms.mean().item()
+
+    print(f"head logits with |z| > {SOFTCAP:g}: {over_cap:.1%}")
+    print(f"prompt lengths (tokens incl. <bos>): {prompt_lens}")
+    print(f"response lengths: {lengths}")
+    print(f"responses ending in <eos>: {n_eos}/{len(rows)}")
+    print(f"mean per-token KL estimate mean(policy_lp - ref_lp): {mean_kl:.3f} nats over {kl_terms.numel()} tokens")
+    print(f"responses that round-trip text -> ids: {round_trip}/{len(rows)}")
+    # Checked after printing so a failed retune still shows the numbers.
+    assert 1 in lengths, "want at least one length-1 response"
+    assert len(set(lengths)) > 3, lengths
+    assert 0.5 <= mean_kl <= 6.0, mean_kl
+    for path in sorted(OUT_DIR.rglob("*")):
+        if path.is_file() and path.name != Path(__file__).name:
+            size = path.stat().st_size
+            assert size <= 2 * 1024 * 1024, (path, size)
+            print(f"{size:>9}  {path.relative_to(OUT_DIR)}")
+
+
+if __name__ == "__main__":
+    main()
