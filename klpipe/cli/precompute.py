@@ -1,0 +1,118 @@
+"""`klpipe precompute`: options in, PrecomputeConfig out, one call, a summary on stderr."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from klpipe.cli.app import app, handle_errors
+from klpipe.errors import InputError
+
+MODEL_PANEL = "Reference model"
+BATCH_PANEL = "Batching and resume"
+OUTPUT_PANEL = "Output and progress"
+SHARD_PANEL = "Sharding (Slurm arrays, torchrun)"
+
+
+@app.command("precompute", no_args_is_help=True)
+@handle_errors
+def precompute_command(
+    inputs: Annotated[list[Path], typer.Argument(
+        help="Rollout files (parquet, JSON Lines), `save_to_disk` directories, or directories of files.",
+        envvar="KLPIPE_INPUTS", show_default=False)],
+    model: Annotated[str, typer.Option(
+        "--model", "-m", help="Reference model: a hub id or a local directory (never fetched from the network).",
+        envvar="KLPIPE_MODEL", rich_help_panel=MODEL_PANEL, show_default=False)],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Cache to write. Default: INPUT.cached.parquet beside a single input.",
+        envvar="KLPIPE_OUTPUT", rich_help_panel=OUTPUT_PANEL, show_default=False)] = None,
+    revision: Annotated[str | None, typer.Option(
+        help="Hub revision (branch, tag or commit) of the model.",
+        envvar="KLPIPE_REVISION", rich_help_panel=MODEL_PANEL)] = None,
+    dtype: Annotated[str, typer.Option(
+        help="auto | float32 | bfloat16 | float16. auto: bfloat16 on CUDA, float32 on CPU.",
+        envvar="KLPIPE_DTYPE", rich_help_panel=MODEL_PANEL)] = "auto",
+    device: Annotated[str, typer.Option(
+        help="auto | cpu | cuda | cuda:N. auto: the GPU if there is one (device_map=auto over several), else CPU.",
+        envvar="KLPIPE_DEVICE", rich_help_panel=MODEL_PANEL)] = "auto",
+    temperature: Annotated[float, typer.Option(
+        help="Rollout sampling temperature; logits are divided by it before the softmax.",
+        envvar="KLPIPE_TEMPERATURE", rich_help_panel=MODEL_PANEL)] = 1.0,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="Run model code shipped with the checkpoint. Off unless asked.",
+        envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = False,
+    max_tokens_per_batch: Annotated[int | None, typer.Option(
+        help="Padded tokens per forward pass. Default: 8192 on CPU, 65536 on CUDA.",
+        envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL, show_default=False)] = None,
+    chunk_rows: Annotated[int, typer.Option(
+        help="Rows per checkpoint; also the window in which rows are sorted by length.",
+        envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = 2048,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an existing output that a different run made.",
+        envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = False,
+    progress: Annotated[str, typer.Option(
+        help="auto | bar | log | none. auto: a bar on a terminal, log lines under cron or Slurm.",
+        envvar="KLPIPE_PROGRESS", rich_help_panel=OUTPUT_PANEL)] = "auto",
+    log_interval: Annotated[float, typer.Option(
+        help="Seconds between progress log lines.",
+        envvar="KLPIPE_LOG_INTERVAL", rich_help_panel=OUTPUT_PANEL)] = 30.0,
+    shard_index: Annotated[int | None, typer.Option(
+        help="This process's shard (0-based). Default: from SLURM_ARRAY_TASK_ID, or torchrun's RANK.",
+        envvar="KLPIPE_SHARD_INDEX", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
+    num_shards: Annotated[int | None, typer.Option(
+        help="Number of shards; --output is then a directory of part files. "
+             "Default: from SLURM_ARRAY_TASK_COUNT, or torchrun's WORLD_SIZE.",
+        envvar="KLPIPE_NUM_SHARDS", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
+):
+    """Cache the reference model's logprob of every response token.
+
+    Reads rollouts with `prompt_ids` + `response_ids` (token ids, exact) or `prompt` + `response`
+    (text, tokenized with the reference tokenizer), and writes every input column plus
+    `ref_logprobs`. A killed run resumes from its last finished chunk when rerun.
+
+    Examples:
+
+        klpipe precompute --model google/gemma-4-E2B rollouts.parquet -o cached.parquet
+
+        klpipe precompute -m ./checkpoints/ref --device cuda:1 --dtype bfloat16 day42/ -o day42.cached.parquet
+
+        KLPIPE_MODEL=./ref KLPIPE_DEVICE=cpu klpipe precompute rollouts.jsonl
+
+        sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
+    """
+    from klpipe.precompute import PrecomputeConfig, precompute
+    from klpipe.sharding import local_device, resolve_shard
+
+    if progress not in ("auto", "bar", "log", "none"):
+        raise InputError(f"--progress must be auto, bar, log or none, not {progress!r}")
+    shard = resolve_shard(shard_index, num_shards)
+    device = local_device(device)
+    if output is None:
+        if shard is not None:
+            raise InputError("--output DIR is required for a sharded run")
+        if len(inputs) != 1:
+            raise InputError("--output is required with several inputs")
+        only = inputs[0]
+        output = only.with_name(only.name.split(".")[0] + ".cached.parquet")
+    config = PrecomputeConfig(
+        inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
+        temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
+        trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
+        shard=shard,
+    )
+    summary = precompute(config, log=_stderr)
+    if not summary.skipped:
+        memory = ", ".join(f"{k.removesuffix('_mib')} {v:,.0f} MiB" for k, v in summary.peak_memory.items())
+        _stderr(
+            f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
+            f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
+            f"padding efficiency {summary.padding_efficiency:.1%}, peak memory {memory}"
+            + (f", resumed {summary.resumed_chunks} chunks" if summary.resumed_chunks else "")
+        )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

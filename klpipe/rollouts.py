@@ -1,0 +1,360 @@
+"""Reading rollout rows: parquet streamed with pyarrow, JSON Lines and `save_to_disk` dirs via `datasets`.
+
+The reader hands out fixed-size chunks of consecutive rows (the unit of checkpointing), validates
+them, and turns them into flat token-id arrays. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from klpipe import cache
+from klpipe.errors import InputError
+from klpipe.files import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, is_datasets_dir
+
+INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
+TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
+TEXT = "text"  # text mode: prompt / response tokenized with the reference tokenizer
+TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
+
+
+@dataclass
+class RolloutFile:
+    path: Path
+    kind: str  # "parquet" | "jsonl" | "datasets"
+    num_rows: int
+    schema: pa.Schema
+
+
+@dataclass
+class Rollouts:
+    """The input as one logical table: files in order, one schema, one mode."""
+
+    files: list[RolloutFile]
+    schema: pa.Schema  # without metadata
+    mode: str  # TOKEN_IDS or TEXT
+
+    @property
+    def num_rows(self) -> int:
+        return sum(f.num_rows for f in self.files)
+
+
+@dataclass
+class Chunk:
+    """`table` holds input rows [start, start + len) of the logical table."""
+
+    index: int
+    start: int
+    table: pa.Table
+    file_index: np.ndarray  # (rows,) which input file each row came from
+    file_row: np.ndarray  # (rows,) the row's index inside that file
+
+
+@dataclass
+class TokenizedChunk:
+    chunk: Chunk
+    table: pa.Table  # input columns, plus prompt_ids/response_ids in text mode
+    prompt_ids: np.ndarray  # flat int64 token ids of all prompts
+    prompt_offsets: np.ndarray  # (rows + 1,)
+    response_ids: np.ndarray
+    response_offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompt_offsets) - 1
+
+    def prompt_lengths(self) -> np.ndarray:
+        return np.diff(self.prompt_offsets)
+
+    def response_lengths(self) -> np.ndarray:
+        return np.diff(self.response_offsets)
+
+
+def open_rollouts(paths: list[str | Path]) -> Rollouts:
+    """Find the input files, check that they agree on a schema, and pick the mode from its columns."""
+    files = [_open_file(p) for p in expand_inputs(paths, INPUT_SUFFIXES)]
+    first = files[0]
+    for other in files[1:]:
+        if not other.schema.equals(first.schema):
+            raise InputError(
+                f"{other.path}: columns differ from {first.path} "
+                f"({_schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
+            )
+    return Rollouts(files=files, schema=first.schema, mode=_detect_mode(first.path, first.schema))
+
+
+def _open_file(path: Path) -> RolloutFile:
+    if is_datasets_dir(path) or path.name.endswith(JSONL_SUFFIXES):
+        table = _datasets_table(path)
+        kind = "datasets" if path.is_dir() else "jsonl"
+        num_rows, schema = table.num_rows, table.schema
+    else:
+        kind = "parquet"
+        try:
+            meta = pq.ParquetFile(path)
+            num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
+        except (OSError, pa.ArrowException) as exc:
+            if path.stat().st_size == 0:
+                raise InputError(f"{path}: file is empty (0 bytes)") from None
+            raise InputError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+    if num_rows == 0:
+        raise InputError(f"{path}: file has no rows")
+    return RolloutFile(path=path, kind=kind, num_rows=num_rows, schema=schema.remove_metadata())
+
+
+def _datasets_table(path: Path) -> pa.Table:
+    """A memory-mapped Arrow table for JSON Lines or `save_to_disk` input, through `datasets`."""
+    import datasets  # heavy; only JSON Lines and save_to_disk inputs need it
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                raise InputError(f"{path}: holds several splits ({', '.join(ds)}); pass one split's directory")
+        else:
+            if path.stat().st_size == 0:
+                raise InputError(f"{path}: file is empty (0 bytes)")
+            ds = datasets.Dataset.from_json(str(path), keep_in_memory=False)
+    except InputError:
+        raise
+    except Exception as exc:  # datasets wraps parse errors in several exception types
+        raise InputError(f"{path}: not readable as {'a datasets directory' if path.is_dir() else 'JSON Lines'} "
+                         f"({_first_line(exc)})") from None
+    return ds.data.table
+
+
+def _detect_mode(path: Path, schema: pa.Schema) -> str:
+    names = set(schema.names)
+    if {cache.PROMPT_IDS, cache.RESPONSE_IDS} <= names:
+        for column in (cache.PROMPT_IDS, cache.RESPONSE_IDS):
+            kind = schema.field(column).type
+            if not (_is_list(kind) and pa.types.is_integer(kind.value_type)):
+                raise InputError(f"{path}: column {column} must be a list of integer token ids, found {kind}")
+        return TOKEN_IDS
+    if {cache.PROMPT, cache.RESPONSE} <= names:
+        for column in (cache.PROMPT, cache.RESPONSE):
+            kind = schema.field(column).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise InputError(f"{path}: column {column} must be a string, found {kind}")
+        return TEXT
+    raise InputError(
+        f"{path}: missing columns: needs {cache.PROMPT_IDS} and {cache.RESPONSE_IDS} (token ids) "
+        f"or {cache.PROMPT} and {cache.RESPONSE} (text); found {', '.join(schema.names) or 'none'}"
+    )
+
+
+def iter_chunks(rollouts: Rollouts, chunk_rows: int, skip: set[int] | frozenset = frozenset(),
+                rows: tuple[int, int] | None = None) -> Iterator[Chunk]:
+    """Consecutive `chunk_rows`-row chunks of the logical table's `rows` range, with bounded memory.
+
+    Chunk k covers rows [start + k·chunk_rows, ...) of the range, so the plan depends on the range
+    alone and a rerun cuts the same chunks. Chunks in `skip` are read past but never materialised.
+    Parquet is streamed one record batch at a time, and row groups outside the range are not read.
+    """
+    start, stop = rows or (0, rollouts.num_rows)
+    pending: list[pa.RecordBatch] = []
+    pending_file: list[np.ndarray] = []
+    pending_row: list[np.ndarray] = []
+    pending_rows = 0
+    index = 0
+    chunk_start = start
+    file_start = 0
+    for file_index, info in enumerate(rollouts.files):
+        file_stop = file_start + info.num_rows
+        lo, hi = max(start, file_start) - file_start, min(stop, file_stop) - file_start
+        file_start = file_stop
+        if lo >= hi:
+            continue
+        for file_row, batch in _iter_file_rows(info, lo, hi, batch_rows=min(chunk_rows, 8192)):
+            while batch.num_rows:
+                take = min(batch.num_rows, chunk_rows - pending_rows)
+                pending.append(batch.slice(0, take))
+                pending_file.append(np.full(take, file_index, dtype=np.int64))
+                pending_row.append(np.arange(file_row, file_row + take, dtype=np.int64))
+                pending_rows += take
+                file_row += take
+                batch = batch.slice(take)
+                if pending_rows == chunk_rows:
+                    if index not in skip:
+                        yield _make_chunk(index, chunk_start, pending, pending_file, pending_row, rollouts.schema)
+                    index += 1
+                    chunk_start += pending_rows
+                    pending, pending_file, pending_row, pending_rows = [], [], [], 0
+    if pending_rows and index not in skip:
+        yield _make_chunk(index, chunk_start, pending, pending_file, pending_row, rollouts.schema)
+
+
+def num_chunks(rows: tuple[int, int], chunk_rows: int) -> int:
+    return -(-(rows[1] - rows[0]) // chunk_rows)
+
+
+def chunk_sizes(rows: tuple[int, int], chunk_rows: int) -> list[int]:
+    total = rows[1] - rows[0]
+    return [min(chunk_rows, total - k * chunk_rows) for k in range(num_chunks(rows, chunk_rows))]
+
+
+def _make_chunk(index, start, batches, files, rows, schema) -> Chunk:
+    batches = [b if b.schema.equals(schema) else b.cast(schema) for b in batches]
+    table = pa.Table.from_batches(batches, schema=schema)
+    return Chunk(index=index, start=start, table=table, file_index=np.concatenate(files), file_row=np.concatenate(rows))
+
+
+def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(file row of the batch's first row, batch) covering the file's rows [lo, hi)."""
+    try:
+        if info.kind == "parquet":
+            parquet = pq.ParquetFile(info.path)
+            groups, position, first = [], 0, None
+            for group in range(parquet.num_row_groups):
+                size = parquet.metadata.row_group(group).num_rows
+                if position < hi and position + size > lo:
+                    groups.append(group)
+                    first = position if first is None else first
+                position += size
+            batches = parquet.iter_batches(batch_size=batch_rows, row_groups=groups)
+        else:
+            first = lo
+            batches = _datasets_table(info.path).slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
+        position = first
+        for batch in batches:
+            begin, end = max(lo - position, 0), min(hi - position, batch.num_rows)
+            if end > begin:
+                yield position + begin, batch.slice(begin, end - begin).replace_schema_metadata(None)
+            position += batch.num_rows
+            if position >= hi:
+                break
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{info.path}: corrupt or unreadable ({_first_line(exc)})") from None
+
+
+class ChunkTokenizer:
+    """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
+
+    def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None):
+        self.rollouts = rollouts
+        self.tokenizer = tokenizer  # only used in text mode
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+
+    def __call__(self, chunk: Chunk) -> TokenizedChunk:
+        table = chunk.table
+        if self.rollouts.mode == TOKEN_IDS:
+            prompt, prompt_off = self._flat_ids(chunk, cache.PROMPT_IDS)
+            response, response_off = self._flat_ids(chunk, cache.RESPONSE_IDS)
+        else:
+            prompts = self._texts(chunk, cache.PROMPT)
+            responses = self._texts(chunk, cache.RESPONSE)
+            for i, text in enumerate(prompts):
+                if not text:
+                    self._fail(chunk, i, f"{cache.PROMPT} is empty")
+            # The prompt is the exact text the policy saw, so it gets the tokenizer's default special
+            # tokens (BOS for Gemma); the response continues it and must not get a second BOS.
+            prompt_lists = self.tokenizer(prompts)["input_ids"]
+            response_lists = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
+            prompt, prompt_off = _flatten(prompt_lists)
+            response, response_off = _flatten(response_lists)
+            table = self._with_ids(table, prompt, prompt_off, response, response_off)
+        tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off)
+        self._validate(tokenized)
+        return tokenized
+
+    def _flat_ids(self, chunk: Chunk, column: str) -> tuple[np.ndarray, np.ndarray]:
+        array = chunk.table.column(column).combine_chunks()
+        if array.null_count:
+            row = int(np.flatnonzero(np.asarray(array.is_null()))[0])
+            self._fail(chunk, row, f"{column} is null")
+        # `flatten()` honours slicing; `.values` would not.
+        flat = np.asarray(array.flatten(), dtype=np.int64)
+        offsets = np.asarray(array.offsets, dtype=np.int64)
+        offsets = offsets - offsets[0]
+        return flat, offsets
+
+    def _texts(self, chunk: Chunk, column: str) -> list[str]:
+        array = chunk.table.column(column)
+        if array.null_count:
+            row = int(np.flatnonzero(np.asarray(array.is_null()))[0])
+            self._fail(chunk, row, f"{column} is null")
+        return array.to_pylist()
+
+    def _with_ids(self, table, prompt, prompt_off, response, response_off) -> pa.Table:
+        for name, flat, offsets in (
+            (cache.PROMPT_IDS, prompt, prompt_off),
+            (cache.RESPONSE_IDS, response, response_off),
+        ):
+            column = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.int32()))
+            if name in table.column_names:  # text mode wins only when ids were incomplete
+                table = table.set_column(table.column_names.index(name), name, column)
+            else:
+                table = table.append_column(name, column)
+        return table
+
+    def _validate(self, t: TokenizedChunk) -> None:
+        chunk = t.chunk
+        prompt_len = t.prompt_lengths()
+        empty = np.flatnonzero(prompt_len == 0)
+        if len(empty):
+            self._fail(chunk, int(empty[0]), f"{cache.PROMPT_IDS} is empty (a response needs at least one prompt token)")
+        for column, flat, offsets in (
+            (cache.PROMPT_IDS, t.prompt_ids, t.prompt_offsets),
+            (cache.RESPONSE_IDS, t.response_ids, t.response_offsets),
+        ):
+            bad = np.flatnonzero((flat < 0) | (flat >= self.vocab_size))
+            if len(bad):
+                row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
+                self._fail(
+                    chunk, row,
+                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary (0..{self.vocab_size - 1})",
+                )
+        if self.max_positions:
+            total = prompt_len + t.response_lengths()
+            too_long = np.flatnonzero(total > self.max_positions)
+            if len(too_long):
+                row = int(too_long[0])
+                self._fail(
+                    chunk, row,
+                    f"{int(total[row])} tokens (prompt + response) exceed the model's context of {self.max_positions}",
+                )
+
+    def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
+        info = self.rollouts.files[int(chunk.file_index[row])]
+        label = f"row {int(chunk.file_row[row])}"
+        if cache.ID in chunk.table.column_names:
+            value = chunk.table.column(cache.ID)[row].as_py()
+            if value is not None:
+                label += f" (id {value!r})"
+        raise InputError(f"{info.path}: {label}: {problem}")
+
+
+def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((tok for x in lists for tok in x), dtype=np.int64, count=int(offsets[-1]))
+    return flat, offsets
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def _schema_difference(a: pa.Schema, b: pa.Schema) -> str:
+    if a.names != b.names:
+        return f"{', '.join(a.names)} vs {', '.join(b.names)}"
+    for fa, fb in zip(a, b):
+        if not fa.type.equals(fb.type):
+            return f"column {fa.name} is {fa.type} vs {fb.type}"
+    return "metadata"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,173 @@
+"""Stage 1 end to end through the library: real tiny models, real parquet files on disk."""
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from klpipe import cache
+from klpipe.errors import OutputError, ProvenanceError
+from klpipe.precompute import PrecomputeConfig, precompute
+from tests.conftest import ROLLOUTS, TINY_GEMMA, TINY_LLAMA
+from tests.helpers import oracle_logprobs
+
+TOLERANCE = 1e-4
+
+
+def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kwargs):
+    config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name, model=str(model),
+                              device="cpu", progress="none", **kwargs)
+    return precompute(config, log=lambda message: None)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {path: AutoModelForCausalLM.from_pretrained(path).eval() for path in (TINY_GEMMA, TINY_LLAMA)}
+
+
+def assert_matches_oracle(model, table: pa.Table, temperature=1.0):
+    worst = 0.0
+    for row in table.to_pylist():
+        expected = oracle_logprobs(model, row["prompt_ids"], row["response_ids"], temperature)
+        got = np.asarray(row["ref_logprobs"], dtype=np.float32)
+        assert got.shape == expected.shape
+        if len(got):
+            worst = max(worst, float(np.max(np.abs(got - expected))))
+    assert worst <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
+@pytest.mark.parametrize("chunk_rows,max_tokens", [(1, 100_000), (5, 40), (1000, 8192)])
+def test_every_chunking_and_batching_path_matches_oracle(tmp_path, models, model_dir, chunk_rows, max_tokens):
+    summary = run(tmp_path, model=model_dir, chunk_rows=chunk_rows, max_tokens_per_batch=max_tokens)
+    table = pq.read_table(summary.output)
+    source = pq.read_table(ROLLOUTS)
+    # Every input column passes through untouched, in the original order.
+    assert table.drop_columns([cache.REF_LOGPROBS]).equals(source.replace_schema_metadata(None))
+    assert table.schema.field(cache.REF_LOGPROBS).type == pa.list_(pa.float32())
+    assert_matches_oracle(models[model_dir], table)
+    assert summary.rows == source.num_rows
+    assert summary.tokens == sum(len(r) for r in source.column("response_ids").to_pylist())
+    assert not (tmp_path / "out.parquet.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
+
+
+def test_temperature_is_applied(tmp_path, models):
+    summary = run(tmp_path, temperature=1.5)
+    assert_matches_oracle(models[TINY_GEMMA], pq.read_table(summary.output), temperature=1.5)
+    assert cache.read_provenance(summary.output).temperature == 1.5
+
+
+def test_provenance_metadata(tmp_path):
+    summary = run(tmp_path)
+    provenance = cache.read_provenance(summary.output)
+    assert provenance.model == str(TINY_GEMMA)
+    assert provenance.dtype == "float32"
+    assert provenance.revision.startswith("local:")
+    assert len(provenance.tokenizer) == 64
+    assert provenance.inputs[0]["name"] == "rollouts.parquet"
+    assert provenance.inputs[0]["size"] == ROLLOUTS.stat().st_size
+    # The same tokenizer gives the same fingerprint; the two tiny models share one.
+    other = run(tmp_path, model=TINY_LLAMA, name="llama.parquet")
+    assert cache.read_provenance(other.output).tokenizer == provenance.tokenizer
+    assert cache.read_provenance(other.output).revision != provenance.revision
+
+
+def text_rollouts(tmp_path) -> Path:
+    table = pq.read_table(ROLLOUTS).select(["id", "step", "prompt", "response", "policy_logprobs", "reward"])
+    path = tmp_path / "text.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def test_text_mode_tokenizes_like_the_reference_tokenizer(tmp_path, models):
+    summary = run(tmp_path, inputs=[text_rollouts(tmp_path)])
+    table = pq.read_table(summary.output)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_GEMMA)
+    assert table.column_names == ["id", "step", "prompt", "response", "policy_logprobs", "reward",
+                                  "prompt_ids", "response_ids", "ref_logprobs"]
+    for row in table.to_pylist():
+        assert row["prompt_ids"] == tokenizer(row["prompt"]).input_ids
+        assert row["prompt_ids"][0] == tokenizer.bos_token_id  # the prompt gets BOS, once
+        assert row["response_ids"] == tokenizer(row["response"], add_special_tokens=False).input_ids
+    assert_matches_oracle(models[TINY_GEMMA], table)
+
+
+def test_jsonl_and_save_to_disk_inputs_match_parquet(tmp_path):
+    source = pq.read_table(ROLLOUTS)
+    jsonl = tmp_path / "rollouts.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in source.to_pylist()))
+    saved = tmp_path / "saved"
+    datasets.Dataset(source).save_to_disk(str(saved))
+    expected = pq.read_table(run(tmp_path, name="a.parquet").output).column(cache.REF_LOGPROBS).to_pylist()
+    from_jsonl = pq.read_table(run(tmp_path, inputs=[jsonl], name="b.parquet").output)
+    from_disk = pq.read_table(run(tmp_path, inputs=[saved], name="c.parquet").output)
+    assert from_jsonl.column(cache.REF_LOGPROBS).to_pylist() == expected
+    assert from_disk.column(cache.REF_LOGPROBS).to_pylist() == expected
+    assert from_jsonl.column("id").to_pylist() == source.column("id").to_pylist()
+
+
+def test_directory_of_files_keeps_file_then_row_order(tmp_path):
+    source = pq.read_table(ROLLOUTS)
+    folder = tmp_path / "day"
+    folder.mkdir()
+    pq.write_table(source.slice(0, 20), folder / "part-0.parquet")
+    pq.write_table(source.slice(20), folder / "part-1.parquet")
+    # Chunks of 7 rows straddle the file boundary at row 20; the chunk plan depends on rows only.
+    whole = pq.read_table(run(tmp_path, name="whole.parquet", chunk_rows=7).output)
+    split = pq.read_table(run(tmp_path, inputs=[folder], name="split.parquet", chunk_rows=7).output)
+    assert split.to_pylist() == whole.to_pylist()
+    assert cache.read_provenance(tmp_path / "split.parquet").inputs[1]["name"] == "part-1.parquet"
+
+
+def test_rerun_of_finished_output_is_a_noop_and_different_run_refuses(tmp_path):
+    first = run(tmp_path)
+    stamp = first.output.stat().st_mtime_ns
+    again = run(tmp_path)
+    assert again.skipped and first.output.stat().st_mtime_ns == stamp
+    with pytest.raises(OutputError, match="exists and was made by a different run; pass --overwrite"):
+        run(tmp_path, temperature=2.0)
+    replaced = run(tmp_path, temperature=2.0, overwrite=True)
+    assert not replaced.skipped and cache.read_provenance(replaced.output).temperature == 2.0
+
+
+def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypatch):
+    full = pq.read_table(run(tmp_path, name="full.parquet", chunk_rows=8).output)
+
+    from klpipe.precompute import WorkDir
+
+    real_write = WorkDir.write_chunk
+    written = []
+
+    def crash_after_two(self, tokenized, logprobs):
+        if len(written) == 2:
+            raise RuntimeError("simulated crash")
+        real_write(self, tokenized, logprobs)
+        written.append(tokenized.chunk.index)
+
+    monkeypatch.setattr(WorkDir, "write_chunk", crash_after_two)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path, name="resumed.parquet", chunk_rows=8)
+    assert not (tmp_path / "resumed.parquet").exists()
+    work = tmp_path / "resumed.parquet.partial"
+    assert sorted(p.name for p in work.glob("chunk-*.parquet")) == ["chunk-00000000.parquet", "chunk-00000001.parquet"]
+
+    monkeypatch.setattr(WorkDir, "write_chunk", real_write)
+    resumed = run(tmp_path, name="resumed.parquet", chunk_rows=8)
+    assert resumed.resumed_chunks == 2
+    assert resumed.rows == full.num_rows - 16  # only the unfinished rows were scored again
+    assert pq.read_table(resumed.output).equals(full)
+    assert not work.exists()
+
+
+def test_work_dir_from_another_run_is_refused(tmp_path):
+    work = tmp_path / "out.parquet.partial"
+    work.mkdir()
+    (work / "run.json").write_text(json.dumps({"chunk_rows": 3}))
+    with pytest.raises(ProvenanceError, match="holds work from a different run"):
+        run(tmp_path)

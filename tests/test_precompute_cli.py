@@ -1,0 +1,232 @@
+"""`klpipe precompute` as a user runs it: options, environment, help, and every bad-input message."""
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from klpipe.cli import app
+from tests.conftest import ROLLOUTS, TINY_GEMMA, TINY_LLAMA
+from tests.helpers import run_cli
+
+runner = CliRunner()
+
+
+def precompute(*args, env=None):
+    return runner.invoke(app, ["precompute", *map(str, args)], env={"KLPIPE_PROGRESS": "none", **(env or {})})
+
+
+def write(tmp_path, name, columns: dict) -> str:
+    path = tmp_path / name
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def assert_bad_input(result, message, tmp_path):
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"Error: {message}"
+    assert "Traceback" not in result.output
+    # Nothing is left under any output name, and no work directory either.
+    assert not [p.name for p in tmp_path.iterdir() if "out" in p.name]
+
+
+def test_help_shows_examples():
+    result = runner.invoke(app, ["precompute", "--help"])
+    assert result.exit_code == 0
+    assert "Examples:" in result.output and "klpipe precompute --model google/gemma-4-E2B" in result.output
+
+
+def test_every_command_has_help():
+    for command in ("precompute", "score"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0 and "Example" in result.output
+
+
+def test_python_dash_m_and_environment_variables(tmp_path):
+    out = tmp_path / "env.parquet"
+    result = run_cli("precompute", str(ROLLOUTS),
+                     env={"KLPIPE_MODEL": str(TINY_LLAMA), "KLPIPE_OUTPUT": str(out), "KLPIPE_DEVICE": "cpu",
+                          "KLPIPE_TEMPERATURE": "1.25"})
+    assert result.returncode == 0, result.stderr
+    metadata = json.loads(pq.read_schema(out).metadata[b"klpipe"])
+    assert metadata["model"] == str(TINY_LLAMA) and metadata["temperature"] == 1.25
+    # Under a non-terminal (cron, Slurm) the summary is a plain line on stderr; stdout stays clean.
+    assert result.stdout == ""
+    assert "wrote" in result.stderr and "tokens/s" in result.stderr and "padding efficiency" in result.stderr
+
+
+def test_log_lines_instead_of_a_bar_without_a_terminal(tmp_path):
+    result = run_cli("precompute", "-m", str(TINY_GEMMA), str(ROLLOUTS), "-o", str(tmp_path / "o.parquet"),
+                     "--chunk-rows", "4", "--log-interval", "0")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("progress: ")]
+    assert len(lines) == 12  # one per 4-row chunk of 48 rows
+    assert lines[-1].startswith("progress: 48/48 rows (100.0%)")
+    assert "\r" not in result.stderr  # no bar redraws in a log file
+
+
+def test_default_output_name_beside_the_input(tmp_path):
+    source = tmp_path / "day1.parquet"
+    shutil.copy(ROLLOUTS, source)
+    result = precompute("-m", TINY_LLAMA, source)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "day1.cached.parquet").is_file()
+
+
+def test_missing_columns(tmp_path):
+    path = write(tmp_path, "in.parquet", {"id": ["a"], "prompt_ids": [[2, 5]]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: missing columns: needs prompt_ids and response_ids (token ids) "
+                             "or prompt and response (text); found id, prompt_ids", tmp_path)
+
+
+def test_wrong_column_type(tmp_path):
+    path = write(tmp_path, "in.parquet", {"prompt_ids": [["a"]], "response_ids": [[1]]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: column prompt_ids must be a list of integer token ids, found list<element: string>",
+                     tmp_path)
+
+
+def test_empty_prompt_in_token_id_mode(tmp_path):
+    path = write(tmp_path, "in.parquet", {"id": ["a", "b"], "prompt_ids": [[2, 7], []], "response_ids": [[5], [6]]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: row 1 (id 'b'): prompt_ids is empty "
+                             "(a response needs at least one prompt token)", tmp_path)
+
+
+def test_empty_prompt_in_text_mode(tmp_path):
+    path = write(tmp_path, "in.parquet", {"prompt": ["hello", ""], "response": ["a", "b"]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: row 1: prompt is empty", tmp_path)
+
+
+def test_token_id_out_of_vocabulary(tmp_path):
+    path = write(tmp_path, "in.parquet", {"id": ["a", "b", "c"], "prompt_ids": [[2, 7], [2, 8], [2, 9]],
+                                          "response_ids": [[5], [6, 99999], [7]]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: row 1 (id 'b'): token id 99999 in response_ids is outside "
+                             "the model's vocabulary (0..511)", tmp_path)
+
+
+def test_row_longer_than_context(tmp_path):
+    path = write(tmp_path, "in.parquet", {"prompt_ids": [[2] * 10, [2] * 500], "response_ids": [[5], [6] * 20]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: row 1: 520 tokens (prompt + response) exceed the model's context of 512",
+                     tmp_path)
+
+
+def test_corrupt_input_file(tmp_path):
+    path = tmp_path / "in.parquet"
+    path.write_bytes(b"PAR1 this is not parquet at all")
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {path}: not a readable parquet file (")
+    assert_bad_input(result, result.stderr.strip().removeprefix("Error: "), tmp_path)
+
+
+def test_truncated_input_file(tmp_path):
+    path = tmp_path / "in.parquet"
+    path.write_bytes(ROLLOUTS.read_bytes()[:-100])
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert result.exit_code == 2 and result.stderr.startswith(f"Error: {path}: not a readable parquet file (")
+
+
+def test_empty_input_file(tmp_path):
+    path = tmp_path / "in.parquet"
+    path.write_bytes(b"")
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: file is empty (0 bytes)", tmp_path)
+
+
+def test_input_with_no_rows(tmp_path):
+    path = write(tmp_path, "in.parquet", {"prompt_ids": pa.array([], pa.list_(pa.int32())),
+                                          "response_ids": pa.array([], pa.list_(pa.int32()))})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: file has no rows", tmp_path)
+
+
+def test_missing_input_file(tmp_path):
+    result = precompute("-m", TINY_GEMMA, tmp_path / "nope.parquet", "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{tmp_path / 'nope.parquet'}: no such file or directory", tmp_path)
+
+
+def test_model_path_that_does_not_exist(tmp_path, monkeypatch):
+    # No network: a local-looking path must fail before any hub call, even with the hub allowed.
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    result = precompute("-m", tmp_path / "no-such-model", ROLLOUTS, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{tmp_path / 'no-such-model'}: model directory does not exist", tmp_path)
+
+
+def test_checkpoint_with_missing_weights_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(TINY_LLAMA, broken)
+    weights = load_file(broken / "model.safetensors")
+    dropped = sorted(k for k in weights if "layers.0.mlp" in k)
+    save_file({k: v for k, v in weights.items() if k not in dropped}, broken / "model.safetensors",
+              metadata={"format": "pt"})
+    result = precompute("-m", broken, ROLLOUTS, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{broken}: 3 missing keys loading it as LlamaForCausalLM "
+                             f"({', '.join(dropped)}); the checkpoint does not match the model class, "
+                             "refusing to run with random weights", tmp_path)
+
+
+def test_pickle_weights_are_never_loaded(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled-model"
+    shutil.copytree(TINY_LLAMA, pickled)
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    result = precompute("-m", pickled, ROLLOUTS, "-o", tmp_path / "out.parquet")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: {pickled}: cannot load the model (")
+    assert len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.parquet.partial").exists()
+
+
+def test_remote_code_needs_the_flag(tmp_path):
+    custom = tmp_path / "custom-model"
+    shutil.copytree(TINY_LLAMA, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="klpipe_custom", auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                                                         "AutoModelForCausalLM": "modeling_custom.CustomModel"})
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
+    result = precompute("-m", custom, ROLLOUTS, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{custom}: the checkpoint ships its own model code; "
+                             "klpipe runs it only with --trust-remote-code", tmp_path)
+
+
+def test_concurrent_run_on_the_same_output_refuses(tmp_path):
+    import fcntl
+
+    work = tmp_path / "out.parquet.partial"
+    work.mkdir()
+    with open(work / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"Error: another klpipe run is writing {tmp_path / 'out.parquet'} "
+                                     f"(lock held on {work / 'lock'})")
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_float16_on_cpu_is_refused(tmp_path):
+    result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--device", "cpu",
+                        "--dtype", "float16")
+    assert_bad_input(result, "--dtype float16 on CPU is extremely slow; use bfloat16 or float32", tmp_path)
+
+
+def test_real_entry_point_prints_one_line_and_no_traceback(tmp_path):
+    result = run_cli("precompute", "-m", str(TINY_GEMMA), str(tmp_path / "missing.parquet"))
+    assert result.returncode == 2
+    assert result.stderr == f"Error: {tmp_path / 'missing.parquet'}: no such file or directory\n"
+    debug = run_cli("precompute", "-m", str(TINY_GEMMA), str(tmp_path / "missing.parquet"),
+                    env={"KLPIPE_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
