@@ -1,0 +1,226 @@
+"""Benchmark `klpipe score` against the seed's Python loop and a bare pyarrow read+write.
+
+    python benchmarks/bench_score.py            # 200k rows × ~200 tokens, ~1000-row steps
+    python benchmarks/bench_score.py --rows 20000
+
+The cache is generated once under build/bench/ and reused. Every contender reads the same file and
+writes parquet with pyarrow's default settings (snappy, dictionary on), so the ratios compare work,
+not codecs. The seed loop writes the same four scored columns as klpipe; the bare baselines copy
+the input columns only, and unlike klpipe they neither fsync nor rename atomically.
+Contenders run interleaved and the best of --repeat runs counts, because the machine is shared.
+Targets: seed/klpipe ≥ 2×, klpipe/bare ≤ 1.5×.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
+from klpipe.score import ScoreConfig, score
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build" / "bench"
+SEED = ROOT.parent / "shared" / "seed" / "kl_controller.py"
+
+ROWS_PER_STEP = 1000
+MEAN_TOKENS = 200
+ROWS_PER_WRITE = 20_000  # generation chunk, and so the cache's row-group size
+
+
+def make_cache(rows: int) -> Path:
+    """A synthetic cache: list<float32> logprobs of 150–250 tokens, float64 reward, int64 step, string id."""
+    path = BUILD / f"cache-{rows}.parquet"
+    if path.exists():
+        return path
+    BUILD.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    schema = pa.schema(
+        [
+            (ID, pa.string()),
+            (STEP, pa.int64()),
+            (POLICY_LOGPROBS, pa.list_(pa.float32())),
+            (REF_LOGPROBS, pa.list_(pa.float32())),
+            (REWARD, pa.float64()),
+        ]
+    )
+    tmp = path.with_suffix(".tmp")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, rows, ROWS_PER_WRITE):
+            n = min(ROWS_PER_WRITE, rows - start)
+            lengths = rng.integers(MEAN_TOKENS - 50, MEAN_TOKENS + 51, n)
+            offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+            policy = (-rng.exponential(0.8, offsets[-1])).astype(np.float32)
+            ref = (policy - rng.normal(0.01, 0.15, offsets[-1])).astype(np.float32)
+            index = np.arange(start, start + n)
+            writer.write_table(
+                pa.table(
+                    [
+                        pa.array([f"r{i:07d}" for i in index]),
+                        pa.array(index // ROWS_PER_STEP),
+                        pa.ListArray.from_arrays(pa.array(offsets), pa.array(policy)),
+                        pa.ListArray.from_arrays(pa.array(offsets), pa.array(ref)),
+                        pa.array(rng.normal(0, 1, n)),
+                    ],
+                    schema=schema,
+                )
+            )
+    tmp.rename(path)
+    return path
+
+
+def run_klpipe(cache: Path, out: Path) -> None:
+    score(ScoreConfig(inputs=[cache], output=out))
+
+
+def run_klpipe_cli(cache: Path, out: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "klpipe", "score", str(cache), "--output", str(out)],
+        check=True,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    """Hides torch and transformers so the seed takes its CPU path, as on a machine without them."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} hidden by the benchmark")
+        return None
+
+
+def load_seed():
+    blocker = _NoTorch()
+    sys.meta_path.insert(0, blocker)
+    try:
+        spec = importlib.util.spec_from_file_location("seed_kl_controller", SEED)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.meta_path.remove(blocker)
+    return module
+
+
+def run_seed(seed, cache: Path, out: Path) -> None:
+    """The seed's own loop: Python lists per step through get_batch_penalty_from_logprobs."""
+    controller = seed.KLControllerBase(seed.KLConfig(reference_model_name="bench"))
+    table = pq.read_table(cache)
+    steps = table.column(STEP).to_pylist()
+    rewards = table.column(REWARD).to_pylist()
+    kls, coeffs, penalties = [], [], []
+    start = 0
+    while start < len(steps):
+        end = start
+        while end < len(steps) and steps[end] == steps[start]:
+            end += 1
+        policy = table.column(POLICY_LOGPROBS).slice(start, end - start).to_pylist()
+        ref = table.column(REF_LOGPROBS).slice(start, end - start).to_pylist()
+        coeff = controller.kl_coeff
+        step_penalties, _ = controller.get_batch_penalty_from_logprobs(policy, ref)
+        kls += controller._kl_history[-(end - start) :]  # the seed keeps every row's KL there
+        coeffs += [coeff] * (end - start)
+        penalties += step_penalties
+        start = end
+    adjusted = [r - p for r, p in zip(rewards, penalties, strict=True)]
+    for name, values in (("kl", kls), ("kl_coeff", coeffs), ("kl_penalty", penalties), ("adjusted_reward", adjusted)):
+        table = table.append_column(name, pa.array(values, pa.float64()))
+    pq.write_table(table, out)
+
+
+def run_bare(cache: Path, out: Path) -> None:
+    pq.write_table(pq.read_table(cache), out)
+
+
+def run_bare_fresh(cache: Path, out: Path) -> None:
+    """The bare read+write in a new process: the fair baseline for the CLI row (same start-up, cold memory)."""
+    code = "import sys, pyarrow.parquet as pq; pq.write_table(pq.read_table(sys.argv[1]), sys.argv[2])"
+    subprocess.run([sys.executable, "-c", code, str(cache), str(out)], check=True)
+
+
+def run_bare_streamed(cache: Path, out: Path) -> None:
+    reader = pq.ParquetFile(cache)
+    with pq.ParquetWriter(out, reader.schema_arrow) as writer:
+        for batch in reader.iter_batches(batch_size=10_000):
+            writer.write_batch(batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per contender, interleaved; the best counts")
+    parser.add_argument("--skip-seed", action="store_true", help="skip the slow seed loop")
+    args = parser.parse_args()
+
+    cache = make_cache(args.rows)
+    tokens = pq.ParquetFile(cache).metadata.num_rows * MEAN_TOKENS
+    print(
+        f"cache: {cache.relative_to(ROOT)} ({cache.stat().st_size / 1e6:.0f} MB, {args.rows:,} rows, "
+        f"~{tokens / 1e6:.0f}M tokens per logprob column); best of {args.repeat}, interleaved"
+    )
+    out = BUILD / "out"
+    out.mkdir(exist_ok=True)
+    seed = load_seed()
+
+    contenders = {
+        "bare pyarrow: read_table + write_table": run_bare,
+        "bare pyarrow: iter_batches + ParquetWriter": run_bare_streamed,
+        "klpipe score (library call)": run_klpipe,
+        "bare pyarrow: read_table + write_table, fresh process": run_bare_fresh,
+        "klpipe score (CLI, fresh process)": run_klpipe_cli,
+    }
+    if not args.skip_seed:
+        contenders["seed Python loop"] = lambda c, o: run_seed(seed, c, o)
+    outputs = {name: out / f"{i}.parquet" for i, name in enumerate(contenders)}
+    run_bare(cache, out / "warmup.parquet")  # page cache and lazy imports, for everyone
+    runs: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeat):  # interleaved, so a noisy moment hurts every contender alike
+        for name, fn in contenders.items():
+            started = time.perf_counter()
+            fn(cache, outputs[name])
+            runs[name].append(time.perf_counter() - started)
+    best = {name: min(values) for name, values in runs.items()}
+
+    if not args.skip_seed:
+        columns = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
+        ours = pq.read_table(outputs["klpipe score (library call)"], columns=columns)
+        theirs = pq.read_table(outputs["seed Python loop"], columns=columns)
+        gaps = {c: float(np.max(np.abs(ours.column(c).to_numpy() - theirs.column(c).to_numpy()))) for c in columns}
+        print("klpipe vs seed output, max |difference|: " + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
+
+    library = best["klpipe score (library call)"]
+    bare = best["bare pyarrow: read_table + write_table"]
+    print()
+    print(f"| {'contender':54} | {'seconds':>7} | {'rows/s':>9} | {'s per M rows':>12} | {'vs klpipe':>9} |")
+    print(f"|{'-' * 56}|{'-' * 9}|{'-' * 11}|{'-' * 14}|{'-' * 11}|")
+    for name, seconds in best.items():
+        print(
+            f"| {name:54} | {seconds:7.2f} | {args.rows / seconds:9,.0f} | {seconds / args.rows * 1e6:12.2f} "
+            f"| {seconds / library:8.2f}× |"
+        )
+    print()
+    cli, bare_fresh = (
+        best["klpipe score (CLI, fresh process)"],
+        best["bare pyarrow: read_table + write_table, fresh process"],
+    )
+    print(f"klpipe / bare pyarrow read+write: {library / bare:.2f}×  (target ≤ 1.5×; in-process, warm)")
+    print(f"klpipe CLI / bare, both fresh:    {cli / bare_fresh:.2f}×  (start-up and cold memory on both sides)")
+    if not args.skip_seed:
+        print(f"seed loop / klpipe:               {best['seed Python loop'] / library:.2f}×  (target ≥ 2×)")
+    print(
+        "all runs (s): "
+        + "; ".join(f"{name}: {', '.join(f'{v:.2f}' for v in values)}" for name, values in runs.items())
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""`klpipe score`: options in, ScoreConfig out, one call to klpipe.score.score, a summary on stderr."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from klpipe.cli.app import app, handle_errors
+
+# Every option can come from KLPIPE_SCORE_<OPTION>; precompute reads KLPIPE_<OPTION>, and the
+# separate prefix keeps one command's environment from leaking into the other.
+ENV_PREFIX = "KLPIPE_SCORE_"
+
+OUTPUT_PANEL = "Outputs"
+KL_PANEL = "Per-row KL"
+CONTROLLER_PANEL = "Controller"
+STATE_PANEL = "State across runs"
+
+
+def _env(option: str) -> str:
+    return ENV_PREFIX + option.upper().replace("-", "_")
+
+
+@app.command("score")
+@handle_errors
+def score_command(
+    caches: Annotated[
+        list[Path],
+        typer.Argument(
+            envvar=_env("caches"),
+            help="Cache parquet files, or directories of them, scored in the order given.",
+        ),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            envvar=_env("output"),
+            rich_help_panel=OUTPUT_PANEL,
+            help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.",
+        ),
+    ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(envvar=_env("report"), rich_help_panel=OUTPUT_PANEL, help="Write the report JSON here."),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=_env("plot"),
+            rich_help_panel=OUTPUT_PANEL,
+            help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
+        ),
+    ] = None,
+    per_token: Annotated[
+        bool,
+        typer.Option(
+            "--per-token",
+            envvar=_env("per_token"),
+            rich_help_panel=OUTPUT_PANEL,
+            help="Also write each row's per-token KL list (kl_per_token).",
+        ),
+    ] = False,
+    state: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=_env("state"),
+            rich_help_panel=STATE_PANEL,
+            help="Controller state JSON: continued from when it exists, saved at the end.",
+        ),
+    ] = None,
+    reset_state: Annotated[
+        bool,
+        typer.Option(
+            "--reset-state",
+            envvar=_env("reset_state"),
+            rich_help_panel=STATE_PANEL,
+            help="Ignore an existing --state file and start the controller from these options.",
+        ),
+    ] = False,
+    estimator: Annotated[
+        Literal["k1", "abs", "k2", "k3"],
+        typer.Option(
+            envvar=_env("estimator"),
+            rich_help_panel=KL_PANEL,
+            help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.",
+        ),
+    ] = "k1",
+    aggregate: Annotated[
+        Literal["mean", "sum"],
+        typer.Option(
+            envvar=_env("aggregate"), rich_help_panel=KL_PANEL, help="Per-row aggregate over response tokens."
+        ),
+    ] = "mean",
+    clamp: Annotated[
+        bool,
+        typer.Option(
+            "--clamp/--no-clamp",
+            envvar=_env("clamp"),
+            rich_help_panel=KL_PANEL,
+            help="Clamp the per-row k1 at 0 like the seed (other estimators are never negative).",
+        ),
+    ] = True,
+    controller: Annotated[
+        Literal["window", "proportional", "fixed"],
+        typer.Option(
+            envvar=_env("controller"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="window: the seed's windowed rule; proportional: Ziegler et al. (TRL, verl); fixed.",
+        ),
+    ] = "window",
+    adaptive: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive/--no-adaptive",
+            envvar=_env("adaptive"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="The seed's switch: --no-adaptive keeps the coefficient fixed.",
+        ),
+    ] = True,
+    kl_coeff: Annotated[
+        float,
+        typer.Option(
+            envvar=_env("kl_coeff"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="Starting coefficient (a loaded --state replaces it).",
+        ),
+    ] = 0.1,
+    kl_target: Annotated[
+        float,
+        typer.Option(envvar=_env("kl_target"), rich_help_panel=CONTROLLER_PANEL, help="Target per-row KL in nats."),
+    ] = 3.0,
+    kl_coeff_min: Annotated[
+        float, typer.Option(envvar=_env("kl_coeff_min"), rich_help_panel=CONTROLLER_PANEL, help="Lower clamp.")
+    ] = 0.01,
+    kl_coeff_max: Annotated[
+        float, typer.Option(envvar=_env("kl_coeff_max"), rich_help_panel=CONTROLLER_PANEL, help="Upper clamp.")
+    ] = 1.0,
+    window: Annotated[
+        int,
+        typer.Option(
+            envvar=_env("window"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="window rule: recent per-row KLs averaged before each update.",
+        ),
+    ] = 10,
+    increase_factor: Annotated[
+        float,
+        typer.Option(
+            envvar=_env("increase_factor"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="window rule: multiplier when the mean is above 1.5×target.",
+        ),
+    ] = 1.5,
+    decrease_factor: Annotated[
+        float,
+        typer.Option(
+            envvar=_env("decrease_factor"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="window rule: multiplier when the mean is below 0.5×target.",
+        ),
+    ] = 0.8,
+    horizon: Annotated[
+        int,
+        typer.Option(
+            envvar=_env("horizon"),
+            rich_help_panel=CONTROLLER_PANEL,
+            help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.",
+        ),
+    ] = 10000,
+) -> None:
+    """Replay cached policy and reference logprobs through the adaptive KL controller.
+
+    Writes every input column plus `kl`, `kl_coeff`, `kl_penalty` and
+    `adjusted_reward = reward − kl_penalty`. Consecutive rows with the same `step` form one
+    controller batch: all are penalised with the coefficient in force before the batch, then the
+    controller updates once. Without a `step` column each row is its own batch.
+
+    The table and warnings go to stderr; stdout stays empty. Every option can also be set with
+    `KLPIPE_SCORE_<OPTION>`, e.g. `KLPIPE_SCORE_KL_TARGET=2`.
+
+    Examples:
+
+        klpipe score cached.parquet --output scored.parquet --report report.json --state kl_state.json
+
+        klpipe score caches/ --controller proportional --horizon 20000 --plot report.png
+
+        klpipe score day2.parquet --state kl_state.json --reset-state --kl-target 2
+    """
+    from rich.console import Console
+
+    # Imported here so `klpipe --help` and `klpipe precompute` do not load the scoring stack.
+    from klpipe import report as report_module
+    from klpipe.controller import ControllerConfig
+    from klpipe.score import ScoreConfig, score
+
+    config = ScoreConfig(
+        inputs=caches,
+        output=output,
+        report=report,
+        state=state,
+        plot=plot,
+        per_token=per_token,
+        reset_state=reset_state,
+        estimator=estimator,
+        aggregate=aggregate,
+        clamp=clamp,
+        controller=ControllerConfig(
+            kl_coeff=kl_coeff,
+            kl_target=kl_target,
+            adaptive=adaptive,
+            kl_coeff_min=kl_coeff_min,
+            kl_coeff_max=kl_coeff_max,
+            window=window,
+            increase_factor=increase_factor,
+            decrease_factor=decrease_factor,
+            controller=controller,
+            horizon=horizon,
+        ),
+    )
+    result = score(config)
+    console = Console(stderr=True)
+    report_module.render_table(result.report, console)
+    for warning in result.warnings:
+        console.print(f"Warning: {warning}", markup=False, highlight=False, style="yellow")
+    console.print(f"Wrote {result.output}", markup=False, highlight=False)

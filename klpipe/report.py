@@ -1,0 +1,152 @@
+"""What a scoring run tells people: the report JSON's statistics, the terminal table and the plot.
+
+Keys under `kl/` are the seed's logging keys and keep its 4-decimal rounding, so existing dashboards
+read them unchanged; every other number is written at full precision. Nothing here imports
+matplotlib until a plot is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from klpipe.controller import KLStats
+from klpipe.errors import OutputError
+from klpipe.files import atomic_output
+
+PERCENTILES = (50, 90, 99)
+HISTOGRAM_BINS = 50
+
+# The terminal table shows this many steps from each end of a long run; report.json has them all.
+TABLE_EDGE_ROWS = 20
+
+
+@dataclass
+class Trajectory:
+    """The controller's path, one entry per controller batch, for the plot."""
+
+    x: np.ndarray  # (batches,) step label when numeric, else the batch's position
+    kl_mean: np.ndarray  # (batches,) mean per-row KL of the batch
+    kl_coeff: np.ndarray  # (batches,) coefficient applied to the batch's rows
+    x_label: str  # axis title: "step", or "row" when each row is its own batch
+
+
+def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, samples_processed: int) -> dict:
+    """The seed's `kl/` keys over `kls`, plus `kl/p50`, `kl/p90` and `kl/p99` in the same rounding."""
+    if kls.size == 0:
+        stats = KLStats(
+            current_coeff=kl_coeff, adaptation_count=adaptation_count, samples_processed=samples_processed
+        ).to_dict()
+        stats.update({f"kl/p{q}": 0.0 for q in PERCENTILES})
+        return stats
+    stats = KLStats(
+        mean_kl=float(np.mean(kls)),
+        max_kl=float(np.max(kls)),
+        min_kl=float(np.min(kls)),
+        std_kl=float(np.std(kls)),  # population std, as the seed
+        current_coeff=kl_coeff,
+        adaptation_count=adaptation_count,
+        samples_processed=samples_processed,
+    ).to_dict()
+    for q, value in zip(PERCENTILES, np.percentile(kls, PERCENTILES), strict=True):
+        stats[f"kl/p{q}"] = round(float(value), 4)
+    return stats
+
+
+def histogram(kls: np.ndarray) -> dict:
+    counts, edges = np.histogram(kls, bins=HISTOGRAM_BINS) if kls.size else (np.zeros(0), np.zeros(0))
+    return {"edges": edges.tolist(), "counts": [int(c) for c in counts]}
+
+
+def extreme_rows_warning(row_names: list[str], count: int, threshold_nats: float) -> str:
+    """The warning for rows with a token whose |policy − ref| exceeds `threshold_nats`."""
+    named = ", ".join(row_names)
+    more = f" and {count - len(row_names)} more" if count > len(row_names) else ""
+    return (
+        f"{count} row(s) have a token with |policy − ref| above {threshold_nats:g} nats: {named}{more}. "
+        "This almost always means the policy and the reference tokenized the text differently."
+    )
+
+
+def render_table(report: dict, console) -> None:
+    """The per-step trajectory and the run summary as a rich table on `console` (stderr in the CLI)."""
+    from rich import box  # rich is only needed when a person is watching
+    from rich.table import Table
+
+    summary = report["summary"]
+    steps = report["steps"]
+    if steps:
+        # "coeff" is the coefficient applied to the step's rows and "→ coeff" the one after its update;
+        # "→ reward" is the mean adjusted reward.
+        table = Table(title="KL controller per step", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for name in ("step", "rows", "KL mean", "p90", "max", "coeff", "→ coeff", "reward", "→ reward"):
+            table.add_column(name, justify="right", no_wrap=True)
+        shown = steps
+        if len(steps) > 2 * TABLE_EDGE_ROWS:
+            shown = steps[:TABLE_EDGE_ROWS] + [None] + steps[-TABLE_EDGE_ROWS:]
+        for step in shown:
+            if step is None:
+                hidden = len(steps) - 2 * TABLE_EDGE_ROWS
+                table.add_row("…", f"{hidden} more", *[""] * 7)
+                continue
+            table.add_row(
+                str(step["step"]),
+                str(step["rows"]),
+                f"{step['kl/mean']:.3f}",
+                f"{step['kl/p90']:.3f}",
+                f"{step['kl/max']:.3f}",
+                f"{step['kl_coeff_before']:.4g}",
+                f"{step['kl_coeff_after']:.4g}",
+                f"{step['reward_mean_before']:.3f}",
+                f"{step['reward_mean_after']:.3f}",
+            )
+        console.print(table)
+    console.print(
+        f"{summary['rows']} rows in {summary['batches']} controller batches: "
+        f"KL mean {summary['kl/mean']:.4f} (p50 {summary['kl/p50']:.4f}, p90 {summary['kl/p90']:.4f}, "
+        f"p99 {summary['kl/p99']:.4f}, max {summary['kl/max']:.4f}); "
+        f"kl_coeff {summary['kl_coeff_before']:.5g} → {summary['kl_coeff_after']:.5g} "
+        f"({summary['kl/adaptation_count']} adaptations in all); "
+        f"reward {summary['reward_mean_before']:.4f} → {summary['reward_mean_after']:.4f}; "
+        f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows",
+        markup=False,
+        highlight=False,
+    )
+
+
+def plot(path: Path, trajectory: Trajectory, report: dict) -> None:
+    """Three panels: batch KL against the target band, the coefficient, and a histogram of row KL."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise OutputError(f"{path}: --plot needs matplotlib: pip install 'klpipe[plot]'") from None
+    matplotlib.use("Agg")  # files only; never open a window from a cron job
+    import matplotlib.pyplot as plt
+
+    target = report["config"]["controller"]["kl_target"]
+    fig, (kl_ax, coeff_ax, hist_ax) = plt.subplots(3, 1, figsize=(9, 10), constrained_layout=True)
+
+    kl_ax.axhspan(0.5 * target, 1.5 * target, color="tab:green", alpha=0.15, label="target band (0.5–1.5×)")
+    kl_ax.axhline(target, color="tab:green", linewidth=1, label=f"target {target:g}")
+    marker = "." if len(trajectory.x) <= 200 else None  # points help on short runs, clutter long ones
+    kl_ax.plot(trajectory.x, trajectory.kl_mean, color="tab:blue", linewidth=1, marker=marker, label="mean KL")
+    kl_ax.set(xlabel=trajectory.x_label, ylabel="KL (nats)", title="KL per controller batch")
+    kl_ax.legend(loc="best", fontsize="small")
+
+    coeff_ax.plot(
+        trajectory.x, trajectory.kl_coeff, drawstyle="steps-post", color="tab:orange", linewidth=1, marker=marker
+    )
+    coeff_ax.set(xlabel=trajectory.x_label, ylabel="kl_coeff", title="Coefficient applied")
+
+    edges, counts = report["histogram"]["edges"], report["histogram"]["counts"]
+    if counts:
+        hist_ax.stairs(counts, edges, fill=True, color="tab:purple", alpha=0.7)
+    hist_ax.set(xlabel="per-row KL (nats)", ylabel="rows", title="Per-row KL")
+
+    try:
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,308 @@
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from score_helpers import CACHE_SCHEMA, ROOT, make_rows, provenance, write_cache
+from typer.testing import CliRunner
+
+from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD
+from klpipe.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args, env=None):
+    return runner.invoke(app, ["score", *map(str, args)], env=env)
+
+
+def test_help_has_examples_and_every_option():
+    result = invoke("--help", env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert (
+        "klpipe score cached.parquet --output scored.parquet --report report.json --state kl_state.json"
+        in result.stdout
+    )
+    for option in (
+        "--output",
+        "--report",
+        "--state",
+        "--plot",
+        "--per-token",
+        "--reset-state",
+        "--estimator",
+        "--aggregate",
+        "--no-clamp",
+        "--controller",
+        "--no-adaptive",
+        "--kl-coeff",
+        "--kl-target",
+        "--kl-coeff-min",
+        "--kl-coeff-max",
+        "--window",
+        "--increase-factor",
+        "--decrease-factor",
+        "--horizon",
+    ):
+        assert option in result.stdout
+    assert "KLPIPE_SCORE_KL_TARGET" in result.stdout
+
+
+def test_success_keeps_stdout_empty_and_prints_the_table_to_stderr(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(12))
+    result = invoke(cache, "--output", tmp_path / "out.parquet", "--report", tmp_path / "r.json")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == ""
+    assert "KL controller per step" in result.stderr and "12 rows in 3 controller batches" in result.stderr
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 12
+
+
+def test_options_map_onto_the_config(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(12))
+    result = invoke(
+        cache,
+        "-o",
+        tmp_path / "out.parquet",
+        "--report",
+        tmp_path / "r.json",
+        "--estimator",
+        "k2",
+        "--aggregate",
+        "sum",
+        "--no-clamp",
+        "--controller",
+        "proportional",
+        "--no-adaptive",
+        "--kl-coeff",
+        "0.2",
+        "--kl-target",
+        "1.5",
+        "--kl-coeff-min",
+        "0.05",
+        "--kl-coeff-max",
+        "0.9",
+        "--window",
+        "4",
+        "--increase-factor",
+        "2",
+        "--decrease-factor",
+        "0.5",
+        "--horizon",
+        "77",
+        "--per-token",
+    )
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert (config["estimator"], config["aggregate"], config["clamp"], config["per_token"]) == (
+        "k2",
+        "sum",
+        False,
+        True,
+    )
+    assert config["controller"] == {
+        "kl_coeff": 0.2,
+        "kl_target": 1.5,
+        "adaptive": False,
+        "kl_coeff_min": 0.05,
+        "kl_coeff_max": 0.9,
+        "window": 4,
+        "increase_factor": 2.0,
+        "decrease_factor": 0.5,
+        "controller": "proportional",
+        "horizon": 77,
+    }
+
+
+def test_every_option_reads_its_environment_variable(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(12))
+    env = {
+        "KLPIPE_SCORE_OUTPUT": str(tmp_path / "env.parquet"),
+        "KLPIPE_SCORE_REPORT": str(tmp_path / "r.json"),
+        "KLPIPE_SCORE_KL_TARGET": "2.5",
+        "KLPIPE_SCORE_ESTIMATOR": "abs",
+        "KLPIPE_SCORE_CLAMP": "false",
+        "KLPIPE_SCORE_ADAPTIVE": "0",
+        "KLPIPE_SCORE_WINDOW": "3",
+        "KLPIPE_SCORE_PER_TOKEN": "1",
+        "KLPIPE_KL_TARGET": "9",
+    }  # precompute's prefix must not leak into score
+    result = invoke(cache, env=env)
+    assert result.exit_code == 0, result.stderr
+    config = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert config["controller"]["kl_target"] == 2.5 and config["controller"]["window"] == 3
+    assert (config["estimator"], config["clamp"], config["per_token"], config["controller"]["adaptive"]) == (
+        "abs",
+        False,
+        True,
+        False,
+    )
+    assert (tmp_path / "env.parquet").exists()
+
+
+def test_day_one_then_day_two_through_the_cli_equals_one_run(tmp_path):
+    rows = make_rows(64, rows_per_step=4)
+    write_cache(tmp_path / "day1.parquet", rows[:28])
+    write_cache(tmp_path / "day2.parquet", rows[28:])
+    write_cache(tmp_path / "all.parquet", rows)
+    control = ["--kl-target", "0.6", "--window", "6"]
+    for day in ("day1", "day2"):
+        result = invoke(tmp_path / f"{day}.parquet", "--state", tmp_path / "state.json", *control)
+        assert result.exit_code == 0, result.stderr
+    result = invoke(tmp_path / "all.parquet", "--state", tmp_path / "all.json", *control)
+    assert result.exit_code == 0, result.stderr
+
+    split = (
+        pq.read_table(tmp_path / "day1.scored.parquet").to_pylist()
+        + pq.read_table(tmp_path / "day2.scored.parquet").to_pylist()
+    )
+    assert split == pq.read_table(tmp_path / "all.scored.parquet").to_pylist()
+    assert len({r["kl_coeff"] for r in split}) > 3
+    split_state = json.loads((tmp_path / "state.json").read_text())
+    whole_state = json.loads((tmp_path / "all.json").read_text())
+    split_state.pop("last_run"), whole_state.pop("last_run")
+    assert split_state == whole_state
+
+
+def _bad_caches(tmp_path):
+    """(arguments, expected stderr line) for each kind of bad input."""
+    rows = make_rows(6)
+    no_ref = write_cache(
+        tmp_path / "rollouts.parquet", rows, schema=pa.schema([f for f in CACHE_SCHEMA if f.name != REF_LOGPROBS])
+    )
+    mismatch_rows = make_rows(6)
+    mismatch_rows[4][REF_LOGPROBS] = mismatch_rows[4][REF_LOGPROBS] + [-1.0]
+    mismatch = write_cache(tmp_path / "mismatch.parquet", mismatch_rows)
+    nan_rows = make_rows(6)
+    nan_rows[2][POLICY_LOGPROBS], nan_rows[2][REF_LOGPROBS] = [-1.0, float("nan")], [-1.0, -1.0]
+    nan = write_cache(tmp_path / "nan.parquet", nan_rows)
+    one = write_cache(tmp_path / "one.parquet", rows, provenance=provenance())
+    two = write_cache(tmp_path / "two.parquet", rows, provenance=provenance(tokenizer="sha-2"))
+    p, r = len(mismatch_rows[4][POLICY_LOGPROBS]), len(mismatch_rows[4][REF_LOGPROBS])
+    return [
+        (
+            [no_ref],
+            f"Error: {no_ref}: no ref_logprobs column; "
+            "run `klpipe precompute` on it first to add the reference logprobs",
+        ),
+        (
+            [mismatch],
+            f"Error: {mismatch}: row id=r4 (index 4): policy_logprobs has {p} tokens but ref_logprobs has {r}; "
+            "both must cover the same response tokens (rerun `klpipe precompute` with the policy's tokenization)",
+        ),
+        ([nan], f"Error: {nan}: row id=r2 (index 2): policy_logprobs holds NaN"),
+        (
+            [one, two],
+            f"Error: caches disagree on tokenizer: {one} has 'sha-1', {two} has 'sha-2'; "
+            "score caches made with one reference model and settings at a time",
+        ),
+    ]
+
+
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
+    for inputs, line in _bad_caches(tmp_path):
+        before = sorted(p.name for p in tmp_path.iterdir())
+        result = invoke(
+            *inputs,
+            "--output",
+            tmp_path / "out.parquet",
+            "--report",
+            tmp_path / "r.json",
+            "--state",
+            tmp_path / "s.json",
+            "--plot",
+            tmp_path / "p.png",
+        )
+        assert result.exit_code == 2
+        assert result.stderr == line + "\n"
+        assert result.stdout == ""
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_bad_option_values_are_usage_errors(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(3))
+    result = invoke(cache, "--estimator", "k9")
+    assert result.exit_code == 2 and "'k9' is not one of 'k1', 'abs', 'k2', 'k3'" in result.stderr
+    result = invoke(cache, "--kl-coeff-min", "0.5", "--kl-coeff-max", "0.2")
+    assert result.exit_code == 2 and result.stderr == "Error: kl_coeff_min 0.5 is above kl_coeff_max 0.2\n"
+
+
+def test_state_mismatch_message_and_reset(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(6))
+    state = tmp_path / "s.json"
+    assert invoke(cache, "--state", state).exit_code == 0
+    result = invoke(cache, "--state", state, "--controller", "proportional", "-o", tmp_path / "b.parquet")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"Error: {state}: state was made with the window controller and kl_target 3.0, this run uses the proportional "
+        "controller and kl_target 3.0; pass --reset-state to start a fresh controller\n"
+    )
+    assert not (tmp_path / "b.parquet").exists()
+    assert invoke(cache, "--state", state, "--controller", "proportional", "--reset-state").exit_code == 0
+
+
+def test_plot_is_a_png(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(20))
+    result = invoke(cache, "--plot", tmp_path / "report.png")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_warnings_go_to_stderr(tmp_path):
+    rows = make_rows(4)
+    rows[0][ID], rows[0][POLICY_LOGPROBS], rows[0][REF_LOGPROBS] = "odd", [-40.0], [-1.0]
+    result = invoke(write_cache(tmp_path / "a.parquet", rows), env={"COLUMNS": "400"})
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "Warning: 1 row(s) have a token with |policy − ref| above 20 nats: row id=odd (index 0)." in result.stderr
+
+
+# -- no torch on the scoring path -------------------------------------------------------------------
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'transformers', 'datasets'):
+            raise ImportError('no ' + name + ' here')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _python(code: str, *args: str):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+
+
+def test_importing_the_cli_and_score_does_not_import_torch():
+    result = _python(
+        "import sys, klpipe.cli, klpipe.score, klpipe.report, klpipe.controller, klpipe.kl\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'matplotlib') if m in sys.modules)\n"
+        "assert not heavy, heavy"
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_klpipe_score_runs_where_torch_cannot_be_imported(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(8))
+    out = tmp_path / "out.parquet"
+    code = BLOCK_TORCH + "from klpipe.cli import main\nsys.argv = ['klpipe'] + sys.argv[1:]\nmain()"
+    result = _python(code, "score", str(cache), "--output", str(out), "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert pq.read_table(out).column(REWARD).to_pylist() == [r[REWARD] for r in make_rows(8)]
+
+
+def test_a_scoring_run_does_not_import_pandas(tmp_path):
+    # pyarrow's to_numpy() and pa.array(ndarray) import pandas, ~170 ms of start-up; klpipe.arrow avoids them.
+    cache = write_cache(tmp_path / "a.parquet", make_rows(8))
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom klpipe.score import ScoreConfig, score\n"
+        "score(ScoreConfig(inputs=[Path(sys.argv[1])], per_token=True))\n"
+        "assert 'pandas' not in sys.modules"
+    )
+    result = _python(code, str(cache))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "a.scored.parquet").exists()
