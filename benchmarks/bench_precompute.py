@@ -82,10 +82,12 @@ def run_klpipe() -> dict:
     from klpipe.precompute import PrecomputeConfig, precompute
 
     out = WORK / "klpipe-out.parquet"
+    out.unlink(missing_ok=True)  # a finished output would make the run a no-op
     started = time.perf_counter()
     summary = precompute(PrecomputeConfig(inputs=[ROLLOUTS], output=out, model=str(MODEL_DIR), device="cpu",
                                           dtype="float32", overwrite=True, progress="none"), log=lambda m: None)
     seconds = time.perf_counter() - started - summary.load_seconds
+    assert summary.rows and not summary.skipped
     return {"seconds": seconds, "padding_efficiency": summary.padding_efficiency}
 
 

@@ -95,8 +95,8 @@ def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterat
         raise
 
 
-def write_json_atomic(path: str | Path, data: object) -> None:
-    with atomic_output(path) as tmp:
+def write_json_atomic(path: str | Path, data: object, tmp_dir: str | Path | None = None) -> None:
+    with atomic_output(path, tmp_dir=tmp_dir) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -45,7 +45,7 @@ def precompute_command(
         "--trust-remote-code", help="Run model code shipped with the checkpoint. Off unless asked.",
         envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = False,
     max_tokens_per_batch: Annotated[int | None, typer.Option(
-        help="Padded tokens per forward pass. Default: 8192 on CPU, 65536 on CUDA.",
+        help="Padded tokens per forward pass. Default: 2048 on CPU, 65536 on CUDA.",
         envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL, show_default=False)] = None,
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
