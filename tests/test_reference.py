@@ -10,6 +10,7 @@ import torch
 
 from klpipe.reference import ModelSpec, ReferenceModel
 from tests.conftest import TINY_GEMMA, TINY_LLAMA
+from tests.helpers import oracle_logprobs as oracle
 
 TOLERANCE = 1e-4
 MODELS = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}
@@ -18,16 +19,6 @@ MODELS = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def reference(request):
     return ReferenceModel.load(ModelSpec(str(MODELS[request.param]), dtype="float32", device="cpu"))
-
-
-def oracle(model, prompt, response, temperature=1.0):
-    """log_softmax(logits)[t-1, token_t] from the model's own forward over the whole sequence."""
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    start = len(prompt)
-    return np.array([logprobs[start + i - 1, tok].item() for i, tok in enumerate(response)], dtype=np.float32)
 
 
 def random_rows(vocab, count, seed, sliding_window=8):
