@@ -132,7 +132,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions)
-    work = WorkDir(output, config.chunk_rows, provenance, rollouts, rows)
+    work = WorkDir(output, config.chunk_rows, provenance, rollouts, rows, overwrite=config.overwrite)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
         sizes = chunk_sizes(rows, config.chunk_rows)
@@ -207,8 +207,9 @@ class WorkDir:
     """`<output>.partial/`: the run description, a lock, and one parquet file per finished chunk."""
 
     def __init__(self, output: Path, chunk_rows: int, provenance: cache.Provenance, rollouts: Rollouts,
-                 rows: tuple[int, int]):
+                 rows: tuple[int, int], overwrite: bool = False):
         self.output = output
+        self.overwrite = overwrite  # discard another run's work directory instead of refusing
         self.path = output.with_name(output.name + ".partial")
         self.provenance = provenance
         self.run = {
@@ -251,18 +252,29 @@ class WorkDir:
             self._lock_file.close()
             self._lock_file = None
             raise OutputError(f"another klpipe run is writing {self.output} (lock held on {self.path / 'lock'})") from None
+        try:
+            self._check_run_file()
+        except BaseException:
+            self._release()  # __exit__ will not run when __enter__ fails
+            raise
+
+    def _check_run_file(self) -> None:
         run_file = self.path / "run.json"
         if run_file.exists():
             try:
                 previous = json.loads(run_file.read_text())
             except ValueError:
                 previous = None
-            if previous != self.run:
+            if previous != self.run and not self.overwrite:
                 raise ProvenanceError(
                     f"{self.path} holds work from a different run ({_run_difference(previous, self.run)}); "
-                    "rerun the original command, or delete that directory to start over"
+                    "rerun the original command, or pass --overwrite to start over"
                 )
-        else:
+            if previous != self.run:  # --overwrite: that run's chunks are of no use to this one
+                for stale in self.path.glob("chunk-*.parquet"):
+                    stale.unlink()
+                run_file.unlink()
+        if not run_file.exists():
             with atomic_output(run_file) as tmp:
                 tmp.write_text(json.dumps(self.run, indent=2, sort_keys=True))
 

@@ -169,5 +169,10 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
     work = tmp_path / "out.parquet.partial"
     work.mkdir()
     (work / "run.json").write_text(json.dumps({"chunk_rows": 3}))
-    with pytest.raises(ProvenanceError, match="holds work from a different run"):
+    (work / "chunk-00000000.parquet").write_bytes(b"not this run's")
+    with pytest.raises(ProvenanceError, match="holds work from a different run .*pass --overwrite to start over"):
         run(tmp_path)
+    assert (work / "chunk-00000000.parquet").exists()  # refused: nothing touched
+    summary = run(tmp_path, overwrite=True)
+    assert summary.resumed_chunks == 0 and pq.read_table(summary.output).num_rows == 48
+    assert not work.exists()

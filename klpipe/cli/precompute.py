@@ -51,7 +51,7 @@ def precompute_command(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
         envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = 2048,
     overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace an existing output that a different run made.",
+        "--overwrite", help="Replace an output, or discard a work directory, that a different run made.",
         envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = False,
     progress: Annotated[str, typer.Option(
         help="auto | bar | log | none. auto: a bar on a terminal, log lines under cron or Slurm.",
