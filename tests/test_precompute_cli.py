@@ -39,6 +39,13 @@ def test_help_shows_examples():
     assert "Examples:" in result.output and "klpipe precompute --model google/gemma-4-E2B" in result.output
 
 
+def test_version():
+    from klpipe import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output == f"klpipe {__version__}\n"
+
+
 def test_every_command_has_help():
     for command in ("precompute", "score"):
         result = runner.invoke(app, [command, "--help"])

@@ -20,6 +20,22 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 
+def _print_version(value: bool) -> None:
+    if value:
+        from klpipe import __version__
+
+        print(f"klpipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print klpipe's version and exit."),
+) -> None:
+    """Offline reference logprobs and adaptive KL penalties for RL fine-tuning."""
+
+
 # Exit codes, documented in the README.
 EXIT_BAD_INPUT = 2  # any KlpipeError: bad input, model, state or output
 EXIT_INTERNAL = 1  # a bug: an exception klpipe did not expect
