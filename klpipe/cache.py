@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from klpipe.errors import InputError, ProvenanceError
+from klpipe.errors import InputError, ProvenanceError, first_line
 
 # Rollout columns (input to precompute).
 ID = "id"
@@ -74,7 +74,7 @@ def read_provenance(path: str | Path) -> Provenance | None:
     try:
         metadata = pq.read_schema(path).metadata or {}
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+        raise InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
     raw = metadata.get(METADATA_KEY)
     if raw is None:
         return None
@@ -99,10 +99,6 @@ def check_compatible(provenances: list[tuple[str, Provenance | None]]) -> None:
                     "score caches made with one reference model and settings at a time"
                 )
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- sharded outputs ------------------------------------------------------------------------------

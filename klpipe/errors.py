@@ -1,6 +1,12 @@
 """Every error klpipe expects a user to see. The CLI renders them as one `Error: ...` line."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message: libraries' errors run to paragraphs, ours are one line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class KlpipeError(Exception):
     """Base class: a problem with the user's input, model or environment, not a bug in klpipe."""
 

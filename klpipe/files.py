@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow as pa
+
 from klpipe.errors import InputError, OutputError
 
 PARQUET_SUFFIXES = (".parquet",)
@@ -49,6 +51,20 @@ def expand_inputs(paths: list[str | Path], suffixes: tuple[str, ...]) -> list[Pa
         else:
             found.append(path)
     return found
+
+
+def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
+    """How `got` differs from `expected`, for messages about inputs that must share a schema."""
+    expected_fields = {f.name: f.type for f in expected}
+    got_fields = {f.name: f.type for f in got}
+    parts = [f"no {name}" for name in expected_fields if name not in got_fields]
+    parts += [f"extra {name}" for name in got_fields if name not in expected_fields]
+    parts += [
+        f"{name} is {got_fields[name]} not {kind}"
+        for name, kind in expected_fields.items()
+        if name in got_fields and got_fields[name] != kind
+    ]
+    return ", ".join(parts) or "column order"
 
 
 # Files up to this size are hashed whole; larger ones by their size, head and tail.

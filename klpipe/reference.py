@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from klpipe.errors import ModelError
+from klpipe.errors import ModelError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -309,9 +309,5 @@ def _load_error(spec: ModelSpec, what: str, exc: BaseException) -> ModelError:
     if "trust_remote_code" in text or "custom code" in text:
         return ModelError(f"{spec.name}: the checkpoint ships its own model code; "
                           "klpipe runs it only with --trust-remote-code")
-    return ModelError(f"{spec.name}: cannot load {what} ({_first_line(exc)})")
+    return ModelError(f"{spec.name}: cannot load {what} ({first_line(exc)})")
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from klpipe import cache
-from klpipe.errors import InputError
-from klpipe.files import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, is_datasets_dir
+from klpipe.errors import InputError, first_line
+from klpipe.files import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, is_datasets_dir, schema_difference
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
@@ -85,7 +84,7 @@ def open_rollouts(paths: list[str | Path]) -> Rollouts:
         if not other.schema.equals(first.schema):
             raise InputError(
                 f"{other.path}: columns differ from {first.path} "
-                f"({_schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
+                f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
     return Rollouts(files=files, schema=first.schema, mode=_detect_mode(first.path, first.schema))
 
@@ -103,7 +102,7 @@ def _open_file(path: Path) -> RolloutFile:
         except (OSError, pa.ArrowException) as exc:
             if path.stat().st_size == 0:
                 raise InputError(f"{path}: file is empty (0 bytes)") from None
-            raise InputError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+            raise InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
     if num_rows == 0:
         raise InputError(f"{path}: file has no rows")
     return RolloutFile(path=path, kind=kind, num_rows=num_rows, schema=schema.remove_metadata())
@@ -128,7 +127,7 @@ def _datasets_table(path: Path) -> pa.Table:
         raise
     except Exception as exc:  # datasets wraps parse errors in several exception types
         raise InputError(f"{path}: not readable as {'a datasets directory' if path.is_dir() else 'JSON Lines'} "
-                         f"({_first_line(exc)})") from None
+                         f"({first_line(exc)})") from None
     return ds.data.table
 
 
@@ -233,7 +232,7 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
             if position >= hi:
                 break
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{info.path}: corrupt or unreadable ({_first_line(exc)})") from None
+        raise InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None
 
 
 class ChunkTokenizer:
@@ -344,17 +343,3 @@ def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def _is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind)
-
-
-def _schema_difference(a: pa.Schema, b: pa.Schema) -> str:
-    if a.names != b.names:
-        return f"{', '.join(a.names)} vs {', '.join(b.names)}"
-    for fa, fb in zip(a, b):
-        if not fa.type.equals(fb.type):
-            return f"column {fa.name} is {fa.type} vs {fb.type}"
-    return "metadata"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

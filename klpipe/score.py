@@ -38,7 +38,7 @@ from klpipe.cache import (
 )
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import atomic_output, write_json_atomic
+from klpipe.files import atomic_output, schema_difference, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, list_values, row_kl
 from klpipe.threads import in_background, prefetch
 
@@ -219,7 +219,7 @@ def _open_inputs(files: list[Path]) -> tuple[list[pq.ParquetFile], pa.Schema]:
             first_schema = schema
         elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
             raise InputError(
-                f"{path}: columns differ from {files[0]} ({_schema_difference(first_schema, schema)}); "
+                f"{path}: columns differ from {files[0]} ({schema_difference(first_schema, schema)}); "
                 "score caches with the same columns together"
             )
         readers.append(reader)
@@ -248,19 +248,6 @@ def _check_columns(path: Path, schema: pa.Schema) -> None:
         step_type = schema.field(STEP).type
         if not (pa.types.is_integer(step_type) or pa.types.is_string(step_type) or pa.types.is_large_string(step_type)):
             raise InputError(f"{path}: {STEP} must be an integer or a string, got {step_type}")
-
-
-def _schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
-    expected_fields = {f.name: f.type for f in expected}
-    got_fields = {f.name: f.type for f in got}
-    parts = [f"no {name}" for name in expected_fields if name not in got_fields]
-    parts += [f"extra {name}" for name in got_fields if name not in expected_fields]
-    parts += [
-        f"{name} is {got_fields[name]} not {kind}"
-        for name, kind in expected_fields.items()
-        if name in got_fields and got_fields[name] != kind
-    ]
-    return ", ".join(parts) or "column order"
 
 
 def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:

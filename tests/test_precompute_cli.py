@@ -5,7 +5,6 @@ import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from typer.testing import CliRunner
 
 from klpipe.cli import app
@@ -237,3 +236,11 @@ def test_real_entry_point_prints_one_line_and_no_traceback(tmp_path):
     debug = run_cli("precompute", "-m", str(TINY_GEMMA), str(tmp_path / "missing.parquet"),
                     env={"KLPIPE_DEBUG": "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_inputs_with_different_columns(tmp_path):
+    first = write(tmp_path, "a.parquet", {"id": ["a"], "prompt_ids": [[2, 5]], "response_ids": [[6]]})
+    second = write(tmp_path, "b.parquet", {"prompt_ids": [[2, 5]], "response_ids": [[6]], "reward": [1.0]})
+    result = precompute("-m", TINY_GEMMA, first, second, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{second}: columns differ from {first} (no id, extra reward); "
+                             "inputs of one run must share a schema", tmp_path)
