@@ -1,4 +1,4 @@
-"""File plumbing shared by both stages: finding inputs, fingerprints, atomic outputs."""
+"""File plumbing shared by both stages: finding inputs, reading parquet, fingerprints, atomic outputs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from klpipe.errors import InputError, OutputError
 
@@ -65,6 +66,19 @@ def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
         if name in got_fields and got_fields[name] != kind
     ]
     return ", ".join(parts) or "column order"
+
+
+# pyarrow's reader defaults hold far more than the batch they hand out: `pre_buffer=True` caches
+# the column chunks of every row group it is asked for and keeps them as the batches go by (reading
+# a whole file that way held memory in proportion to the file), and `buffer_size=0` reads each
+# column chunk whole (a row group of wide rows can be gigabytes). Off, and buffered reads of 1 MiB:
+# a reader holds about a page per column plus the batch it hands out, whatever the file's size.
+PARQUET_READ_BUFFER = 1 << 20
+
+
+def open_parquet(path: str | Path) -> pq.ParquetFile:
+    """A parquet reader whose memory does not grow with the file: every klpipe reader opens files this way."""
+    return pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_READ_BUFFER)
 
 
 # Files up to this size are hashed whole; larger ones by their size, head and tail.

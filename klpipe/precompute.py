@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from klpipe import __version__, cache
 from klpipe.batching import plan_batches
 from klpipe.errors import InputError, OutputError, ProvenanceError
-from klpipe.files import atomic_output, fingerprint, write_json_atomic
+from klpipe.files import atomic_output, fingerprint, open_parquet, write_json_atomic
 from klpipe.progress import Progress, peak_memory
 from klpipe.rollouts import ChunkTokenizer, Rollouts, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
@@ -306,9 +306,12 @@ class WorkDir:
             rows = 0
             with pq.ParquetWriter(tmp, self.output_schema) as writer:
                 for path in chunks:
-                    table = pq.read_table(path).cast(self.output_schema)
-                    rows += table.num_rows
-                    writer.write_table(table)
+                    # One chunk in memory at a time, and each chunk stays one row group of the cache.
+                    with open_parquet(path) as chunk:
+                        for group in range(chunk.num_row_groups):
+                            table = chunk.read_row_group(group).cast(self.output_schema)
+                            rows += table.num_rows
+                            writer.write_table(table)
             if rows != expected:  # a guard against a lost or duplicated chunk, never expected to fire
                 raise OutputError(f"{self.path}: chunks hold {rows} rows, expected {expected}; delete it and rerun")
 

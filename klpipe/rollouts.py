@@ -6,17 +6,24 @@ them, and turns them into flat token-id arrays. Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from klpipe import cache
 from klpipe.errors import InputError, first_line
-from klpipe.files import JSONL_SUFFIXES, PARQUET_SUFFIXES, expand_inputs, is_datasets_dir, schema_difference
+from klpipe.files import (
+    JSONL_SUFFIXES,
+    PARQUET_SUFFIXES,
+    expand_inputs,
+    is_datasets_dir,
+    open_parquet,
+    schema_difference,
+)
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
@@ -97,8 +104,8 @@ def _open_file(path: Path) -> RolloutFile:
     else:
         kind = "parquet"
         try:
-            meta = pq.ParquetFile(path)
-            num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
+            with open_parquet(path) as meta:
+                num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
         except (OSError, pa.ArrowException) as exc:
             if path.stat().st_size == 0:
                 raise InputError(f"{path}: file is empty (0 bytes)") from None
@@ -210,27 +217,28 @@ def _make_chunk(index, start, batches, files, rows, schema) -> Chunk:
 def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(file row of the batch's first row, batch) covering the file's rows [lo, hi)."""
     try:
-        if info.kind == "parquet":
-            parquet = pq.ParquetFile(info.path)
-            groups, position, first = [], 0, None
-            for group in range(parquet.num_row_groups):
-                size = parquet.metadata.row_group(group).num_rows
-                if position < hi and position + size > lo:
-                    groups.append(group)
-                    first = position if first is None else first
-                position += size
-            batches = parquet.iter_batches(batch_size=batch_rows, row_groups=groups)
-        else:
-            first = lo
-            batches = _datasets_table(info.path).slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
-        position = first
-        for batch in batches:
-            begin, end = max(lo - position, 0), min(hi - position, batch.num_rows)
-            if end > begin:
-                yield position + begin, batch.slice(begin, end - begin).replace_schema_metadata(None)
-            position += batch.num_rows
-            if position >= hi:
-                break
+        with contextlib.ExitStack() as open_files:
+            if info.kind == "parquet":
+                parquet = open_files.enter_context(open_parquet(info.path))
+                groups, position, first = [], 0, None
+                for group in range(parquet.num_row_groups):
+                    size = parquet.metadata.row_group(group).num_rows
+                    if position < hi and position + size > lo:
+                        groups.append(group)
+                        first = position if first is None else first
+                    position += size
+                batches = parquet.iter_batches(batch_size=batch_rows, row_groups=groups)
+            else:
+                first = lo
+                batches = _datasets_table(info.path).slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
+            position = first
+            for batch in batches:
+                begin, end = max(lo - position, 0), min(hi - position, batch.num_rows)
+                if end > begin:
+                    yield position + begin, batch.slice(begin, end - begin).replace_schema_metadata(None)
+                position += batch.num_rows
+                if position >= hi:
+                    break
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None
 

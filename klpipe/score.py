@@ -1,8 +1,9 @@
 """`klpipe score`: stream cached logprobs through the KL controller into penalised rewards.
 
 Rows flow reader → KL math → controller → writer one record batch at a time. Memory is bounded by
-a few record batches (`batch_tokens` each) and two output row groups (`row_group_bytes` each), plus
-8 bytes per row of per-row KL for the run's percentiles and histogram.
+a few record batches (`batch_tokens` and at most `batch_bytes` each) and three output row groups
+(`row_group_bytes` each: one filling, one queued, one being written), plus 8 bytes per row of
+per-row KL for the run's percentiles and histogram.
 
 Controller batches are runs of consecutive rows with the same `step`. A step may span record
 batches and input files: its rows are written as they arrive, all with the coefficient in force
@@ -38,7 +39,7 @@ from klpipe.cache import (
 )
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import atomic_output, schema_difference, write_json_atomic
+from klpipe.files import atomic_output, open_parquet, schema_difference, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, list_values, row_kl
 from klpipe.threads import in_background, prefetch
 
@@ -77,7 +78,8 @@ class ScoreConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
     batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
-    row_group_bytes: int = 64 << 20  # output row groups of about this size: big ones write faster and read better
+    batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
+    row_group_bytes: int = 32 << 20  # output row groups of about this size: big ones write faster and read better
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -86,6 +88,8 @@ class ScoreConfig:
             raise InputError(f"unknown aggregate {self.aggregate!r}; choose one of {', '.join(AGGREGATES)}")
         if self.batch_tokens < 1:
             raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
+        if self.batch_bytes < 1:
+            raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
 
 
 @dataclass
@@ -146,7 +150,8 @@ def score(config: ScoreConfig) -> ScoreResult:
         # another thread encodes the previous row group (parquet and numpy release the GIL).
         with pq.ParquetWriter(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
             row_groups = _RowGroups(write, config.row_group_bytes)
-            with closing(prefetch(_read_batches(files, readers, config.batch_tokens))) as stream:
+            batches_read = _read_batches(files, readers, config.batch_tokens, config.batch_bytes)
+            with closing(prefetch(batches_read)) as stream:
                 for path, first_index, batch in stream:
                     scored = _score_batch(batch, path, first_index, config, batches, totals, replaced)
                     row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
@@ -169,24 +174,31 @@ def score(config: ScoreConfig) -> ScoreResult:
 # -- inputs -----------------------------------------------------------------------------------------
 
 
-def _read_batches(files: list[Path], readers: list[pq.ParquetFile], batch_tokens: int):
+def _read_batches(files: list[Path], readers: list[pq.ParquetFile], batch_tokens: int, batch_bytes: int):
     """(file, index of the batch's first row in that file, record batch), across all inputs in order."""
     for path, reader in zip(files, readers, strict=True):
-        first_index = 0
-        for batch in reader.iter_batches(batch_size=_rows_per_batch(reader, batch_tokens)):
-            yield path, first_index, batch
-            first_index += batch.num_rows
+        with reader:
+            first_index = 0
+            for batch in reader.iter_batches(batch_size=_rows_per_batch(reader, batch_tokens, batch_bytes)):
+                yield path, first_index, batch
+                first_index += batch.num_rows
 
 
-def _rows_per_batch(reader: pq.ParquetFile, batch_tokens: int) -> int:
-    """Rows that hold about `batch_tokens` tokens, from the file's mean response length."""
+def _rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int) -> int:
+    """Rows that hold about `batch_tokens` tokens and at most `batch_bytes` bytes, from the file's means.
+
+    The token budget alone would let a pass-through column of wide rows (documents, images) make
+    one record batch of gigabytes.
+    """
     metadata = reader.metadata
+    groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
     column = next(
         i for i in range(metadata.num_columns) if reader.schema.column(i).path.split(".")[0] == POLICY_LOGPROBS
     )
-    tokens = sum(metadata.row_group(g).column(column).num_values for g in range(metadata.num_row_groups))
-    mean_tokens = max(1.0, tokens / max(1, metadata.num_rows))
-    return max(1, int(batch_tokens / mean_tokens))
+    rows = max(1, metadata.num_rows)
+    mean_tokens = max(1.0, sum(g.column(column).num_values for g in groups) / rows)
+    mean_bytes = max(1.0, sum(g.total_byte_size for g in groups) / rows)  # uncompressed, every column
+    return max(1, int(min(batch_tokens / mean_tokens, batch_bytes / mean_bytes)))
 
 
 def _refuse_overwriting_inputs(output: Path, files: list[Path]) -> None:
@@ -212,7 +224,7 @@ def _open_inputs(files: list[Path]) -> tuple[list[pq.ParquetFile], pa.Schema]:
     for path in files:
         provenance = read_provenance(path)  # also rejects files that are not parquet
         provenances.append((str(path), provenance))
-        reader = pq.ParquetFile(path)
+        reader = open_parquet(path)
         schema = reader.schema_arrow
         _check_columns(path, schema)
         if first_schema is None:

@@ -51,7 +51,7 @@ def test_output_matches_the_seed_with_steps_spanning_batches_and_files(tmp_path)
     # Row 23 sits inside step 4, so that step spans the two files; 3-row record batches split steps too.
     first = write_cache(tmp_path / "a.parquet", rows[:23])
     second = write_cache(tmp_path / "b.parquet", rows[23:])
-    assert _rows_per_batch(pq.ParquetFile(first), 8) < 5  # record batches smaller than a step
+    assert _rows_per_batch(pq.ParquetFile(first), 8, ScoreConfig.batch_bytes) < 5  # record batches smaller than a step
     result = run(tmp_path, [first, second], batch_tokens=8, controller=ControllerConfig(**CONTROL))
 
     expected, seed = seed_scores(rows, **CONTROL)
