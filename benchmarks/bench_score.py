@@ -14,8 +14,6 @@ Targets: seed/klpipe ≥ 2×, klpipe/bare ≤ 1.5×.
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.util
 import subprocess
 import sys
 import time
@@ -25,12 +23,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
-from klpipe.score import ScoreConfig, score
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the seed loader of the test suite: one way to import it
+
+from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP  # noqa: E402
+from klpipe.score import ScoreConfig, score  # noqa: E402
+from tests.helpers import load_seed  # noqa: E402
+
 BUILD = ROOT / "build" / "bench"
-SEED = ROOT.parent / "shared" / "seed" / "kl_controller.py"
 
 ROWS_PER_STEP = 1000
 MEAN_TOKENS = 200
@@ -88,27 +88,6 @@ def run_klpipe_cli(cache: Path, out: Path) -> None:
         check=True,
         stderr=subprocess.DEVNULL,
     )
-
-
-class _NoTorch(importlib.abc.MetaPathFinder):
-    """Hides torch and transformers so the seed takes its CPU path, as on a machine without them."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers"):
-            raise ImportError(f"{name} hidden by the benchmark")
-        return None
-
-
-def load_seed():
-    blocker = _NoTorch()
-    sys.meta_path.insert(0, blocker)
-    try:
-        spec = importlib.util.spec_from_file_location("seed_kl_controller", SEED)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.meta_path.remove(blocker)
-    return module
 
 
 def run_seed(seed, cache: Path, out: Path) -> None:

@@ -52,6 +52,7 @@ import klpipe.reference
 import klpipe.report
 import klpipe.rollouts
 import klpipe.score
+from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
 import matplotlib.pyplot  # noqa: E402,F401
@@ -378,7 +379,7 @@ class Runner:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.count = 0
         self.live: set[int] = set()  # started and not yet reaped: killed on close (a failed test may leave one paused)
-        root = root or Path(__file__).resolve().parent.parent
+        root = root or ROOT
         # One torch thread: on a 2-core box shared with other jobs, two spinning OpenMP threads per
         # child make a 0.5 s run take 10 s. (Outputs are compared run against run, never across settings.)
         # Nothing from the caller's environment may shard or configure a run: tests inside a Slurm

@@ -6,10 +6,10 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from score_helpers import seed_config, seed_controller
 
 from klpipe.controller import ControllerConfig, KLController, KLStats
 from klpipe.errors import InputError, StateError
+from tests.helpers import seed_config, seed_controller
 
 KL = st.floats(min_value=0, max_value=20, allow_nan=False)
 BATCHES = st.lists(st.lists(KL, max_size=12), max_size=25)

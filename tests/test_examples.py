@@ -31,8 +31,7 @@ import pytest
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.conftest import ROLLOUTS, TINY_LLAMA
-from tests.helpers import ROOT
+from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA
 
 EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent  # the environment running the tests, where `klpipe` is installed

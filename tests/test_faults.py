@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import ROLLOUTS, TINY_LLAMA
 from tests.fault_runner import Fault, Result, Runner
+from tests.helpers import ROLLOUTS, TINY_LLAMA
 
 pytestmark = pytest.mark.faults
 

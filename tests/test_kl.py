@@ -5,9 +5,9 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from score_helpers import load_seed
 
 from klpipe.kl import arrow_row_kl, estimate_kl_from_samples, kl_divergence, list_values, row_kl, sequence_kl
+from tests.helpers import load_seed
 
 LOGPROB = st.floats(min_value=-30, max_value=0, allow_nan=False, width=32)
 ROWS = st.lists(st.lists(st.tuples(LOGPROB, LOGPROB), max_size=8), max_size=12)

@@ -12,8 +12,7 @@ comparison would measure that ramp rather than growth with the input.
 
 import os
 
-from tests.conftest import TINY_LLAMA
-from tests.helpers import WIDE, peak_rss_mib, write_wide_rows
+from tests.helpers import TINY_LLAMA, WIDE, peak_rss_mib, write_wide_rows
 
 GROWTH = 1.3  # the larger run's peak RSS may be at most this multiple of the smaller run's
 

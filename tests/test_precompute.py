@@ -13,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from klpipe import cache
 from klpipe.errors import OutputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.conftest import ROLLOUTS, TINY_GEMMA, TINY_LLAMA
-from tests.helpers import oracle_logprobs
+from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, oracle_logprobs
 
 TOLERANCE = 1e-4
 

@@ -8,8 +8,7 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from klpipe.cli import app
-from tests.conftest import ROLLOUTS, TINY_GEMMA, TINY_LLAMA
-from tests.helpers import run_cli
+from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
 
 runner = CliRunner()
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from klpipe.reference import ModelSpec, ReferenceModel
-from tests.conftest import TINY_GEMMA, TINY_LLAMA
-from tests.helpers import oracle_logprobs as oracle
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs as oracle
 
 TOLERANCE = 1e-4
 MODELS = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}

@@ -11,8 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.conftest import ROLLOUTS, TINY_GEMMA
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROLLOUTS, ROOT, TINY_GEMMA, run_cli
 
 
 def many_rollouts(tmp_path: Path, copies: int = 40) -> Path:

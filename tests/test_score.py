@@ -6,12 +6,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from score_helpers import CACHE_SCHEMA, make_rows, provenance, seed_config, seed_controller, write_cache
 
 from klpipe.cache import ID, METADATA_KEY, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.controller import ControllerConfig
 from klpipe.errors import InputError, OutputError, ProvenanceError, StateError
 from klpipe.score import SCORE_METADATA_KEY, ScoreConfig, _rows_per_batch, default_output, score
+from tests.helpers import CACHE_SCHEMA, make_rows, provenance, seed_config, seed_controller, write_cache
 
 SCORED = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
 

@@ -5,11 +5,11 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from score_helpers import CACHE_SCHEMA, ROOT, make_rows, provenance, write_cache
 from typer.testing import CliRunner
 
 from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD
 from klpipe.cli import app
+from tests.helpers import CACHE_SCHEMA, ROOT, make_rows, provenance, write_cache
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ from klpipe.cache import expand_cache_inputs
 from klpipe.errors import InputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.sharding import Shard, local_device, resolve_shard
-from tests.conftest import ROLLOUTS, TINY_LLAMA
+from tests.helpers import ROLLOUTS, TINY_LLAMA
 
 
 @given(st.integers(0, 5000), st.integers(1, 64), st.integers(1, 300))
