@@ -1,7 +1,8 @@
-"""KL estimates from cached logprobs, vectorised over Arrow list arrays.
+"""KL estimates from cached logprobs, vectorised over flat token values and row offsets.
 
-A list column is a flat array of token values plus row offsets, so every estimator is one numpy
-pass over the tokens and one `reduceat` over the rows: no Python loop over tokens or rows.
+That is an Arrow list column's own layout (`arrow.list_values` hands it out without a copy), so
+every estimator is one numpy pass over the tokens and one `reduceat` over the rows: no Python loop
+over tokens or rows, and nothing here needs pyarrow.
 
 The per-token estimators of KL(policy ‖ ref), with d = policy − ref on the sampled token:
     k1   d                        unbiased, noisy, can be negative
@@ -18,9 +19,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import pyarrow as pa
-
-from klpipe.arrow import numpy_view
 
 Estimator = Literal["k1", "abs", "k2", "k3"]
 Aggregate = Literal["mean", "sum"]
@@ -40,20 +38,6 @@ class RowKL:
     max_abs_diff: np.ndarray  # (rows,) float64: largest |policy − ref| in the row, 0 when empty
     token_kl: np.ndarray | None  # (tokens,) float64 per-token estimator values, when asked for
     offsets: np.ndarray  # (rows + 1,) zero-based row offsets into token_kl
-
-
-def list_values(array: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """The token values and zero-based row offsets of a list array.
-
-    A sliced array's offsets point into its parent's full values buffer, so both are cut down to
-    the slice. Nulls must be rejected before this: null lists' offsets and null values carry junk.
-    """
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    offsets = numpy_view(array.offsets)  # (rows + 1,)
-    start, end = int(offsets[0]), int(offsets[-1])
-    values = numpy_view(array.values.slice(start, end - start))  # (tokens,)
-    return values, offsets - start
 
 
 def token_kl(diff: np.ndarray, estimator: Estimator) -> np.ndarray:
@@ -124,20 +108,6 @@ def row_kl(
         token_kl=tokens if per_token else None,
         offsets=offsets,
     )
-
-
-def arrow_row_kl(
-    policy_logprobs: pa.Array,
-    ref_logprobs: pa.Array,
-    estimator: Estimator = "k1",
-    aggregate: Aggregate = "mean",
-    clamp: bool = True,
-    per_token: bool = False,
-) -> RowKL:
-    """`row_kl` over two Arrow list arrays whose rows have equal lengths (checked by the caller)."""
-    policy_values, offsets = list_values(policy_logprobs)
-    ref_values, _ = list_values(ref_logprobs)
-    return row_kl(policy_values, ref_values, offsets, estimator, aggregate, clamp, per_token)
 
 
 def sequence_kl(

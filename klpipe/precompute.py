@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe import __version__, cache
+from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.batching import plan_batches
 from klpipe.errors import InputError, OutputError, ProvenanceError
 from klpipe.files import atomic_output, fingerprint, open_parquet, write_json_atomic
@@ -288,11 +289,9 @@ class WorkDir:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("chunk-*.parquet")}
 
     def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray]) -> None:
-        lengths = np.fromiter((len(x) for x in logprobs), dtype=np.int64, count=len(logprobs))
-        offsets = np.zeros(len(logprobs) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        values = np.concatenate(logprobs).astype(np.float32, copy=False) if len(logprobs) else np.zeros(0, np.float32)
-        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
+        offsets = offsets_from_lengths([len(x) for x in logprobs])
+        values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
+        column = list_array(offsets, values)  # cache.REF_LOGPROBS_TYPE
         table = tokenized.table.append_column(cache.REF_LOGPROBS, column)
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)

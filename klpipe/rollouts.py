@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from klpipe import cache
+from klpipe.arrow import first_null, is_list_type, list_array, offsets_from_lengths
 from klpipe.errors import InputError, first_line
 from klpipe.files import (
     JSONL_SUFFIXES,
@@ -143,7 +144,7 @@ def _detect_mode(path: Path, schema: pa.Schema) -> str:
     if {cache.PROMPT_IDS, cache.RESPONSE_IDS} <= names:
         for column in (cache.PROMPT_IDS, cache.RESPONSE_IDS):
             kind = schema.field(column).type
-            if not (_is_list(kind) and pa.types.is_integer(kind.value_type)):
+            if not (is_list_type(kind) and pa.types.is_integer(kind.value_type)):
                 raise InputError(f"{path}: column {column} must be a list of integer token ids, found {kind}")
         return TOKEN_IDS
     if {cache.PROMPT, cache.RESPONSE} <= names:
@@ -276,8 +277,8 @@ class ChunkTokenizer:
 
     def _flat_ids(self, chunk: Chunk, column: str) -> tuple[np.ndarray, np.ndarray]:
         array = chunk.table.column(column).combine_chunks()
-        if array.null_count:
-            row = int(np.flatnonzero(np.asarray(array.is_null()))[0])
+        row = first_null(array)
+        if row is not None:
             self._fail(chunk, row, f"{column} is null")
         # `flatten()` honours slicing; `.values` would not.
         flat = np.asarray(array.flatten(), dtype=np.int64)
@@ -287,8 +288,8 @@ class ChunkTokenizer:
 
     def _texts(self, chunk: Chunk, column: str) -> list[str]:
         array = chunk.table.column(column)
-        if array.null_count:
-            row = int(np.flatnonzero(np.asarray(array.is_null()))[0])
+        row = first_null(array)
+        if row is not None:
             self._fail(chunk, row, f"{column} is null")
         return array.to_pylist()
 
@@ -297,7 +298,7 @@ class ChunkTokenizer:
             (cache.PROMPT_IDS, prompt, prompt_off),
             (cache.RESPONSE_IDS, response, response_off),
         ):
-            column = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.int32()))
+            column = list_array(offsets, flat.astype(np.int32))  # TOKEN_ID_TYPE
             if name in table.column_names:  # text mode wins only when ids were incomplete
                 table = table.set_column(table.column_names.index(name), name, column)
             else:
@@ -342,12 +343,6 @@ class ChunkTokenizer:
 
 
 def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = offsets_from_lengths([len(x) for x in lists])
     flat = np.fromiter((tok for x in lists for tok in x), dtype=np.int64, count=int(offsets[-1]))
     return flat, offsets
-
-
-def _is_list(kind: pa.DataType) -> bool:
-    return pa.types.is_list(kind) or pa.types.is_large_list(kind)

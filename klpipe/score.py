@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from klpipe import __version__, report
-from klpipe.arrow import from_numpy, numpy_view
+from klpipe.arrow import first_null, first_null_in_lists, from_numpy, is_list_type, list_array, list_values, numpy_view
 from klpipe.cache import (
     ID,
     POLICY_LOGPROBS,
@@ -40,7 +40,7 @@ from klpipe.cache import (
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files import atomic_output, open_parquet, schema_difference, write_json_atomic
-from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, list_values, row_kl
+from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, row_kl
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.
@@ -251,7 +251,7 @@ def _check_columns(path: Path, schema: pa.Schema) -> None:
         raise InputError(f"{path}: no {' or '.join(missing)} column; {hint}")
     for name in (POLICY_LOGPROBS, REF_LOGPROBS):
         kind = schema.field(name).type
-        if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_floating(kind.value_type)):
+        if not (is_list_type(kind) and pa.types.is_floating(kind.value_type)):
             raise InputError(f"{path}: {name} must be a list of floats, got {kind}")
     reward_type = schema.field(REWARD).type
     if not (pa.types.is_floating(reward_type) or pa.types.is_integer(reward_type)):
@@ -497,7 +497,7 @@ def _score_batch(
             "response tokens (rerun `klpipe precompute` with the policy's tokenization)"
         )
     for name, values_array in ((POLICY_LOGPROBS, policy), (REF_LOGPROBS, ref)):
-        _check_value_nulls(batch, path, first_index, name, values_array, offsets)
+        _check_value_nulls(batch, path, first_index, name, values_array)
 
     reward = numpy_view(reward_column).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
@@ -529,8 +529,7 @@ def _score_batch(
     columns = [batch.column(i) for i, f in enumerate(batch.schema) if f.name not in replaced]
     columns += [from_numpy(kl), from_numpy(coeffs), from_numpy(penalty), from_numpy(adjusted)]
     if config.per_token:
-        offsets = from_numpy(estimate.offsets.astype(np.int32))
-        columns.append(pa.ListArray.from_arrays(offsets, from_numpy(estimate.token_kl)))
+        columns.append(list_array(estimate.offsets, estimate.token_kl))
     return columns
 
 
@@ -547,17 +546,14 @@ def _describe(value: float) -> str:
 
 def _check_nulls(batch: pa.RecordBatch, path: Path, first_index: int, names: tuple[str, ...]) -> None:
     for name in names:
-        column = batch.column(name)
-        if column.null_count:
-            i = pc.indices_nonzero(column.is_null())[0].as_py()
+        i = first_null(batch.column(name))
+        if i is not None:
             raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {name} is null")
 
 
-def _check_value_nulls(batch, path, first_index, name, array, offsets) -> None:
-    values = array.values.slice(array.offsets[0].as_py(), int(offsets[-1]))
-    if values.null_count:
-        token = pc.indices_nonzero(values.is_null())[0].as_py()
-        i = int(np.searchsorted(offsets, token, side="right") - 1)
+def _check_value_nulls(batch, path, first_index, name, array) -> None:
+    i = first_null_in_lists(array)
+    if i is not None:
         raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {name} holds a null")
 
 
