@@ -62,7 +62,7 @@ def histogram(kls: np.ndarray) -> dict:
 
 def extreme_rows_warning(row_names: list[str], count: int, threshold_nats: float) -> str:
     """The warning for rows with a token whose |policy − ref| exceeds `threshold_nats`."""
-    named = ", ".join(row_names)
+    named = "; ".join(row_names)  # each name holds a file path, which may hold a comma
     more = f" and {count - len(row_names)} more" if count > len(row_names) else ""
     return (
         f"{count} row(s) have a token with |policy − ref| above {threshold_nats:g} nats: {named}{more}. "

@@ -25,6 +25,7 @@ from klpipe.files import (
     open_parquet,
     schema_difference,
 )
+from klpipe.rows import row_name
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
@@ -333,13 +334,10 @@ class ChunkTokenizer:
                 )
 
     def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
-        info = self.rollouts.files[int(chunk.file_index[row])]
-        label = f"row {int(chunk.file_row[row])}"
-        if cache.ID in chunk.table.column_names:
-            value = chunk.table.column(cache.ID)[row].as_py()
-            if value is not None:
-                label += f" (id {value!r})"
-        raise InputError(f"{info.path}: {label}: {problem}")
+        # A chunk may span input files: each row knows its own file and its index there.
+        path = self.rollouts.files[int(chunk.file_index[row])].path
+        row_id = chunk.table.column(cache.ID)[row].as_py() if cache.ID in chunk.table.column_names else None
+        raise InputError(f"{row_name(path, int(chunk.file_row[row]), row_id)}: {problem}")
 
 
 def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -41,6 +41,7 @@ from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files import atomic_output, open_parquet, schema_difference, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, row_kl
+from klpipe.rows import RowLocator
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.
@@ -152,8 +153,8 @@ def score(config: ScoreConfig) -> ScoreResult:
             row_groups = _RowGroups(write, config.row_group_bytes)
             batches_read = _read_batches(files, readers, config.batch_tokens, config.batch_bytes)
             with closing(prefetch(batches_read)) as stream:
-                for path, first_index, batch in stream:
-                    scored = _score_batch(batch, path, first_index, config, batches, totals, replaced)
+                for batch, rows in stream:
+                    scored = _score_batch(batch, rows, config, batches, totals, replaced)
                     row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
             row_groups.flush()
         batches.finish()
@@ -175,12 +176,13 @@ def score(config: ScoreConfig) -> ScoreResult:
 
 
 def _read_batches(files: list[Path], readers: list[pq.ParquetFile], batch_tokens: int, batch_bytes: int):
-    """(file, index of the batch's first row in that file, record batch), across all inputs in order."""
+    """(record batch, where its rows come from), across all inputs in order."""
     for path, reader in zip(files, readers, strict=True):
         with reader:
             first_index = 0
             for batch in reader.iter_batches(batch_size=_rows_per_batch(reader, batch_tokens, batch_bytes)):
-                yield path, first_index, batch
+                ids = batch.column(ID) if ID in batch.schema.names else None
+                yield batch, RowLocator(path, first_index, ids)
                 first_index += batch.num_rows
 
 
@@ -472,8 +474,7 @@ class _ControllerBatches:
 
 def _score_batch(
     batch: pa.RecordBatch,
-    path: Path,
-    first_index: int,
+    rows: RowLocator,
     config: ScoreConfig,
     batches: _ControllerBatches,
     totals: _RunTotals,
@@ -484,31 +485,29 @@ def _score_batch(
     ref = batch.column(REF_LOGPROBS)
     reward_column = batch.column(REWARD)
     steps = batch.column(STEP) if batches.has_steps else None
-    _check_nulls(
-        batch, path, first_index, (REWARD, POLICY_LOGPROBS, REF_LOGPROBS) + ((STEP,) if steps is not None else ())
-    )
+    _check_nulls(batch, rows, (REWARD, POLICY_LOGPROBS, REF_LOGPROBS) + ((STEP,) if steps is not None else ()))
     policy_values, offsets = list_values(policy)
     ref_values, ref_offsets = list_values(ref)
     if not np.array_equal(offsets, ref_offsets):
         i = int(np.flatnonzero(np.diff(offsets) != np.diff(ref_offsets))[0])
         raise InputError(
-            f"{path}: {_row_name(batch, i, first_index)}: {POLICY_LOGPROBS} has {offsets[i + 1] - offsets[i]} "
+            f"{rows.name(i)}: {POLICY_LOGPROBS} has {offsets[i + 1] - offsets[i]} "
             f"tokens but {REF_LOGPROBS} has {ref_offsets[i + 1] - ref_offsets[i]}; both must cover the same "
             "response tokens (rerun `klpipe precompute` with the policy's tokenization)"
         )
     for name, values_array in ((POLICY_LOGPROBS, policy), (REF_LOGPROBS, ref)):
-        _check_value_nulls(batch, path, first_index, name, values_array)
+        _check_value_nulls(rows, name, values_array)
 
     reward = numpy_view(reward_column).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
     if bad_reward.any():
         i = int(np.flatnonzero(bad_reward)[0])
-        raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {REWARD} is {_describe(reward[i])}")
+        raise InputError(f"{rows.name(i)}: {REWARD} is {_describe(reward[i])}")
 
     estimate = row_kl(
         policy_values, ref_values, offsets, config.estimator, config.aggregate, config.clamp, config.per_token
     )
-    _check_finite(estimate, batch, path, first_index, policy_values, ref_values, offsets, config.estimator)
+    _check_finite(estimate, rows, policy_values, ref_values, offsets, config.estimator)
 
     kl = estimate.kl
     coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1)
@@ -524,7 +523,7 @@ def _score_batch(
     if extreme.size:
         totals.extreme_count += int(extreme.size)
         room = EXTREME_ROWS_NAMED - len(totals.extreme_rows)
-        totals.extreme_rows += [_row_name(batch, int(i), first_index) for i in extreme[:room]]
+        totals.extreme_rows += [rows.name(int(i)) for i in extreme[:room]]
 
     columns = [batch.column(i) for i, f in enumerate(batch.schema) if f.name not in replaced]
     columns += [from_numpy(kl), from_numpy(coeffs), from_numpy(penalty), from_numpy(adjusted)]
@@ -533,31 +532,24 @@ def _score_batch(
     return columns
 
 
-def _row_name(batch: pa.RecordBatch, i: int, first_index: int) -> str:
-    """How messages name a row: by id when the cache has one, always with its index in the file."""
-    if ID in batch.schema.names:
-        return f"row id={batch.column(ID)[i].as_py()} (index {first_index + i})"
-    return f"row index {first_index + i}"
-
-
 def _describe(value: float) -> str:
     return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 
-def _check_nulls(batch: pa.RecordBatch, path: Path, first_index: int, names: tuple[str, ...]) -> None:
+def _check_nulls(batch: pa.RecordBatch, rows: RowLocator, names: tuple[str, ...]) -> None:
     for name in names:
         i = first_null(batch.column(name))
         if i is not None:
-            raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {name} is null")
+            raise InputError(f"{rows.name(i)}: {name} is null")
 
 
-def _check_value_nulls(batch, path, first_index, name, array) -> None:
+def _check_value_nulls(rows: RowLocator, name: str, array: pa.Array) -> None:
     i = first_null_in_lists(array)
     if i is not None:
-        raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {name} holds a null")
+        raise InputError(f"{rows.name(i)}: {name} holds a null")
 
 
-def _check_finite(estimate: RowKL, batch, path, first_index, policy_values, ref_values, offsets, estimator) -> None:
+def _check_finite(estimate: RowKL, rows: RowLocator, policy_values, ref_values, offsets, estimator) -> None:
     # A non-finite logprob makes its row's max |policy − ref| non-finite, so the per-row values
     # (not the tokens) are scanned; the tokens are looked at only to name the culprit.
     bad_rows = ~np.isfinite(estimate.max_abs_diff)
@@ -567,12 +559,12 @@ def _check_finite(estimate: RowKL, batch, path, first_index, policy_values, ref_
             row_values = values[offsets[i] : offsets[i + 1]]
             bad = row_values[~np.isfinite(row_values)]
             if bad.size:
-                raise InputError(f"{path}: {_row_name(batch, i, first_index)}: {name} holds {_describe(bad[0])}")
+                raise InputError(f"{rows.name(i)}: {name} holds {_describe(bad[0])}")
     overflow = ~np.isfinite(estimate.kl)
     if overflow.any():
         i = int(np.flatnonzero(overflow)[0])
         raise InputError(
-            f"{path}: {_row_name(batch, i, first_index)}: the {estimator} KL overflows (|policy − ref| up to "
+            f"{rows.name(i)}: the {estimator} KL overflows (|policy − ref| up to "
             f"{estimate.max_abs_diff[i]:.0f} nats); the policy and reference almost certainly tokenized differently"
         )
 

@@ -158,9 +158,10 @@ def test_extreme_rows_are_named(tmp_path):
     rows = make_rows(6)
     rows[1][POLICY_LOGPROBS], rows[1][REF_LOGPROBS] = [-1.0, -0.5], [-26.0, -0.5]
     rows[4][POLICY_LOGPROBS], rows[4][REF_LOGPROBS] = [-30.0], [-1.0]
-    result = run(tmp_path, [write_cache(tmp_path / "a.parquet", rows)])
+    cache = write_cache(tmp_path / "a.parquet", rows)
+    result = run(tmp_path, [cache])
     assert result.warnings == [
-        "2 row(s) have a token with |policy − ref| above 20 nats: row id=r1 (index 1), row id=r4 (index 4). "
+        f"2 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 1 (id 'r1'); {cache}: row 4 (id 'r4'). "
         "This almost always means the policy and the reference tokenized the text differently."
     ]
     assert result.report["extreme_rows"]["count"] == 2
@@ -291,37 +292,37 @@ BAD_ROWS = [
     (
         lambda rows: rows[2].update({REF_LOGPROBS: rows[2][REF_LOGPROBS] + [-1.0]}),
         {},
-        "row id=r2 (index 2): policy_logprobs has {p} tokens but ref_logprobs has {r}; both must cover the same "
+        "row 2 (id 'r2'): policy_logprobs has {p} tokens but ref_logprobs has {r}; both must cover the same "
         "response tokens (rerun `klpipe precompute` with the policy's tokenization)",
     ),
     (
         lambda rows: rows[3].update({POLICY_LOGPROBS: [float("nan")], REF_LOGPROBS: [-1.0]}),
         {},
-        "row id=r3 (index 3): policy_logprobs holds NaN",
+        "row 3 (id 'r3'): policy_logprobs holds NaN",
     ),
     (
         lambda rows: rows[3].update({POLICY_LOGPROBS: [-1.0, -1.0], REF_LOGPROBS: [-1.0, float("inf")]}),
         {},
-        "row id=r3 (index 3): ref_logprobs holds +inf",
+        "row 3 (id 'r3'): ref_logprobs holds +inf",
     ),
     (
         lambda rows: rows[3].update({POLICY_LOGPROBS: [float("-inf")], REF_LOGPROBS: [-1.0]}),
         {},
-        "row id=r3 (index 3): policy_logprobs holds -inf",
+        "row 3 (id 'r3'): policy_logprobs holds -inf",
     ),
-    (lambda rows: rows[5].update({REWARD: float("nan")}), {}, "row id=r5 (index 5): reward is NaN"),
-    (lambda rows: rows[5].update({REWARD: None}), {}, "row id=r5 (index 5): reward is null"),
-    (lambda rows: rows[1].update({REF_LOGPROBS: None}), {}, "row id=r1 (index 1): ref_logprobs is null"),
+    (lambda rows: rows[5].update({REWARD: float("nan")}), {}, "row 5 (id 'r5'): reward is NaN"),
+    (lambda rows: rows[5].update({REWARD: None}), {}, "row 5 (id 'r5'): reward is null"),
+    (lambda rows: rows[1].update({REF_LOGPROBS: None}), {}, "row 1 (id 'r1'): ref_logprobs is null"),
     (
         lambda rows: rows[1].update({POLICY_LOGPROBS: [-1.0, None], REF_LOGPROBS: [-1.0, -1.0]}),
         {},
-        "row id=r1 (index 1): policy_logprobs holds a null",
+        "row 1 (id 'r1'): policy_logprobs holds a null",
     ),
-    (lambda rows: rows[4].update({STEP: None}), {}, "row id=r4 (index 4): step is null"),
+    (lambda rows: rows[4].update({STEP: None}), {}, "row 4 (id 'r4'): step is null"),
     (
         lambda rows: rows[4].update({POLICY_LOGPROBS: [-800.0], REF_LOGPROBS: [-1.0]}),
         {"estimator": "k3"},
-        "row id=r4 (index 4): the k3 KL overflows (|policy − ref| up to 799 nats); the policy and reference "
+        "row 4 (id 'r4'): the k3 KL overflows (|policy − ref| up to 799 nats); the policy and reference "
         "almost certainly tokenized differently",
     ),
 ]
@@ -347,7 +348,7 @@ def test_rows_without_ids_are_named_by_index_within_their_file(tmp_path):
     second = write_cache(tmp_path / "b.parquet", rows[4:], schema=schema)
     with pytest.raises(InputError) as excinfo:
         run(tmp_path, [first, second], batch_tokens=6)
-    assert str(excinfo.value) == f"{second}: row index 3: reward is -inf"
+    assert str(excinfo.value) == f"{second}: row 3: reward is -inf"
 
 
 @pytest.mark.parametrize(

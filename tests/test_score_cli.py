@@ -188,10 +188,10 @@ def _bad_caches(tmp_path):
         ),
         (
             [mismatch],
-            f"Error: {mismatch}: row id=r4 (index 4): policy_logprobs has {p} tokens but ref_logprobs has {r}; "
+            f"Error: {mismatch}: row 4 (id 'r4'): policy_logprobs has {p} tokens but ref_logprobs has {r}; "
             "both must cover the same response tokens (rerun `klpipe precompute` with the policy's tokenization)",
         ),
-        ([nan], f"Error: {nan}: row id=r2 (index 2): policy_logprobs holds NaN"),
+        ([nan], f"Error: {nan}: row 2 (id 'r2'): policy_logprobs holds NaN"),
         (
             [one, two],
             f"Error: caches disagree on tokenizer: {one} has 'sha-1', {two} has 'sha-2'; "
@@ -252,9 +252,10 @@ def test_plot_is_a_png(tmp_path):
 def test_warnings_go_to_stderr(tmp_path):
     rows = make_rows(4)
     rows[0][ID], rows[0][POLICY_LOGPROBS], rows[0][REF_LOGPROBS] = "odd", [-40.0], [-1.0]
-    result = invoke(write_cache(tmp_path / "a.parquet", rows), env={"COLUMNS": "400"})
+    cache = write_cache(tmp_path / "a.parquet", rows)
+    result = invoke(cache, env={"COLUMNS": "400"})
     assert result.exit_code == 0 and result.stdout == ""
-    assert "Warning: 1 row(s) have a token with |policy − ref| above 20 nats: row id=odd (index 0)." in result.stderr
+    assert f"Warning: 1 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 0 (id 'odd')." in result.stderr
 
 
 # -- no torch on the scoring path -------------------------------------------------------------------
