@@ -1,4 +1,7 @@
-"""What a scoring run tells people: the report JSON's statistics, the terminal table and the plot.
+"""What a scoring run tells people: the report JSON, the terminal table and the plot.
+
+`klpipe score` gathers a run's totals and per-step entries as it streams; everything here turns
+them into the report, and never reads a row itself.
 
 Keys under `kl/` are the seed's logging keys and keep its 4-decimal rounding, so existing dashboards
 read them unchanged; every other number is written at full precision. Nothing here imports
@@ -7,12 +10,13 @@ matplotlib until a plot is asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from klpipe.controller import KLStats
+from klpipe.controller import KLController, KLStats
 from klpipe.errors import OutputError
 from klpipe.files import atomic_output
 
@@ -31,6 +35,91 @@ class Trajectory:
     kl_mean: np.ndarray  # (batches,) mean per-row KL of the batch
     kl_coeff: np.ndarray  # (batches,) coefficient applied to the batch's rows
     x_label: str  # axis title: "step", or "row" when each row is its own batch
+
+
+@dataclass
+class RunTotals:
+    """Running totals over a whole scoring run: what the summary and the histogram are made of."""
+
+    rows: int = 0
+    row_kls: list[np.ndarray] = field(default_factory=list)  # (rows,) per batch: percentiles, histogram
+    reward_sums: list[float] = field(default_factory=list)
+    adjusted_sums: list[float] = field(default_factory=list)
+    negative_k1: int = 0
+    extreme_count: int = 0
+    extreme_rows: list[str] = field(default_factory=list)  # the first few, named
+
+    def all_kls(self) -> np.ndarray:
+        return np.concatenate(self.row_kls) if self.row_kls else np.zeros(0)
+
+
+def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, negative_k1: int,
+               controller: KLController) -> dict:
+    """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since."""
+    adjusted = rewards - kl_coeff * kls  # the same arithmetic as the output column
+    entry = {"step": label, "rows": len(kls)}
+    entry.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
+    entry.update(
+        {
+            "kl_coeff_before": kl_coeff,
+            "kl_coeff_after": controller.kl_coeff,
+            "negative_k1_fraction": negative_k1 / len(kls),
+            "reward_mean_before": float(np.mean(rewards)),
+            "reward_mean_after": float(np.mean(adjusted)),
+        }
+    )
+    return entry
+
+
+def build_report(*, inputs: list[Path], output: Path, settings: dict, controller: KLController,
+                 kl_coeff_before: float, batch_count: int, steps: list[dict], totals: RunTotals,
+                 extreme_nats: float, warnings: list[str], seconds: float) -> dict:
+    """The report JSON: the run's settings, summary, per-step entries, histogram and warnings."""
+    kls = totals.all_kls()
+    rows = totals.rows
+    summary = {"rows": rows, "batches": batch_count}
+    summary.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
+    summary.update(
+        {
+            "kl_coeff_before": kl_coeff_before,
+            "kl_coeff_after": controller.kl_coeff,
+            "negative_k1_fraction": totals.negative_k1 / rows if rows else 0.0,
+            "reward_mean_before": math.fsum(totals.reward_sums) / rows if rows else 0.0,
+            "reward_mean_after": math.fsum(totals.adjusted_sums) / rows if rows else 0.0,
+        }
+    )
+    return {
+        "inputs": [str(p) for p in inputs],
+        "output": str(output),
+        "config": settings,
+        "summary": summary,
+        "steps": steps,
+        "histogram": histogram(kls),
+        "extreme_rows": {"threshold_nats": extreme_nats, "count": totals.extreme_count, "named": totals.extreme_rows},
+        "warnings": list(warnings),
+        "seconds": round(seconds, 3),
+    }
+
+
+def trajectory(has_steps: bool, steps: list[dict], step_kl_means: list[float], totals: RunTotals,
+               row_coeffs: list[np.ndarray]) -> Trajectory:
+    """The plot's x axis and series: one point per step, or per row when each row is its own batch."""
+    if has_steps:
+        labels = [s["step"] for s in steps]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in labels)
+        return Trajectory(
+            x=np.array(labels if numeric else range(len(labels)), dtype=np.float64),
+            kl_mean=np.array(step_kl_means),
+            kl_coeff=np.array([s["kl_coeff_before"] for s in steps]),
+            x_label="step" if numeric else "step (in order)",
+        )
+    kls = totals.all_kls()
+    return Trajectory(
+        x=np.arange(len(kls), dtype=np.float64),
+        kl_mean=kls,
+        kl_coeff=np.concatenate(row_coeffs) if row_coeffs else np.zeros(0),
+        x_label="row",
+    )
 
 
 def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, samples_processed: int) -> dict:

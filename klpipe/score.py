@@ -14,7 +14,6 @@ per-row KLs is held back.
 from __future__ import annotations
 
 import json
-import math
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -26,22 +25,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from klpipe import __version__, report
-from klpipe.arrow import first_null, first_null_in_lists, from_numpy, is_list_type, list_array, list_values, numpy_view
-from klpipe.cache import (
-    ID,
-    POLICY_LOGPROBS,
-    REF_LOGPROBS,
-    REWARD,
-    STEP,
-    check_compatible,
-    expand_cache_inputs,
-    read_provenance,
-)
+from klpipe.arrow import from_numpy, list_array, numpy_view
+from klpipe.cache import STEP, expand_cache_inputs
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import atomic_output, open_parquet, schema_difference, write_json_atomic
-from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, RowKL, row_kl
+from klpipe.files import atomic_output, write_json_atomic
+from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, row_kl
 from klpipe.rows import RowLocator
+from klpipe.score_input import check_batch, check_finite, open_caches, read_batches
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.
@@ -124,7 +115,7 @@ def score(config: ScoreConfig) -> ScoreResult:
     _refuse_overwriting_inputs(output, files)
     if config.plot is not None:
         _require_matplotlib(config.plot)
-    readers, schema = _open_inputs(files)
+    schema = open_caches(files)
     warnings: list[str] = []
 
     controller, previous_run = _load_controller(config, warnings)
@@ -145,14 +136,13 @@ def score(config: ScoreConfig) -> ScoreResult:
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
     )
-    totals = _RunTotals()
+    totals = report.RunTotals()
     with atomic_output(output) as tmp:
         # Three stages overlap: a thread decodes the next record batch, this thread scores, and
         # another thread encodes the previous row group (parquet and numpy release the GIL).
         with pq.ParquetWriter(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
             row_groups = _RowGroups(write, config.row_group_bytes)
-            batches_read = _read_batches(files, readers, config.batch_tokens, config.batch_bytes)
-            with closing(prefetch(batches_read)) as stream:
+            with closing(prefetch(read_batches(files, config.batch_tokens, config.batch_bytes))) as stream:
                 for batch, rows in stream:
                     scored = _score_batch(batch, rows, config, batches, totals, replaced)
                     row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
@@ -160,9 +150,17 @@ def score(config: ScoreConfig) -> ScoreResult:
         batches.finish()
         if totals.extreme_count:
             warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats))
-        run_report = _build_report(config, files, output, batches, totals, warnings, started)
+        settings = _settings(config)
+        settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
+        run_report = report.build_report(
+            inputs=files, output=output, settings=settings, controller=controller,
+            kl_coeff_before=batches.kl_coeff_before, batch_count=batches.batch_count, steps=batches.steps,
+            totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
+        )  # fmt: skip
         if config.plot is not None:
-            report.plot(Path(config.plot), batches.trajectory(totals), run_report)
+            trajectory = report.trajectory(batches.has_steps, batches.steps, batches.step_kl_means, totals,
+                                           batches.per_row_coeffs)
+            report.plot(Path(config.plot), trajectory, run_report)
         if config.report is not None:
             write_json_atomic(config.report, run_report)
     if config.state is not None:
@@ -172,35 +170,7 @@ def score(config: ScoreConfig) -> ScoreResult:
     return ScoreResult(output=output, report=run_report, warnings=warnings)
 
 
-# -- inputs -----------------------------------------------------------------------------------------
-
-
-def _read_batches(files: list[Path], readers: list[pq.ParquetFile], batch_tokens: int, batch_bytes: int):
-    """(record batch, where its rows come from), across all inputs in order."""
-    for path, reader in zip(files, readers, strict=True):
-        with reader:
-            first_index = 0
-            for batch in reader.iter_batches(batch_size=_rows_per_batch(reader, batch_tokens, batch_bytes)):
-                ids = batch.column(ID) if ID in batch.schema.names else None
-                yield batch, RowLocator(path, first_index, ids)
-                first_index += batch.num_rows
-
-
-def _rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int) -> int:
-    """Rows that hold about `batch_tokens` tokens and at most `batch_bytes` bytes, from the file's means.
-
-    The token budget alone would let a pass-through column of wide rows (documents, images) make
-    one record batch of gigabytes.
-    """
-    metadata = reader.metadata
-    groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
-    column = next(
-        i for i in range(metadata.num_columns) if reader.schema.column(i).path.split(".")[0] == POLICY_LOGPROBS
-    )
-    rows = max(1, metadata.num_rows)
-    mean_tokens = max(1.0, sum(g.column(column).num_values for g in groups) / rows)
-    mean_bytes = max(1.0, sum(g.total_byte_size for g in groups) / rows)  # uncompressed, every column
-    return max(1, int(min(batch_tokens / mean_tokens, batch_bytes / mean_bytes)))
+# -- outputs ----------------------------------------------------------------------------------------
 
 
 def _refuse_overwriting_inputs(output: Path, files: list[Path]) -> None:
@@ -216,52 +186,6 @@ def _require_matplotlib(plot_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise OutputError(f"{plot_path}: --plot needs matplotlib: pip install 'klpipe[plot]'")
-
-
-def _open_inputs(files: list[Path]) -> tuple[list[pq.ParquetFile], pa.Schema]:
-    """Open every input, check the columns score needs and that the caches belong together."""
-    readers = []
-    provenances = []
-    first_schema: pa.Schema | None = None
-    for path in files:
-        provenance = read_provenance(path)  # also rejects files that are not parquet
-        provenances.append((str(path), provenance))
-        reader = open_parquet(path)
-        schema = reader.schema_arrow
-        _check_columns(path, schema)
-        if first_schema is None:
-            first_schema = schema
-        elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
-            raise InputError(
-                f"{path}: columns differ from {files[0]} ({schema_difference(first_schema, schema)}); "
-                "score caches with the same columns together"
-            )
-        readers.append(reader)
-    check_compatible(provenances)
-    return readers, first_schema
-
-
-def _check_columns(path: Path, schema: pa.Schema) -> None:
-    missing = [name for name in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD) if name not in schema.names]
-    if missing:
-        if REF_LOGPROBS in missing:
-            hint = "run `klpipe precompute` on it first to add the reference logprobs"
-        elif POLICY_LOGPROBS in missing:
-            hint = "the rollouts must carry the sampling policy's per-token logprobs"
-        else:
-            hint = "add each rollout's reward before scoring"
-        raise InputError(f"{path}: no {' or '.join(missing)} column; {hint}")
-    for name in (POLICY_LOGPROBS, REF_LOGPROBS):
-        kind = schema.field(name).type
-        if not (is_list_type(kind) and pa.types.is_floating(kind.value_type)):
-            raise InputError(f"{path}: {name} must be a list of floats, got {kind}")
-    reward_type = schema.field(REWARD).type
-    if not (pa.types.is_floating(reward_type) or pa.types.is_integer(reward_type)):
-        raise InputError(f"{path}: {REWARD} must be numeric, got {reward_type}")
-    if STEP in schema.names:
-        step_type = schema.field(STEP).type
-        if not (pa.types.is_integer(step_type) or pa.types.is_string(step_type) or pa.types.is_large_string(step_type)):
-            raise InputError(f"{path}: {STEP} must be an integer or a string, got {step_type}")
 
 
 def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:
@@ -335,19 +259,6 @@ def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLContro
 
 
 # -- the stream -------------------------------------------------------------------------------------
-
-
-@dataclass
-class _RunTotals:
-    """Running totals over the whole run."""
-
-    rows: int = 0
-    row_kls: list[np.ndarray] = field(default_factory=list)  # (rows,) per batch: percentiles, histogram
-    reward_sums: list[float] = field(default_factory=list)
-    adjusted_sums: list[float] = field(default_factory=list)
-    negative_k1: int = 0
-    extreme_count: int = 0
-    extreme_rows: list[str] = field(default_factory=list)  # the first few, named
 
 
 @dataclass
@@ -429,47 +340,13 @@ class _ControllerBatches:
         if step is None:
             return
         kls = np.concatenate(step.kls)
-        rewards = np.concatenate(step.rewards)
         self.controller.observe_batch(kls.tolist())
-        adjusted = rewards - step.kl_coeff * kls  # the same arithmetic as the output column
         self.step_kl_means.append(float(np.mean(kls)))
-        entry = {"step": step.label, "rows": len(kls)}
-        entry.update(
-            report.kl_statistics(
-                kls, self.controller.kl_coeff, self.controller.adaptation_count, self.controller.samples_processed
-            )
-        )
-        entry.update(
-            {
-                "kl_coeff_before": step.kl_coeff,
-                "kl_coeff_after": self.controller.kl_coeff,
-                "negative_k1_fraction": step.negative_k1 / len(kls),
-                "reward_mean_before": float(np.mean(rewards)),
-                "reward_mean_after": float(np.mean(adjusted)),
-            }
-        )
-        self.steps.append(entry)
+        rewards = np.concatenate(step.rewards)
+        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, self.controller))
 
     def finish(self) -> None:
         self._close()
-
-    def trajectory(self, totals: _RunTotals) -> report.Trajectory:
-        if self.has_steps:
-            labels = [s["step"] for s in self.steps]
-            numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in labels)
-            return report.Trajectory(
-                x=np.array(labels if numeric else range(len(labels)), dtype=np.float64),
-                kl_mean=np.array(self.step_kl_means),
-                kl_coeff=np.array([s["kl_coeff_before"] for s in self.steps]),
-                x_label="step" if numeric else "step (in order)",
-            )
-        kls = np.concatenate(totals.row_kls) if totals.row_kls else np.zeros(0)
-        return report.Trajectory(
-            x=np.arange(len(kls), dtype=np.float64),
-            kl_mean=kls,
-            kl_coeff=np.concatenate(self.per_row_coeffs) if self.per_row_coeffs else np.zeros(0),
-            x_label="row",
-        )
 
 
 def _score_batch(
@@ -477,40 +354,18 @@ def _score_batch(
     rows: RowLocator,
     config: ScoreConfig,
     batches: _ControllerBatches,
-    totals: _RunTotals,
+    totals: report.RunTotals,
     replaced: list[str],
 ) -> list[pa.Array]:
-    """Validate one record batch and return its output columns."""
-    policy = batch.column(POLICY_LOGPROBS)
-    ref = batch.column(REF_LOGPROBS)
-    reward_column = batch.column(REWARD)
-    steps = batch.column(STEP) if batches.has_steps else None
-    _check_nulls(batch, rows, (REWARD, POLICY_LOGPROBS, REF_LOGPROBS) + ((STEP,) if steps is not None else ()))
-    policy_values, offsets = list_values(policy)
-    ref_values, ref_offsets = list_values(ref)
-    if not np.array_equal(offsets, ref_offsets):
-        i = int(np.flatnonzero(np.diff(offsets) != np.diff(ref_offsets))[0])
-        raise InputError(
-            f"{rows.name(i)}: {POLICY_LOGPROBS} has {offsets[i + 1] - offsets[i]} "
-            f"tokens but {REF_LOGPROBS} has {ref_offsets[i + 1] - ref_offsets[i]}; both must cover the same "
-            "response tokens (rerun `klpipe precompute` with the policy's tokenization)"
-        )
-    for name, values_array in ((POLICY_LOGPROBS, policy), (REF_LOGPROBS, ref)):
-        _check_value_nulls(rows, name, values_array)
-
-    reward = numpy_view(reward_column).astype(np.float64, copy=False)
-    bad_reward = ~np.isfinite(reward)
-    if bad_reward.any():
-        i = int(np.flatnonzero(bad_reward)[0])
-        raise InputError(f"{rows.name(i)}: {REWARD} is {_describe(reward[i])}")
-
-    estimate = row_kl(
-        policy_values, ref_values, offsets, config.estimator, config.aggregate, config.clamp, config.per_token
-    )
-    _check_finite(estimate, rows, policy_values, ref_values, offsets, config.estimator)
+    """Check one record batch and return its output columns."""
+    logprobs = check_batch(batch, rows, batches.has_steps)
+    estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, config.estimator, config.aggregate,
+                      config.clamp, config.per_token)
+    check_finite(estimate, logprobs, rows, config.estimator)
 
     kl = estimate.kl
-    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1)
+    reward = logprobs.reward
+    coeffs = batches.coefficients(batch.column(STEP) if batches.has_steps else None, kl, reward, estimate.negative_k1)
     penalty = coeffs * kl
     adjusted = reward - penalty
 
@@ -530,80 +385,3 @@ def _score_batch(
     if config.per_token:
         columns.append(list_array(estimate.offsets, estimate.token_kl))
     return columns
-
-
-def _describe(value: float) -> str:
-    return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
-
-
-def _check_nulls(batch: pa.RecordBatch, rows: RowLocator, names: tuple[str, ...]) -> None:
-    for name in names:
-        i = first_null(batch.column(name))
-        if i is not None:
-            raise InputError(f"{rows.name(i)}: {name} is null")
-
-
-def _check_value_nulls(rows: RowLocator, name: str, array: pa.Array) -> None:
-    i = first_null_in_lists(array)
-    if i is not None:
-        raise InputError(f"{rows.name(i)}: {name} holds a null")
-
-
-def _check_finite(estimate: RowKL, rows: RowLocator, policy_values, ref_values, offsets, estimator) -> None:
-    # A non-finite logprob makes its row's max |policy − ref| non-finite, so the per-row values
-    # (not the tokens) are scanned; the tokens are looked at only to name the culprit.
-    bad_rows = ~np.isfinite(estimate.max_abs_diff)
-    if bad_rows.any():
-        i = int(np.flatnonzero(bad_rows)[0])
-        for name, values in ((POLICY_LOGPROBS, policy_values), (REF_LOGPROBS, ref_values)):
-            row_values = values[offsets[i] : offsets[i + 1]]
-            bad = row_values[~np.isfinite(row_values)]
-            if bad.size:
-                raise InputError(f"{rows.name(i)}: {name} holds {_describe(bad[0])}")
-    overflow = ~np.isfinite(estimate.kl)
-    if overflow.any():
-        i = int(np.flatnonzero(overflow)[0])
-        raise InputError(
-            f"{rows.name(i)}: the {estimator} KL overflows (|policy − ref| up to "
-            f"{estimate.max_abs_diff[i]:.0f} nats); the policy and reference almost certainly tokenized differently"
-        )
-
-
-# -- the report -------------------------------------------------------------------------------------
-
-
-def _build_report(config, files, output, batches: _ControllerBatches, totals: _RunTotals, warnings, started) -> dict:
-    controller = batches.controller
-    kls = np.concatenate(totals.row_kls) if totals.row_kls else np.zeros(0)
-    rows = totals.rows
-    summary = {"rows": rows, "batches": batches.batch_count}
-    summary.update(
-        report.kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed)
-    )
-    summary.update(
-        {
-            "kl_coeff_before": batches.kl_coeff_before,
-            "kl_coeff_after": controller.kl_coeff,
-            "negative_k1_fraction": totals.negative_k1 / rows if rows else 0.0,
-            "reward_mean_before": math.fsum(totals.reward_sums) / rows if rows else 0.0,
-            "reward_mean_after": math.fsum(totals.adjusted_sums) / rows if rows else 0.0,
-        }
-    )
-    settings = _settings(config)
-    settings["state"] = str(config.state) if config.state is not None else None
-    settings["reset_state"] = config.reset_state
-    return {
-        "inputs": [str(p) for p in files],
-        "output": str(output),
-        "config": settings,
-        "summary": summary,
-        "steps": batches.steps,
-        "histogram": report.histogram(kls),
-        "extreme_rows": {
-            "threshold_nats": config.extreme_nats,
-            "count": totals.extreme_count,
-            "named": totals.extreme_rows,
-        },
-        "warnings": list(warnings),
-        "seconds": round(time.perf_counter() - started, 3),
-    }

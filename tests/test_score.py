@@ -10,7 +10,8 @@ import pytest
 from klpipe.cache import ID, METADATA_KEY, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.controller import ControllerConfig
 from klpipe.errors import InputError, OutputError, ProvenanceError, StateError
-from klpipe.score import SCORE_METADATA_KEY, ScoreConfig, _rows_per_batch, default_output, score
+from klpipe.score import SCORE_METADATA_KEY, ScoreConfig, default_output, score
+from klpipe.score_input import rows_per_batch
 from tests.helpers import CACHE_SCHEMA, make_rows, provenance, seed_config, seed_controller, write_cache
 
 SCORED = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
@@ -51,7 +52,7 @@ def test_output_matches_the_seed_with_steps_spanning_batches_and_files(tmp_path)
     # Row 23 sits inside step 4, so that step spans the two files; 3-row record batches split steps too.
     first = write_cache(tmp_path / "a.parquet", rows[:23])
     second = write_cache(tmp_path / "b.parquet", rows[23:])
-    assert _rows_per_batch(pq.ParquetFile(first), 8, ScoreConfig.batch_bytes) < 5  # record batches smaller than a step
+    assert rows_per_batch(pq.ParquetFile(first), 8, ScoreConfig.batch_bytes) < 5  # record batches smaller than a step
     result = run(tmp_path, [first, second], batch_tokens=8, controller=ControllerConfig(**CONTROL))
 
     expected, seed = seed_scores(rows, **CONTROL)
