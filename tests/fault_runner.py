@@ -52,6 +52,7 @@ import klpipe.reference
 import klpipe.report
 import klpipe.rollouts
 import klpipe.score
+import klpipe.workdir
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
@@ -63,7 +64,7 @@ PHASES = {
     "tokenize": "ChunkTokenizer.__call__: before the n-th chunk is tokenized",
     "forward": "inside the model's n-th forward pass, between its first and second decoder layer",
     "write": "pyarrow.parquet.write_table (a chunk): the tmp file is cut to `fraction` of its size first",
-    "commit": "WorkDir.write_chunk: after the n-th chunk is renamed into place, before the next",
+    "commit": "klpipe.workdir.WorkDir.write_chunk: after the n-th chunk is renamed into place, before the next",
     "merge": "ParquetWriter.write_table: after the n-th row group of the merged output",
     "rename": "os.replace onto a file matching `match`: `when` before or after it",
     # score
@@ -155,10 +156,10 @@ class _Injector:
 def _install(inj: _Injector) -> None:
     fault = inj.fault
     rollouts = klpipe.rollouts
-    precompute = klpipe.precompute
+    workdir = klpipe.workdir
 
     # Always traced: which chunks were committed before a fault.
-    original_write_chunk = precompute.WorkDir.write_chunk
+    original_write_chunk = workdir.WorkDir.write_chunk
 
     def write_chunk(self, tokenized, logprobs):
         original_write_chunk(self, tokenized, logprobs)
@@ -166,7 +167,7 @@ def _install(inj: _Injector) -> None:
         if inj.reached("commit"):
             inj.fire()
 
-    precompute.WorkDir.write_chunk = write_chunk
+    workdir.WorkDir.write_chunk = write_chunk
 
     original_iter_file_rows = rollouts._iter_file_rows
 

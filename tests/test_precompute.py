@@ -138,7 +138,7 @@ def test_rerun_of_finished_output_is_a_noop_and_different_run_refuses(tmp_path):
 def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypatch):
     full = pq.read_table(run(tmp_path, name="full.parquet", chunk_rows=8).output)
 
-    from klpipe.precompute import WorkDir
+    from klpipe.workdir import WorkDir
 
     real_write = WorkDir.write_chunk
     written = []

@@ -1,0 +1,177 @@
+"""`<output>.partial/`: a precompute run's work directory, the one place its resume state lives.
+
+It holds `run.json` (what the run is: rows, chunk size, mode, provenance), a lock file that keeps
+a second run off the same output, and one parquet file per finished chunk. Chunk files appear
+atomically, so a kill at any point leaves only whole chunks; a rerun with the same `run.json`
+skips them, and the merge turns them into the output.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from klpipe import cache
+from klpipe.arrow import list_array, offsets_from_lengths
+from klpipe.errors import InputError, OutputError, ProvenanceError
+from klpipe.files import atomic_output, open_parquet
+from klpipe.rollouts import TOKEN_ID_TYPE, Rollouts, TokenizedChunk
+
+CHUNK_PATTERN = "chunk-{:08d}.parquet"
+
+
+class WorkDir:
+    """`<output>.partial/`: the run description, a lock, and one parquet file per finished chunk."""
+
+    def __init__(self, output: Path, chunk_rows: int, provenance: cache.Provenance, rollouts: Rollouts,
+                 rows: tuple[int, int], overwrite: bool = False):
+        self.output = output
+        self.overwrite = overwrite  # discard another run's work directory instead of refusing
+        self.path = output.with_name(output.name + ".partial")
+        self.provenance = provenance
+        self.run = {
+            "chunk_rows": chunk_rows,
+            "provenance": json.loads(provenance.to_json()),
+            "rows": list(rows),
+            "mode": rollouts.mode,
+        }
+        self.output_schema = self._output_schema(rollouts)
+        self._lock_file = None
+
+    def _output_schema(self, rollouts: Rollouts) -> pa.Schema:
+        schema = rollouts.schema
+        if rollouts.mode == "text":
+            for name in (cache.PROMPT_IDS, cache.RESPONSE_IDS):
+                if name in schema.names:
+                    schema = schema.set(schema.get_field_index(name), pa.field(name, TOKEN_ID_TYPE))
+                else:
+                    schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
+        if cache.REF_LOGPROBS in schema.names:
+            raise InputError(f"{rollouts.files[0].path}: already has a {cache.REF_LOGPROBS} column; "
+                             "is this a cache? precompute reads rollouts")
+        schema = schema.append(pa.field(cache.REF_LOGPROBS, cache.REF_LOGPROBS_TYPE))
+        return cache.schema_with_provenance(schema, self.provenance)
+
+    def locked(self):
+        return _Locked(self)
+
+    def _acquire(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.path / "lock", "w")
+        except OSError as exc:
+            raise OutputError(f"{self.path}: cannot create the work directory ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise OutputError(f"another klpipe run is writing {self.output} (lock held on {self.path / 'lock'})") from None
+        try:
+            self._check_run_file()
+        except BaseException:
+            self._release()  # __exit__ will not run when __enter__ fails
+            raise
+
+    def _check_run_file(self) -> None:
+        run_file = self.path / "run.json"
+        if run_file.exists():
+            try:
+                previous = json.loads(run_file.read_text())
+            except ValueError:
+                previous = None
+            if previous != self.run and not self.overwrite:
+                raise ProvenanceError(
+                    f"{self.path} holds work from a different run ({_run_difference(previous, self.run)}); "
+                    "rerun the original command, or pass --overwrite to start over"
+                )
+            if previous != self.run:  # --overwrite: that run's chunks are of no use to this one
+                for stale in self.path.glob("chunk-*.parquet"):
+                    stale.unlink()
+                run_file.unlink()
+        if not run_file.exists():
+            with atomic_output(run_file) as tmp:
+                tmp.write_text(json.dumps(self.run, indent=2, sort_keys=True))
+
+    def _release(self) -> None:
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    def finished_chunks(self) -> set[int]:
+        return {int(p.stem.split("-")[1]) for p in self.path.glob("chunk-*.parquet")}
+
+    def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray]) -> None:
+        offsets = offsets_from_lengths([len(x) for x in logprobs])
+        values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
+        column = list_array(offsets, values)  # cache.REF_LOGPROBS_TYPE
+        table = tokenized.table.append_column(cache.REF_LOGPROBS, column)
+        table = table.cast(self.output_schema)
+        path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
+        with atomic_output(path) as tmp:
+            pq.write_table(table, tmp)
+
+    def merge_into(self, output: Path) -> None:
+        chunks = sorted(self.path.glob("chunk-*.parquet"))
+        expected = self.run["rows"][1] - self.run["rows"][0]
+        with atomic_output(output, tmp_dir=self.path) as tmp:
+            rows = 0
+            with pq.ParquetWriter(tmp, self.output_schema) as writer:
+                for path in chunks:
+                    # One chunk in memory at a time, and each chunk stays one row group of the cache.
+                    with open_parquet(path) as chunk:
+                        for group in range(chunk.num_row_groups):
+                            table = chunk.read_row_group(group).cast(self.output_schema)
+                            rows += table.num_rows
+                            writer.write_table(table)
+            if rows != expected:  # a guard against a lost or duplicated chunk, never expected to fire
+                raise OutputError(f"{self.path}: chunks hold {rows} rows, expected {expected}; delete it and rerun")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def remove_if_finished(self) -> None:
+        """Remove a work directory left behind by a run whose output is in place, under its lock."""
+        if not self.path.is_dir():
+            return
+        try:
+            with self.locked():  # refuses if another run holds it, and checks run.json matches
+                self.remove()
+        except (OutputError, ProvenanceError):
+            pass  # another run's, or another command's: not ours to delete
+
+
+class _Locked:
+    def __init__(self, work: WorkDir):
+        self.work = work
+
+    def __enter__(self):
+        self.work._acquire()
+        return self.work
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and not self.work.finished_chunks():
+            # Nothing worth resuming: leave no trace of a run that failed before its first chunk.
+            # Removed while still locked, so no other run can start in between.
+            self.work.remove()
+        self.work._release()
+
+
+def _run_difference(previous: dict | None, current: dict) -> str:
+    if not isinstance(previous, dict):
+        return "unreadable run.json"
+    for key in ("chunk_rows", "rows", "mode"):
+        if previous.get(key) != current.get(key):
+            return f"{key} {previous.get(key)!r} vs {current.get(key)!r}"
+    before, now = previous.get("provenance", {}), current["provenance"]
+    for key in ("model", "revision", "tokenizer", "dtype", "temperature", "inputs", "klpipe_version"):
+        if before.get(key) != now.get(key):
+            return f"{'input files changed' if key == 'inputs' else key + ' differs'}"
+    return "settings differ"
