@@ -7,7 +7,6 @@ Pure pyarrow: importing this module must never pull in torch.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -98,74 +97,3 @@ def check_compatible(provenances: list[tuple[str, Provenance | None]]) -> None:
                     f"caches disagree on {key}: {first_name} has {a!r}, {name} has {b!r}; "
                     "score caches made with one reference model and settings at a time"
                 )
-
-
-
-# -- sharded outputs ------------------------------------------------------------------------------
-
-PART_PATTERN = re.compile(r"^part-(\d+)-of-(\d+)\.parquet$")
-
-
-def expand_cache_inputs(paths: list[str | Path]) -> list[Path]:
-    """Cache files in scoring order. A directory of shard parts must be complete and consistent.
-
-    A sharded precompute writes `part-<i>-of-<n>.parquet` plus a `.done` marker per shard; the
-    parts in index order concatenate to the input order. Scoring a directory with a missing or
-    unfinished shard, shards from different runs (n or provenance), would silently skip or mix rows.
-    """
-    from klpipe.files import PARQUET_SUFFIXES, expand_inputs
-
-    found: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir() and any(PART_PATTERN.match(p.name) for p in path.iterdir()):
-            found.extend(_shard_parts(path))
-        else:
-            found.extend(expand_inputs([path], PARQUET_SUFFIXES))
-    return found
-
-
-def _shard_parts(directory: Path) -> list[Path]:
-    parts: dict[int, Path] = {}
-    counts: set[int] = set()
-    for path in sorted(directory.iterdir()):
-        match = PART_PATTERN.match(path.name)
-        if match:
-            index, count = int(match.group(1)), int(match.group(2))
-            parts[index] = path
-            counts.add(count)
-    if len(counts) > 1:
-        raise ProvenanceError(f"{directory}: holds parts of runs with different shard counts "
-                              f"({', '.join(str(c) for c in sorted(counts))}); remove the stale parts")
-    count = counts.pop()
-    missing = [i for i in range(count) if i not in parts]
-    unfinished = [i for i, p in sorted(parts.items()) if not p.with_suffix(".done").is_file()]
-    if missing or unfinished:
-        problems = []
-        if missing:
-            problems.append(f"missing shard{'s' if len(missing) > 1 else ''} {_ranges(missing)}")
-        if unfinished:
-            problems.append(f"no completion marker for shard{'s' if len(unfinished) > 1 else ''} {_ranges(unfinished)}")
-        raise InputError(f"{directory}: incomplete: {' and '.join(problems)} of {count}; "
-                         "rerun those shards of klpipe precompute first")
-    ordered = [parts[i] for i in range(count)]
-    provenances = [(str(p), read_provenance(p)) for p in ordered]
-    check_compatible(provenances)
-    first_name, first = provenances[0]
-    next_row = 0
-    for name, provenance in provenances:
-        if provenance is None or provenance.shard is None:
-            raise ProvenanceError(f"{name}: a part file without klpipe shard provenance")
-        if provenance.inputs != first.inputs:
-            raise ProvenanceError(f"caches disagree on their input files: {first_name} and {name} were made "
-                                  "from different rollouts; rerun klpipe precompute into a clean directory")
-        start, stop = provenance.shard["rows"]
-        if start != next_row:
-            raise ProvenanceError(f"{name}: covers rows {start}..{stop}, expected to start at row {next_row}")
-        next_row = stop
-    return ordered
-
-
-def _ranges(indices: list[int]) -> str:
-    shown = ", ".join(str(i) for i in indices[:10])
-    return shown + (f" and {len(indices) - 10} more" if len(indices) > 10 else "")

@@ -11,17 +11,16 @@ removed once the output is in place.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from klpipe import __version__, cache
+from klpipe import __version__, cache, sharding
 from klpipe.batching import plan_batches
 from klpipe.errors import InputError, OutputError
-from klpipe.files import fingerprint, write_json_atomic
+from klpipe.files import fingerprint
 from klpipe.progress import Progress, peak_memory
 from klpipe.rollouts import ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
@@ -88,7 +87,6 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     shard = config.shard
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
     output = shard.part_path(config.output) if shard else config.output
-    marker = shard.marker_path(config.output) if shard else None
     if shard and config.output.is_file():
         raise OutputError(f"{config.output} is a file; a sharded run writes its part into an output directory")
     spec = reference.ModelSpec(
@@ -112,7 +110,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     summary = PrecomputeSummary(output=output)
     what = f"shard {shard.index} of {shard.count} ({output})" if shard else str(output)
 
-    if output.exists() and (marker is None or marker.exists()):
+    if output.exists() and (shard is None or sharding.is_complete(output)):
         existing = cache.read_provenance(output) if output.is_file() else None
         if existing is not None and _same_run(existing, provenance):
             log(f"{what} is already complete for these inputs and this model; nothing to do")
@@ -122,8 +120,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
             return summary
         if not config.overwrite:
             raise OutputError(f"{output} exists and was made by a different run; pass --overwrite to replace it")
-    if marker is not None:
-        marker.unlink(missing_ok=True)  # a part is complete only once its marker is rewritten
+    if shard is not None:
+        sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions)
@@ -163,10 +161,9 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
                 summary.seconds = time.perf_counter() - compute_started
         work.merge_into(output)
         summary.peak_memory = peak_memory()
-        if marker is not None:
+        if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
-            write_json_atomic(marker, {"rows": rows[1] - rows[0], "provenance": json.loads(provenance.to_json())},
-                              tmp_dir=work.path)
+            sharding.mark_complete(output, rows[1] - rows[0], provenance, tmp_dir=work.path)
         work.remove()
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started

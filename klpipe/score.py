@@ -26,13 +26,13 @@ import pyarrow.parquet as pq
 
 from klpipe import __version__, report
 from klpipe.arrow import from_numpy, list_array, numpy_view
-from klpipe.cache import STEP, expand_cache_inputs
+from klpipe.cache import STEP
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files import atomic_output, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, row_kl
 from klpipe.rows import RowLocator
-from klpipe.score_input import check_batch, check_finite, open_caches, read_batches
+from klpipe.score_input import check_batch, check_finite, expand_cache_inputs, open_caches, read_batches
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.

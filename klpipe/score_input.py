@@ -20,9 +20,10 @@ import pyarrow.parquet as pq
 from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_values, numpy_view
 from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP, check_compatible, read_provenance
 from klpipe.errors import InputError
-from klpipe.files import open_parquet, schema_difference
+from klpipe.files import PARQUET_SUFFIXES, expand_inputs, open_parquet, schema_difference
 from klpipe.kl import RowKL
 from klpipe.rows import RowLocator
+from klpipe.sharding import is_shard_directory, shard_parts
 
 
 @dataclass
@@ -33,6 +34,19 @@ class Logprobs:
     ref: np.ndarray  # (tokens,) reference logprob of the same token
     offsets: np.ndarray  # (rows + 1,) zero-based row offsets, shared by both
     reward: np.ndarray  # (rows,) float64
+
+
+def expand_cache_inputs(paths: list[str | Path]) -> list[Path]:
+    """Cache files in scoring order: files as given, directories' files sorted by name, and a sharded
+    run's output directory in shard order once sharding.py has found it complete."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if is_shard_directory(path):
+            found.extend(shard_parts(path))
+        else:
+            found.extend(expand_inputs([path], PARQUET_SUFFIXES))
+    return found
 
 
 def open_caches(files: list[Path]) -> pa.Schema:

@@ -182,7 +182,7 @@ def write_wide_rows(path: Path, rows: int, *, tokens: int = 3, blob_bytes: int =
         blob[:, :random_bytes] = np.frombuffer(rng.bytes(n * random_bytes), np.uint8).reshape(n, random_bytes)
         columns = {
             "id": pa.array([f"r{i}" for i in range(start, start + n)]),
-            "step": pa.array(np.arange(start, start + n) // 16),
+            "step": pa.array(np.arange(start, start + n) // 256),  # a training step of 256 rollouts
             "prompt_ids": pa.ListArray.from_arrays(offsets, ids),
             "response_ids": pa.ListArray.from_arrays(offsets, ids),
             "policy_logprobs": logprobs[0],

@@ -12,6 +12,7 @@ from klpipe.controller import ControllerConfig
 from klpipe.errors import InputError, OutputError, ProvenanceError, StateError
 from klpipe.score import SCORE_METADATA_KEY, ScoreConfig, default_output, score
 from klpipe.score_input import rows_per_batch
+from klpipe.sharding import mark_complete
 from tests.helpers import CACHE_SCHEMA, make_rows, provenance, seed_config, seed_controller, write_cache
 
 SCORED = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
@@ -426,7 +427,7 @@ def _shard_directory(tmp_path: Path, rows: list[dict], count: int) -> Path:
             rows[bounds[i] : bounds[i + 1]],
             provenance=provenance(shard=shard),
         )
-        part.with_suffix(".done").touch()
+        mark_complete(part, bounds[i + 1] - bounds[i], provenance(shard=shard), tmp_dir=directory)
     return directory
 
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klpipe.cache import expand_cache_inputs
 from klpipe.errors import InputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
-from klpipe.sharding import Shard, local_device, resolve_shard
+from klpipe.score_input import expand_cache_inputs
+from klpipe.sharding import Shard, is_complete, local_device, marker_path, parse_part_name, resolve_shard
 from tests.helpers import ROLLOUTS, TINY_LLAMA
 
 
@@ -81,6 +81,14 @@ def test_sharded_parts_concatenate_to_the_single_process_output(tmp_path, single
     assert marker["rows"] == pq.read_metadata(parts[0]).num_rows
 
 
+def test_part_names_and_markers_have_one_owner(tmp_path):
+    part = Shard(3, 12).part_path(tmp_path)
+    assert part.name == "part-00003-of-00012.parquet" and parse_part_name(part.name) == Shard(3, 12)
+    assert parse_part_name("part-3-of-12.parquet") == Shard(3, 12)
+    assert parse_part_name("part-00003-of-00012.done") is None and parse_part_name("cached.parquet") is None
+    assert marker_path(part) == tmp_path / "part-00003-of-00012.done"
+
+
 def test_rerun_of_a_finished_shard_is_a_noop(tmp_path):
     first = run(tmp_path / "out", Shard(1, 2))
     stamp = first.output.stat().st_mtime_ns
@@ -100,6 +108,16 @@ def test_incomplete_and_mixed_shard_directories_are_refused(tmp_path):
     with pytest.raises(InputError, match="incomplete: no completion marker for shard 1 of 3"):
         expand_cache_inputs([out])
     run(out, Shard(1, 3))
+    # A marker that does not describe its part: left by another run, or the part replaced since.
+    marker = out / "part-00002-of-00003.done"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "rows": 99}))
+    with pytest.raises(InputError) as excinfo:
+        expand_cache_inputs([out])
+    assert str(excinfo.value) == (f"{out}: incomplete: a completion marker that does not match its part for shard 2 "
+                                  "of 3; rerun those shards of klpipe precompute first")
+    assert not is_complete(out / "part-00002-of-00003.parquet")
+    run(out, Shard(2, 3))  # not complete, so the rerun rewrites the part and its marker
+    assert is_complete(out / "part-00002-of-00003.parquet")
 
     run(out, Shard(0, 2))  # a stale part from a 2-shard run of the same inputs
     with pytest.raises(ProvenanceError, match=r"holds parts of runs with different shard counts \(2, 3\)"):
