@@ -21,18 +21,24 @@ from klpipe import __version__, cache, sharding
 from klpipe.batching import plan_batches
 from klpipe.errors import InputError, OutputError
 from klpipe.files import fingerprint
-from klpipe.progress import Progress, peak_memory
+from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
 from klpipe.rollouts import ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.threads import prefetch
 from klpipe.workdir import WorkDir
 
+# Default output name beside a single input (see default_output).
+OUTPUT_SUFFIX = ".cached.parquet"
+
+
 @dataclass
 class PrecomputeConfig:
+    """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
+
     inputs: list[Path]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files
-    output: Path
     model: str  # hub id or local directory
+    output: Path | None = None  # the cache (a directory when sharded); None: default_output(inputs)
     revision: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
@@ -44,6 +50,17 @@ class PrecomputeConfig:
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
     log_interval: float = 30.0  # seconds between progress log lines
     shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise InputError("--temperature must be positive")
+        if self.chunk_rows < 1:
+            raise InputError("--chunk-rows must be at least 1")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
+            raise InputError("--max-tokens-per-batch must be at least 1")
+        if self.progress not in PROGRESS_MODES:
+            raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
+                             f"not {self.progress!r}")
 
 
 @dataclass
@@ -73,53 +90,42 @@ def default_max_tokens(device: str) -> int:
     return 65536 if device.startswith("cuda") else 2048
 
 
+def default_output(inputs: list[Path], shard: Shard | None = None) -> Path:
+    """<stem>.cached.parquet beside a single input; a sharded run or several inputs need --output."""
+    if shard is not None:
+        raise InputError("--output DIR is required for a sharded run")
+    if len(inputs) != 1:
+        raise InputError("--output is required with several inputs")
+    only = Path(inputs[0])
+    return only.with_name(only.name.split(".")[0] + OUTPUT_SUFFIX)
+
+
 def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
+    """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks."""
     from klpipe import reference  # torch lives behind this import
 
-    if config.temperature <= 0:
-        raise InputError("--temperature must be positive")
-    if config.chunk_rows < 1:
-        raise InputError("--chunk-rows must be at least 1")
-    if config.max_tokens_per_batch is not None and config.max_tokens_per_batch < 1:
-        raise InputError("--max-tokens-per-batch must be at least 1")
     started = time.perf_counter()
     rollouts = open_rollouts(config.inputs)  # schema and mode checks before anything heavy
     shard = config.shard
+    destination = Path(config.output) if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
-    output = shard.part_path(config.output) if shard else config.output
-    if shard and config.output.is_file():
-        raise OutputError(f"{config.output} is a file; a sharded run writes its part into an output directory")
+    output = shard.part_path(destination) if shard else destination
+    if shard and destination.is_file():
+        raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
     spec = reference.ModelSpec(
         name=config.model, revision=config.revision, dtype=config.dtype,
         device=config.device, trust_remote_code=config.trust_remote_code,
     )
     model_config = reference.load_config(spec)
     tokenizer = reference.load_tokenizer(spec)
-    device, _ = reference.resolve_device(spec.device)
-    dtype = reference.resolve_dtype(spec.dtype, device)
-    provenance = cache.Provenance(
-        model=config.model,
-        revision=reference.weights_fingerprint(spec, model_config),
-        tokenizer=reference.tokenizer_fingerprint(tokenizer),
-        dtype=str(dtype).removeprefix("torch."),
-        temperature=float(config.temperature),
-        klpipe_version=__version__,
-        inputs=[fingerprint(f.path) for f in rollouts.files],
-        shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
-    )
+    provenance = _provenance(config, spec, model_config, tokenizer, rollouts, rows)
     summary = PrecomputeSummary(output=output)
-    what = f"shard {shard.index} of {shard.count} ({output})" if shard else str(output)
 
-    if output.exists() and (shard is None or sharding.is_complete(output)):
-        existing = cache.read_provenance(output) if output.is_file() else None
-        if existing is not None and _same_run(existing, provenance):
-            log(f"{what} is already complete for these inputs and this model; nothing to do")
-            summary.skipped = True
-            # A kill between the final rename and the cleanup leaves the finished work directory.
-            WorkDir(output, config.chunk_rows, provenance, rollouts, rows).remove_if_finished()
-            return summary
-        if not config.overwrite:
-            raise OutputError(f"{output} exists and was made by a different run; pass --overwrite to replace it")
+    if _already_done(output, provenance, config, log):
+        summary.skipped = True
+        # A kill between the final rename and the cleanup leaves the finished work directory.
+        WorkDir(output, config.chunk_rows, provenance, rollouts, rows).remove_if_finished()
+        return summary
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -132,33 +138,14 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         if len(done) < len(sizes):
             # Validate every row before loading gigabytes of weights: a bad row at the end of the
             # input should fail in seconds, not after hours of compute.
-            for chunk in iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows):
-                tokenize(chunk)
-                stop.check()
+            _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
             model = reference.ReferenceModel.load(spec)
             summary.load_seconds = time.perf_counter() - load_started
-            max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
             summary.resumed_chunks = len(done)
             if done:
                 log(f"resuming: {len(done)} of {len(sizes)} chunks already done in {work.path}")
-            progress = Progress(config.progress, total_rows=rows[1] - rows[0],
-                                initial_rows=sum(sizes[i] for i in done), log=log, interval=config.log_interval)
-            compute_started = time.perf_counter()
-            try:
-                chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
-                # Reading and tokenizing the next chunks overlaps with the model's work on this one.
-                for tokenized in prefetch(map(tokenize, chunks)):
-                    logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
-                    work.write_chunk(tokenized, logprobs)
-                    response_tokens = int(tokenized.response_lengths().sum())
-                    summary.rows += tokenized.num_rows
-                    summary.tokens += response_tokens
-                    progress.update(tokenized.num_rows, response_tokens)
-                    stop.check()
-            finally:
-                progress.close()
-                summary.seconds = time.perf_counter() - compute_started
+            _run_chunks(model, rollouts, tokenize, work, config, rows, done, summary, stop, log)
         work.merge_into(output)
         summary.peak_memory = peak_memory()
         if shard is not None:
@@ -168,6 +155,72 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows) -> cache.Provenance:
+    """How this run's cache is made: what a rerun must match to skip or resume it."""
+    from klpipe import reference
+
+    device, _ = reference.resolve_device(spec.device)
+    dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU
+    shard = config.shard
+    return cache.Provenance(
+        model=config.model,
+        revision=reference.weights_fingerprint(spec, model_config),
+        tokenizer=reference.tokenizer_fingerprint(tokenizer),
+        dtype=str(dtype).removeprefix("torch."),
+        temperature=float(config.temperature),
+        klpipe_version=__version__,
+        inputs=[fingerprint(f.path) for f in rollouts.files],
+        shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
+    )
+
+
+def _already_done(output: Path, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
+    """True when `output` is complete and made by this very run; refuses another run's output unless --overwrite."""
+    shard = config.shard
+    if not (output.exists() and (shard is None or sharding.is_complete(output))):
+        return False
+    existing = cache.read_provenance(output) if output.is_file() else None
+    if existing is not None and _same_run(existing, provenance):
+        what = f"shard {shard.index} of {shard.count} ({output})" if shard else str(output)
+        log(f"{what} is already complete for these inputs and this model; nothing to do")
+        return True
+    if not config.overwrite:
+        raise OutputError(f"{output} exists and was made by a different run; pass --overwrite to replace it")
+    return False
+
+
+def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tuple[int, int], done: set[int],
+                   stop: StopOnSignal) -> None:
+    """Tokenize and check every chunk not yet done; the first bad row raises."""
+    for chunk in iter_chunks(rollouts, chunk_rows, skip=done, rows=rows):
+        tokenize(chunk)
+        stop.check()
+
+
+def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
+                rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
+    """Score every chunk not yet done and checkpoint each one in the work directory."""
+    sizes = chunk_sizes(rows, config.chunk_rows)
+    max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
+    progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=sum(sizes[i] for i in done),
+                        log=log, interval=config.log_interval)
+    compute_started = time.perf_counter()
+    try:
+        chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
+        # Reading and tokenizing the next chunks overlaps with the model's work on this one.
+        for tokenized in prefetch(map(tokenize, chunks)):
+            logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
+            work.write_chunk(tokenized, logprobs)
+            response_tokens = int(tokenized.response_lengths().sum())
+            summary.rows += tokenized.num_rows
+            summary.tokens += response_tokens
+            progress.update(tokenized.num_rows, response_tokens)
+            stop.check()
+    finally:
+        progress.close()
+        summary.seconds = time.perf_counter() - compute_started
 
 
 def _score_chunk(model, tokenized: TokenizedChunk, max_tokens: int, temperature: float,

@@ -6,6 +6,8 @@ import resource
 import sys
 import time
 
+PROGRESS_MODES = ("auto", "bar", "log", "none")  # auto: bar on a terminal, log lines otherwise
+
 
 class Progress:
     def __init__(self, mode: str, total_rows: int, initial_rows: int = 0, log=print, interval: float = 30.0):

@@ -11,8 +11,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klpipe import cache
-from klpipe.errors import OutputError, ProvenanceError
-from klpipe.precompute import PrecomputeConfig, precompute
+from klpipe.errors import InputError, OutputError, ProvenanceError
+from klpipe.precompute import PrecomputeConfig, default_output, precompute
+from klpipe.sharding import Shard
 from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, oracle_logprobs
 
 TOLERANCE = 1e-4
@@ -22,6 +23,26 @@ def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kw
     config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name, model=str(model),
                               device="cpu", progress="none", **kwargs)
     return precompute(config, log=lambda message: None)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("temperature", 0.0, "--temperature must be positive"),
+    ("chunk_rows", 0, "--chunk-rows must be at least 1"),
+    ("max_tokens_per_batch", 0, "--max-tokens-per-batch must be at least 1"),
+    ("progress", "fancy", "--progress must be auto, bar, log or none, not 'fancy'"),
+])
+def test_the_config_refuses_bad_arguments(option, value, message):
+    with pytest.raises(InputError) as excinfo:
+        PrecomputeConfig(inputs=[ROLLOUTS], model=str(TINY_LLAMA), **{option: value})
+    assert str(excinfo.value) == message
+
+
+def test_default_output_beside_a_single_input(tmp_path):
+    assert default_output([tmp_path / "day1.parquet"]) == tmp_path / "day1.cached.parquet"
+    with pytest.raises(InputError, match="^--output is required with several inputs$"):
+        default_output([tmp_path / "a.parquet", tmp_path / "b.parquet"])
+    with pytest.raises(InputError, match="^--output DIR is required for a sharded run$"):
+        default_output([tmp_path / "a.parquet"], Shard(0, 2))
 
 
 @pytest.fixture(scope="module")

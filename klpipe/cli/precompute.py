@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from klpipe.cli.app import app, handle_errors
-from klpipe.errors import InputError
 
 MODEL_PANEL = "Reference model"
 BATCH_PANEL = "Batching and resume"
@@ -86,19 +85,9 @@ def precompute_command(
     from klpipe.precompute import PrecomputeConfig, precompute
     from klpipe.sharding import local_device, resolve_shard
 
-    if progress not in ("auto", "bar", "log", "none"):
-        raise InputError(f"--progress must be auto, bar, log or none, not {progress!r}")
     shard = resolve_shard(shard_index, num_shards)
-    device = local_device(device)
-    if output is None:
-        if shard is not None:
-            raise InputError("--output DIR is required for a sharded run")
-        if len(inputs) != 1:
-            raise InputError("--output is required with several inputs")
-        only = inputs[0]
-        output = only.with_name(only.name.split(".")[0] + ".cached.parquet")
     config = PrecomputeConfig(
-        inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
+        inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=local_device(device),
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard,
