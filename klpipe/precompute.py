@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from klpipe import __version__, cache, sharding
-from klpipe.batching import plan_batches
+from klpipe.batching import padding_efficiency, plan_batches
 from klpipe.errors import InputError, OutputError
 from klpipe.files import fingerprint
 from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
@@ -230,7 +230,8 @@ def _score_chunk(model, tokenized: TokenizedChunk, max_tokens: int, temperature:
     response_len = tokenized.response_lengths()
     fed = np.maximum(prompt_len + response_len - 1, 0)  # the last token is never fed
     results: list[np.ndarray | None] = [None] * tokenized.num_rows
-    for rows in plan_batches(fed, max_tokens):
+    batches = plan_batches(fed, max_tokens)
+    for rows in batches:
         batch = [
             (tokenized.prompt_ids[tokenized.prompt_offsets[i]:tokenized.prompt_offsets[i + 1]],
              tokenized.response_ids[tokenized.response_offsets[i]:tokenized.response_offsets[i + 1]])
@@ -238,9 +239,10 @@ def _score_chunk(model, tokenized: TokenizedChunk, max_tokens: int, temperature:
         ]
         for i, values in zip(rows, model.score_batch(batch, temperature)):
             results[i] = values
-        summary.real_tokens += int(fed[rows].sum())
-        summary.padded_tokens += len(rows) * int(fed[rows].max())
         check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
+    real, padded = padding_efficiency(fed, batches)
+    summary.real_tokens += real
+    summary.padded_tokens += padded
     return results
 
 

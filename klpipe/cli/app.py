@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import typer
 
-from klpipe.errors import KlpipeError
+from klpipe.errors import KlpipeError, first_line
 
 app = typer.Typer(
     name="klpipe",
@@ -67,10 +67,10 @@ def handle_errors(func: Callable) -> Callable:
         except Exception as exc:  # noqa: BLE001 - the last line of defence for a 3 a.m. cron job
             if debug_enabled():
                 raise
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            _error_line(
-                f"unexpected {type(exc).__name__}: {detail} (rerun with KLPIPE_DEBUG=1 for the traceback)"
-            )
+            what = type(exc).__name__
+            detail = first_line(exc)  # the type's name when the message is empty
+            what += "" if detail == what else f": {detail}"
+            _error_line(f"unexpected {what} (rerun with KLPIPE_DEBUG=1 for the traceback)")
             raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper
