@@ -1,0 +1,73 @@
+"""The README documents every option and environment variable of both commands, with its default.
+
+The list comes from the typer app itself (click's parameters), as sqlite-utils checks its docs
+against its commands: a new option, a renamed environment variable or a changed default fails
+here until the README's tables say so, and so does a row for an option that no longer exists.
+"""
+
+import re
+
+import pytest
+import typer.main
+
+from klpipe.cli import app
+from tests.helpers import ROOT
+
+README = (ROOT / "README.md").read_text()
+COMMANDS = typer.main.get_command(app).commands
+
+
+def option_table(command: str) -> dict[str, list[str]]:
+    """The README's option table for `klpipe COMMAND`: each name in a row's first cell → that row's cells."""
+    section = README.split(f"## `klpipe {command}`\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]  # `\|` is a pipe inside a cell
+        for quoted in re.findall(r"`([^`]+)`", cells[0]):
+            for name in quoted.removesuffix("…").split("/"):
+                rows[name] = cells
+    return rows
+
+
+def names(param) -> list[str]:
+    """How the README names a parameter: its option strings, or an argument's name in capitals."""
+    if param.param_type_name == "argument":
+        return [param.name.upper()]
+    return param.opts + param.secondary_opts
+
+
+def params():
+    return [pytest.param(command, param, id=f"{command}-{param.name}")
+            for command, click_command in COMMANDS.items() for param in click_command.params]
+
+
+@pytest.mark.parametrize("command, param", params())
+def test_every_option_is_in_the_readme_with_its_env_var_and_default(command, param):
+    table = option_table(command)
+    for name in names(param):
+        assert name in table, f"README: the `klpipe {command}` table has no row for {name}"
+    option, env_var, default = table[names(param)[0]][:3]
+    assert env_var == f"`{param.envvar}`", f"README: {option} reads {param.envvar}, the table says {env_var!r}"
+    if param.required:
+        assert default == "required", f"README: {option} is required, the table says {default!r}"
+    elif getattr(param, "is_flag", False):
+        assert default == ("on" if param.default else "off"), f"README: {option} defaults to {param.default}"
+    elif param.default is not None:  # None: the default is worked out at run time, which the cell describes
+        shown = re.fullmatch(r"`([^`]+)`", default)
+        assert shown, f"README: {option}'s default should be `{param.default}`, the table says {default!r}"
+        if isinstance(param.default, str):
+            assert shown.group(1) == param.default
+        else:
+            assert float(shown.group(1)) == param.default, f"README: {option} defaults to {param.default}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_readme_documents_no_option_that_does_not_exist(command):
+    known = {name for param in COMMANDS[command].params for name in names(param)}
+    assert set(option_table(command)) - known == set()
+
+
+def test_the_debug_variable_is_documented():
+    assert "KLPIPE_DEBUG=1" in README
