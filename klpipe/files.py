@@ -54,6 +54,17 @@ def expand_inputs(paths: list[str | Path], suffixes: tuple[str, ...]) -> list[Pa
     return found
 
 
+def output_beside(first_input: str | Path, suffix: str, input_suffixes: tuple[str, ...]) -> Path:
+    """`<stem><suffix>` beside the first input, the stem being its name less an input suffix (a directory's
+    whole name): `day.v1.parquet` → `day.v1<suffix>`, so inputs that differ before the suffix never share an output."""
+    first_input = Path(first_input)
+    name = first_input.name
+    if not first_input.is_dir():
+        known = [s for s in input_suffixes if name.endswith(s)]
+        name = name.removesuffix(max(known, key=len)) if known else name
+    return first_input.parent / f"{name}{suffix}"
+
+
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     """How `got` differs from `expected`, for messages about inputs that must share a schema."""
     expected_fields = {f.name: f.type for f in expected}

@@ -20,9 +20,9 @@ import numpy as np
 from klpipe import __version__, cache, sharding
 from klpipe.batching import padding_efficiency, plan_batches
 from klpipe.errors import InputError, OutputError
-from klpipe.files import fingerprint
+from klpipe.files import fingerprint, output_beside
 from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
-from klpipe.rollouts import ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
+from klpipe.rollouts import INPUT_SUFFIXES, ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.threads import prefetch
@@ -91,13 +91,13 @@ def default_max_tokens(device: str) -> int:
 
 
 def default_output(inputs: list[Path], shard: Shard | None = None) -> Path:
-    """<stem>.cached.parquet beside a single input; a sharded run or several inputs need --output."""
+    """<stem>.cached.parquet beside a single input, by score's rule (`a.v1.parquet` → `a.v1.cached.parquet`);
+    a sharded run or several inputs need --output."""
     if shard is not None:
         raise InputError("--output DIR is required for a sharded run")
     if len(inputs) != 1:
         raise InputError("--output is required with several inputs")
-    only = Path(inputs[0])
-    return only.with_name(only.name.split(".")[0] + OUTPUT_SUFFIX)
+    return output_beside(inputs[0], OUTPUT_SUFFIX, INPUT_SUFFIXES)
 
 
 def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:

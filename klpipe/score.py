@@ -29,7 +29,7 @@ from klpipe.arrow import from_numpy, list_array, numpy_view
 from klpipe.cache import STEP
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import atomic_output, write_json_atomic
+from klpipe.files import PARQUET_SUFFIXES, atomic_output, output_beside, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, row_kl
 from klpipe.rows import RowLocator
 from klpipe.score_input import check_batch, check_finite, expand_cache_inputs, open_caches, read_batches
@@ -95,9 +95,7 @@ class ScoreResult:
 
 def default_output(first_input: Path) -> Path:
     """<stem>.scored.parquet beside the first input (a directory's name is its stem)."""
-    first_input = Path(first_input)
-    stem = first_input.name if first_input.is_dir() else first_input.name.removesuffix(".parquet")
-    return first_input.parent / f"{stem}{OUTPUT_SUFFIX}"
+    return output_beside(first_input, OUTPUT_SUFFIX, PARQUET_SUFFIXES)
 
 
 def score(config: ScoreConfig) -> ScoreResult:

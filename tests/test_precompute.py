@@ -37,6 +37,16 @@ def test_the_config_refuses_bad_arguments(option, value, message):
     assert str(excinfo.value) == message
 
 
+def test_default_outputs_of_inputs_that_differ_before_the_suffix_differ(tmp_path):
+    # Cut at the first dot, a.v1 and a.v2 both became a.cached.parquet: the second run was refused,
+    # or with --overwrite destroyed the first cache. The rule is score's: drop the input suffix only.
+    assert default_output([tmp_path / "a.v1.parquet"]) == tmp_path / "a.v1.cached.parquet"
+    assert default_output([tmp_path / "a.v2.parquet"]) == tmp_path / "a.v2.cached.parquet"
+    assert default_output([tmp_path / "day.2026-11-29.jsonl.gz"]) == tmp_path / "day.2026-11-29.cached.parquet"
+    (tmp_path / "saved.v3").mkdir()  # a save_to_disk directory: its whole name is the stem
+    assert default_output([tmp_path / "saved.v3"]) == tmp_path / "saved.v3.cached.parquet"
+
+
 def test_default_output_beside_a_single_input(tmp_path):
     assert default_output([tmp_path / "day1.parquet"]) == tmp_path / "day1.cached.parquet"
     with pytest.raises(InputError, match="^--output is required with several inputs$"):
