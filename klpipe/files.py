@@ -65,6 +65,14 @@ def output_beside(first_input: str | Path, suffix: str, input_suffixes: tuple[st
     return first_input.parent / f"{name}{suffix}"
 
 
+def refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
+    """An output that is also an input would destroy the input: both stages refuse it, --overwrite or not."""
+    resolved = Path(output).resolve()
+    for path in inputs:
+        if Path(path).resolve() == resolved:
+            raise OutputError(f"{output}: is also an input; pass another --output")
+
+
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:
     """How `got` differs from `expected`, for messages about inputs that must share a schema."""
     expected_fields = {f.name: f.type for f in expected}

@@ -20,7 +20,7 @@ import numpy as np
 from klpipe import __version__, cache, sharding
 from klpipe.batching import padding_efficiency, plan_batches
 from klpipe.errors import InputError, OutputError
-from klpipe.files import fingerprint, output_beside
+from klpipe.files import fingerprint, output_beside, refuse_overwriting_inputs
 from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
 from klpipe.rollouts import INPUT_SUFFIXES, ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
@@ -110,6 +110,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     destination = Path(config.output) if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
     output = shard.part_path(destination) if shard else destination
+    refuse_overwriting_inputs(output, [f.path for f in rollouts.files])
     if shard and destination.is_file():
         raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
     spec = reference.ModelSpec(

@@ -29,7 +29,7 @@ from klpipe.arrow import from_numpy, list_array, numpy_view
 from klpipe.cache import STEP
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import PARQUET_SUFFIXES, atomic_output, output_beside, write_json_atomic
+from klpipe.files import PARQUET_SUFFIXES, atomic_output, output_beside, refuse_overwriting_inputs, write_json_atomic
 from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, row_kl
 from klpipe.rows import RowLocator
 from klpipe.score_input import check_batch, check_finite, expand_cache_inputs, open_caches, read_batches
@@ -110,7 +110,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         raise InputError("no cache files given")
     files = expand_cache_inputs(config.inputs)
     output = Path(config.output) if config.output is not None else default_output(Path(config.inputs[0]))
-    _refuse_overwriting_inputs(output, files)
+    refuse_overwriting_inputs(output, files)
     if config.plot is not None:
         _require_matplotlib(config.plot)
     schema = open_caches(files)
@@ -169,13 +169,6 @@ def score(config: ScoreConfig) -> ScoreResult:
 
 
 # -- outputs ----------------------------------------------------------------------------------------
-
-
-def _refuse_overwriting_inputs(output: Path, files: list[Path]) -> None:
-    resolved = output.resolve()
-    for path in files:
-        if path.resolve() == resolved:
-            raise OutputError(f"{output}: is also an input; pass another --output")
 
 
 def _require_matplotlib(plot_path: Path) -> None:

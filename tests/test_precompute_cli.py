@@ -81,6 +81,15 @@ def test_default_output_name_beside_the_input(tmp_path):
     assert (tmp_path / "day1.cached.parquet").is_file()
 
 
+def test_output_that_is_also_the_input_is_refused_even_with_overwrite(tmp_path):
+    source = tmp_path / "day.parquet"
+    shutil.copy(ROLLOUTS, source)
+    result = precompute("-m", TINY_LLAMA, source, "-o", source, "--overwrite")
+    assert_bad_input(result, f"{source}: is also an input; pass another --output", tmp_path)
+    assert source.read_bytes() == ROLLOUTS.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.parquet"]
+
+
 def test_missing_columns(tmp_path):
     path = write(tmp_path, "in.parquet", {"id": ["a"], "prompt_ids": [[2, 5]]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
