@@ -66,13 +66,14 @@ class PrecomputeConfig:
 @dataclass
 class PrecomputeSummary:
     output: Path
-    rows: int = 0
+    rows: int = 0  # rows scored in this run
     tokens: int = 0  # response tokens scored in this run
     padded_tokens: int = 0  # tokens fed to the model, padding included
     real_tokens: int = 0  # tokens fed to the model, padding excluded
     seconds: float = 0.0  # scoring time, model loading excluded
     load_seconds: float = 0.0
-    resumed_chunks: int = 0
+    resumed_chunks: int = 0  # chunks an earlier run of the same command had finished
+    resumed_rows: int = 0  # their rows, in the output but not counted in `rows`
     skipped: bool = False  # output already complete: nothing to do
     peak_memory: dict = field(default_factory=dict)
 
@@ -136,6 +137,9 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
         sizes = chunk_sizes(rows, config.chunk_rows)
+        summary.resumed_chunks, summary.resumed_rows = len(done), sum(sizes[i] for i in done)
+        if done:  # every chunk, when a run was killed while merging: then only the merge is left
+            log(f"resuming: {len(done)} of {len(sizes)} chunks already done in {work.path}")
         if len(done) < len(sizes):
             # Validate every row before loading gigabytes of weights: a bad row at the end of the
             # input should fail in seconds, not after hours of compute.
@@ -143,9 +147,6 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
             load_started = time.perf_counter()
             model = reference.ReferenceModel.load(spec)
             summary.load_seconds = time.perf_counter() - load_started
-            summary.resumed_chunks = len(done)
-            if done:
-                log(f"resuming: {len(done)} of {len(sizes)} chunks already done in {work.path}")
             _run_chunks(model, rollouts, tokenize, work, config, rows, done, summary, stop, log)
         work.merge_into(output)
         summary.peak_memory = peak_memory()

@@ -189,7 +189,7 @@ def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypat
 
     monkeypatch.setattr(WorkDir, "write_chunk", real_write)
     resumed = run(tmp_path, name="resumed.parquet", chunk_rows=8)
-    assert resumed.resumed_chunks == 2
+    assert resumed.resumed_chunks == 2 and resumed.resumed_rows == 16
     assert resumed.rows == full.num_rows - 16  # only the unfinished rows were scored again
     assert pq.read_table(resumed.output).equals(full)
     assert not work.exists()

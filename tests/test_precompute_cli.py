@@ -90,6 +90,25 @@ def test_output_that_is_also_the_input_is_refused_even_with_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.parquet"]
 
 
+def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypatch):
+    from klpipe.workdir import WorkDir
+
+    def killed_while_merging(self, output):
+        raise KeyboardInterrupt  # as a kill during the merge leaves it: every chunk done, no output
+
+    out = tmp_path / "cached.parquet"
+    with monkeypatch.context() as patch:
+        patch.setattr(WorkDir, "merge_into", killed_while_merging)
+        assert precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8").exit_code == 130
+    rerun = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8")
+    assert rerun.exit_code == 0, rerun.output
+    work = tmp_path / "cached.parquet.partial"
+    assert rerun.stderr.splitlines()[0] == f"resuming: 6 of 6 chunks already done in {work}"
+    assert rerun.stderr.splitlines()[1].startswith(
+        f"wrote {out}: all 6 chunks (48 rows) finished by an earlier run, nothing left to compute; peak memory rss ")
+    assert pq.read_table(out).num_rows == 48 and not work.exists()
+
+
 def test_missing_columns(tmp_path):
     path = write(tmp_path, "in.parquet", {"id": ["a"], "prompt_ids": [[2, 5]]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")

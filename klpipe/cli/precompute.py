@@ -93,14 +93,19 @@ def precompute_command(
         shard=shard,
     )
     summary = precompute(config, log=_stderr)
-    if not summary.skipped:
-        memory = ", ".join(f"{k.removesuffix('_mib')} {v:,.0f} MiB" for k, v in summary.peak_memory.items())
-        _stderr(
-            f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
-            f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
-            f"padding efficiency {summary.padding_efficiency:.1%}, peak memory {memory}"
-            + (f", resumed {summary.resumed_chunks} chunks" if summary.resumed_chunks else "")
-        )
+    if summary.skipped:
+        return
+    memory = ", ".join(f"{k.removesuffix('_mib')} {v:,.0f} MiB" for k, v in summary.peak_memory.items())
+    resumed = f"{summary.resumed_chunks} chunks ({summary.resumed_rows:,} rows) finished by an earlier run"
+    if summary.resumed_chunks and not summary.rows:
+        _stderr(f"wrote {summary.output}: all {resumed}, nothing left to compute; peak memory {memory}")
+        return
+    _stderr(
+        f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
+        f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
+        f"padding efficiency {summary.padding_efficiency:.1%}, peak memory {memory}"
+        + (f"; resumed {resumed}" if summary.resumed_chunks else "")
+    )
 
 
 def _stderr(message: str) -> None:
