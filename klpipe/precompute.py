@@ -12,6 +12,7 @@ removed once the output is in place.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,15 +212,17 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
     compute_started = time.perf_counter()
     try:
         chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
-        # Reading and tokenizing the next chunks overlaps with the model's work on this one.
-        for tokenized in prefetch(map(tokenize, chunks)):
-            logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
-            work.write_chunk(tokenized, logprobs)
-            response_tokens = int(tokenized.response_lengths().sum())
-            summary.rows += tokenized.num_rows
-            summary.tokens += response_tokens
-            progress.update(tokenized.num_rows, response_tokens)
-            stop.check()
+        # Reading and tokenizing the next chunks overlaps with the model's work on this one. On an
+        # error or a stop, closing the stream stops that thread now, not when the stream is collected.
+        with closing(prefetch(map(tokenize, chunks))) as stream:
+            for tokenized in stream:
+                logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
+                work.write_chunk(tokenized, logprobs)
+                response_tokens = int(tokenized.response_lengths().sum())
+                summary.rows += tokenized.num_rows
+                summary.tokens += response_tokens
+                progress.update(tokenized.num_rows, response_tokens)
+                stop.check()
     finally:
         progress.close()
         summary.seconds = time.perf_counter() - compute_started

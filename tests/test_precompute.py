@@ -1,6 +1,7 @@
 """Stage 1 end to end through the library: real tiny models, real parquet files on disk."""
 
 import json
+import threading
 from pathlib import Path
 
 import datasets
@@ -193,6 +194,31 @@ def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypat
     assert resumed.rows == full.num_rows - 16  # only the unfinished rows were scored again
     assert pq.read_table(resumed.output).equals(full)
     assert not work.exists()
+
+
+def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
+    # The run must close its reader itself, not leave it to the garbage collector: here the test
+    # keeps a reference to the stream (as a debugger, or a traceback elsewhere, would), and an
+    # unclosed stream keeps a thread alive that has read ahead into a full queue.
+    from klpipe import precompute as precompute_module
+    from klpipe.workdir import WorkDir
+
+    streams = []
+
+    def kept_prefetch(items, depth=2):
+        streams.append(stream := real_prefetch(items, depth))
+        return stream
+
+    def disk_full(self, tokenized, logprobs):
+        raise OSError(28, "No space left on device")
+
+    real_prefetch = precompute_module.prefetch
+    monkeypatch.setattr(precompute_module, "prefetch", kept_prefetch)
+    monkeypatch.setattr(WorkDir, "write_chunk", disk_full)
+    with pytest.raises(OSError) as excinfo:
+        run(tmp_path, chunk_rows=4)  # 12 chunks: the reader is ahead when the first write fails
+    readers = [t for t in threading.enumerate() if t.name == "klpipe-prefetch" and t.is_alive()]
+    assert len(streams) == 1 and readers == [] and excinfo.value.errno == 28
 
 
 def test_work_dir_from_another_run_is_refused(tmp_path):
