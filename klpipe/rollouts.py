@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from klpipe import cache
-from klpipe.arrow import first_null, is_list_type, list_array, offsets_from_lengths
+from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_array, offsets_from_lengths
 from klpipe.errors import InputError, first_line
 from klpipe.files import (
     JSONL_SUFFIXES,
@@ -281,6 +281,9 @@ class ChunkTokenizer:
         row = first_null(array)
         if row is not None:
             self._fail(chunk, row, f"{column} is null")
+        row = first_null_in_lists(array)  # as ints a null would read as -2**63, "outside the vocabulary"
+        if row is not None:
+            self._fail(chunk, row, f"{column} holds a null")
         # `flatten()` honours slicing; `.values` would not.
         flat = np.asarray(array.flatten(), dtype=np.int64)
         offsets = np.asarray(array.offsets, dtype=np.int64)

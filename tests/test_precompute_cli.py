@@ -144,6 +144,13 @@ def test_token_id_out_of_vocabulary(tmp_path):
                              "the model's vocabulary (0..511)", tmp_path)
 
 
+def test_null_inside_a_token_list(tmp_path):
+    path = write(tmp_path, "in.parquet", {"id": ["a", "b", "c"], "prompt_ids": [[2, 7], [2, 8], [2, 9]],
+                                          "response_ids": [[5], [6, None, 7], [7]]})
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: row 1 (id 'b'): response_ids holds a null", tmp_path)
+
+
 def test_row_longer_than_context(tmp_path):
     path = write(tmp_path, "in.parquet", {"prompt_ids": [[2] * 10, [2] * 500], "response_ids": [[5], [6] * 20]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
