@@ -7,6 +7,8 @@ them, and turns them into flat token-id arrays. Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +124,8 @@ def _datasets_table(path: Path) -> pa.Table:
     import datasets  # heavy; only JSON Lines and save_to_disk inputs need it
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # Its parse errors are logged as well as raised; klpipe reports each failure in one line of its own.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -135,9 +138,38 @@ def _datasets_table(path: Path) -> pa.Table:
     except InputError:
         raise
     except Exception as exc:  # datasets wraps parse errors in several exception types
+        bad_line = None if path.is_dir() else _first_bad_line(path)
+        if bad_line is not None:
+            raise InputError(f"{path}: {bad_line}") from None
         raise InputError(f"{path}: not readable as {'a datasets directory' if path.is_dir() else 'JSON Lines'} "
                          f"({first_line(exc)})") from None
     return ds.data.table
+
+
+def _first_bad_line(path: Path) -> str | None:
+    """Which line of a JSON Lines file is not a JSON object, for the message; None when every line is one.
+
+    Read only after `datasets` has failed: its message ("An error occurred while generating the
+    dataset") names neither the line nor the problem.
+    """
+    opener = gzip.open if path.name.endswith(".gz") else open
+    number = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})"
+                if not isinstance(row, dict):
+                    return f"line {number} is not a JSON object (one row per line)"
+    except UnicodeDecodeError:
+        return f"line {number + 1} is not UTF-8 text"
+    except (OSError, EOFError):
+        return None  # unreadable or a broken gzip stream: the caller's message says what datasets saw
+    return None
 
 
 def _detect_mode(path: Path, schema: pa.Schema) -> str:

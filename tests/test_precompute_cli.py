@@ -1,5 +1,6 @@
 """`klpipe precompute` as a user runs it: options, environment, help, and every bad-input message."""
 
+import gzip
 import json
 import shutil
 
@@ -172,6 +173,23 @@ def test_truncated_input_file(tmp_path):
     path.write_bytes(ROLLOUTS.read_bytes()[:-100])
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
     assert result.exit_code == 2 and result.stderr.startswith(f"Error: {path}: not a readable parquet file (")
+
+
+def test_malformed_json_lines_name_the_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt_ids": [2, 5], "response_ids": [6]}\n'
+                    '{"prompt_ids": [2, 7], "response_ids": [8]}\n'
+                    '{"prompt_ids": [2, 5] "response_ids": [6]}\n')
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: line 3 is not valid JSON (Expecting ',' delimiter at column 23)", tmp_path)
+
+
+def test_json_lines_with_a_line_that_is_not_an_object(tmp_path):
+    path = tmp_path / "in.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.write('{"prompt_ids": [2, 5], "response_ids": [6]}\n\n[2, 5, 6]\n')
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: line 3 is not a JSON object (one row per line)", tmp_path)
 
 
 def test_empty_input_file(tmp_path):
