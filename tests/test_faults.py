@@ -512,3 +512,7 @@ def test_killed_score_never_half_writes_state(world, scoring, tmp_path, trial):
         assert json.loads((tmp_path / "report.json").read_text())["summary"]["rows"] == world.expected.num_rows
     if state == scoring.next_state:  # the state is written last: everything else is in place
         assert (tmp_path / "scored.parquet").exists() and (tmp_path / "report.json").exists(), msg
+    # A temporary file the kill left beside the outputs is found and removed by the next run.
+    rerun = world.runner.run(score_args(scoring.cache, tmp_path))
+    assert rerun.returncode == 0, f"{msg}: the rerun failed: {rerun.stderr}"
+    assert_only(tmp_path, {"scored.parquet", "report.json", "report.png", "kl_state.json"}, msg)

@@ -1,5 +1,6 @@
 """File plumbing: atomic outputs, input discovery, fingerprints."""
 
+import fcntl
 import os
 import stat
 
@@ -22,6 +23,25 @@ def test_atomic_output_appears_only_on_success(tmp_path):
     assert list(tmp_path.iterdir()) == [target]
     # Not mkstemp's 0600: what open() would give under the process umask.
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~files._UMASK
+
+
+def test_a_killed_writers_temporary_files_are_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "out.txt"
+    for stale in (".out.txt.abcd1234.tmp", ".out.txt.k_9zq0xy.tmp"):  # what a kill -9 mid-write leaves
+        (tmp_path / stale).write_text("half")
+    (tmp_path / ".other.txt.abcd1234.tmp").write_text("another output's: not this write's business")
+    with files.atomic_output(target) as tmp:
+        tmp.write_text("whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.txt.abcd1234.tmp", "out.txt"]
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
+    live = tmp_path / ".out.txt.live1234.tmp"
+    with open(live, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as atomic_output holds its own until the rename
+        with files.atomic_output(tmp_path / "out.txt") as tmp:
+            tmp.write_text("whole")
+        assert live.exists()
 
 
 def test_atomic_output_into_an_unwritable_place_is_an_output_error(tmp_path):

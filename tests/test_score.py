@@ -245,6 +245,15 @@ def test_default_output_sits_beside_the_first_input(tmp_path):
     assert (tmp_path / "day1.scored.parquet").exists()
 
 
+def test_temporary_files_a_killed_run_left_are_removed_by_the_next(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(4))
+    left = [".scored.parquet.x7k2m9qa.tmp", ".state.json.p0o9i8u7.tmp", ".report.json.q1w2e3r4.tmp"]
+    for name in left:  # a kill -9 mid-write leaves these beside the outputs
+        (tmp_path / name).write_bytes(b"half")
+    run(tmp_path, [cache], state=tmp_path / "state.json", report=tmp_path / "report.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet", "report.json", "scored.parquet", "state.json"]
+
+
 def test_a_directory_is_read_in_sorted_order(tmp_path):
     rows = make_rows(10)
     (tmp_path / "caches").mkdir()
