@@ -58,10 +58,9 @@ class Rollouts:
 
 @dataclass
 class Chunk:
-    """`table` holds input rows [start, start + len) of the logical table."""
+    """Consecutive input rows: chunk `index` of the run's row range (rollouts.iter_chunks)."""
 
     index: int
-    start: int
     table: pa.Table
     file_index: np.ndarray  # (rows,) which input file each row came from
     file_row: np.ndarray  # (rows,) the row's index inside that file
@@ -206,7 +205,6 @@ def iter_chunks(rollouts: Rollouts, chunk_rows: int, skip: set[int] | frozenset 
     pending_row: list[np.ndarray] = []
     pending_rows = 0
     index = 0
-    chunk_start = start
     file_start = 0
     for file_index, info in enumerate(rollouts.files):
         file_stop = file_start + info.num_rows
@@ -225,12 +223,11 @@ def iter_chunks(rollouts: Rollouts, chunk_rows: int, skip: set[int] | frozenset 
                 batch = batch.slice(take)
                 if pending_rows == chunk_rows:
                     if index not in skip:
-                        yield _make_chunk(index, chunk_start, pending, pending_file, pending_row, rollouts.schema)
+                        yield _make_chunk(index, pending, pending_file, pending_row, rollouts.schema)
                     index += 1
-                    chunk_start += pending_rows
                     pending, pending_file, pending_row, pending_rows = [], [], [], 0
     if pending_rows and index not in skip:
-        yield _make_chunk(index, chunk_start, pending, pending_file, pending_row, rollouts.schema)
+        yield _make_chunk(index, pending, pending_file, pending_row, rollouts.schema)
 
 
 def num_chunks(rows: tuple[int, int], chunk_rows: int) -> int:
@@ -242,10 +239,10 @@ def chunk_sizes(rows: tuple[int, int], chunk_rows: int) -> list[int]:
     return [min(chunk_rows, total - k * chunk_rows) for k in range(num_chunks(rows, chunk_rows))]
 
 
-def _make_chunk(index, start, batches, files, rows, schema) -> Chunk:
+def _make_chunk(index, batches, files, rows, schema) -> Chunk:
     batches = [b if b.schema.equals(schema) else b.cast(schema) for b in batches]
     table = pa.Table.from_batches(batches, schema=schema)
-    return Chunk(index=index, start=start, table=table, file_index=np.concatenate(files), file_row=np.concatenate(rows))
+    return Chunk(index=index, table=table, file_index=np.concatenate(files), file_row=np.concatenate(rows))
 
 
 def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Iterator[tuple[int, pa.RecordBatch]]:

@@ -85,7 +85,7 @@ def _tokenized(prompts, responses):
     p, po = flat(prompts)
     r, ro = flat(responses)
     n = len(prompts)
-    chunk = Chunk(0, 0, pa.table({"x": list(range(n))}), np.zeros(n, np.int64), np.arange(n))
+    chunk = Chunk(0, pa.table({"x": list(range(n))}), np.zeros(n, np.int64), np.arange(n))
     return TokenizedChunk(chunk, chunk.table, p, po, r, ro)
 
 

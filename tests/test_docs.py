@@ -71,3 +71,11 @@ def test_the_readme_documents_no_option_that_does_not_exist(command):
 
 def test_the_debug_variable_is_documented():
     assert "KLPIPE_DEBUG=1" in README
+
+
+def test_the_license_is_an_spdx_expression():
+    # The old `license = { text = ... }` table made every install print a deprecation wall.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"

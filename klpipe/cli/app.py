@@ -36,8 +36,7 @@ def _root(
     """Offline reference logprobs and adaptive KL penalties for RL fine-tuning."""
 
 
-# Exit codes, documented in the README.
-EXIT_BAD_INPUT = 2  # any KlpipeError: bad input, model, state or output
+# Exit codes, documented in the README. A KlpipeError carries its own (errors.py: 2, or 75 when stopped).
 EXIT_INTERNAL = 1  # a bug: an exception klpipe did not expect
 
 
