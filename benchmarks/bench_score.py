@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the seed loader of the test suite: one way to import it
 
-from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP  # noqa: E402
+from klpipe.cache import POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP  # noqa: E402
 from klpipe.score import ScoreConfig, score  # noqa: E402
-from tests.helpers import load_seed  # noqa: E402
+from tests.helpers import CACHE_SCHEMA, load_seed  # noqa: E402
 
 BUILD = ROOT / "build" / "bench"
 
@@ -44,15 +44,7 @@ def make_cache(rows: int) -> Path:
         return path
     BUILD.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    schema = pa.schema(
-        [
-            (ID, pa.string()),
-            (STEP, pa.int64()),
-            (POLICY_LOGPROBS, pa.list_(pa.float32())),
-            (REF_LOGPROBS, pa.list_(pa.float32())),
-            (REWARD, pa.float64()),
-        ]
-    )
+    schema = CACHE_SCHEMA
     tmp = path.with_suffix(".tmp")
     with pq.ParquetWriter(tmp, schema) as writer:
         for start in range(0, rows, ROWS_PER_WRITE):
