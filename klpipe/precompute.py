@@ -1,7 +1,8 @@
 """Stage 1: stream rollouts through the reference model into a per-token logprob cache.
 
-Data flow: rollouts.iter_chunks -> ChunkTokenizer (in a reader thread) -> plan_batches ->
-ReferenceModel.score_batch -> one checkpoint file per chunk -> merged cache, renamed into place.
+Data flow: rollouts.iter_chunks -> ChunkTokenizer (in a reader thread) -> logprobs.chunk_logprobs
+(shared prompts run once, other rows batched per row) -> one checkpoint file per chunk -> merged
+cache, renamed into place.
 
 Resume: finished chunks live in `<output>.partial/` with a `run.json` describing the run. A rerun
 of the same command skips them; the chunk plan is deterministic, so the merged output is
@@ -22,9 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe import __version__, cache
-from klpipe.batching import plan_batches
-from klpipe.errors import InputError, OutputError, ProvenanceError
+from klpipe.errors import InputError, ModelError, OutputError, ProvenanceError
 from klpipe.files import atomic_output, fingerprint, write_json_atomic
+from klpipe.logprobs import SHARING_MODES, ForwardStats, chunk_logprobs
 from klpipe.progress import Progress, peak_memory
 from klpipe.rollouts import ChunkTokenizer, Rollouts, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
@@ -45,6 +46,7 @@ class PrecomputeConfig:
     temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
     max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted in
+    prefix_sharing: str = "auto"  # auto: run a prompt once for the rows of a chunk that repeat it | on | off
     trust_remote_code: bool = False
     overwrite: bool = False  # replace an existing output made by a different run
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
@@ -57,8 +59,8 @@ class PrecomputeSummary:
     output: Path
     rows: int = 0
     tokens: int = 0  # response tokens scored in this run
-    padded_tokens: int = 0  # tokens fed to the model, padding included
-    real_tokens: int = 0  # tokens fed to the model, padding excluded
+    forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed
+    prefix_sharing: str = "off"  # the mode in force after the load-time probe
     seconds: float = 0.0  # scoring time, model loading excluded
     load_seconds: float = 0.0
     resumed_chunks: int = 0
@@ -71,7 +73,7 @@ class PrecomputeSummary:
 
     @property
     def padding_efficiency(self) -> float:
-        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+        return self.forward.padding_efficiency
 
 
 def default_max_tokens(device: str) -> int:
@@ -88,6 +90,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         raise InputError("--chunk-rows must be at least 1")
     if config.max_tokens_per_batch is not None and config.max_tokens_per_batch < 1:
         raise InputError("--max-tokens-per-batch must be at least 1")
+    if config.prefix_sharing not in SHARING_MODES:
+        raise InputError(f"--prefix-sharing must be auto, on or off, not {config.prefix_sharing!r}")
     started = time.perf_counter()
     rollouts = open_rollouts(config.inputs)  # schema and mode checks before anything heavy
     shard = config.shard
@@ -146,6 +150,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
             model = reference.ReferenceModel.load(spec)
             summary.load_seconds = time.perf_counter() - load_started
             max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
+            summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
             summary.resumed_chunks = len(done)
             if done:
                 log(f"resuming: {len(done)} of {len(sizes)} chunks already done in {work.path}")
@@ -156,7 +161,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
                 chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
                 # Reading and tokenizing the next chunks overlaps with the model's work on this one.
                 for tokenized in prefetch(map(tokenize, chunks)):
-                    logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
+                    logprobs = chunk_logprobs(model, tokenized, max_tokens, config.temperature,
+                                              summary.prefix_sharing, summary.forward, stop.check)
                     work.write_chunk(tokenized, logprobs)
                     response_tokens = int(tokenized.response_lengths().sum())
                     summary.rows += tokenized.num_rows
@@ -178,25 +184,17 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     return summary
 
 
-def _score_chunk(model, tokenized: TokenizedChunk, max_tokens: int, temperature: float,
-                 summary: PrecomputeSummary, check_stop=lambda: None) -> list[np.ndarray]:
-    """Reference logprobs for every row of a chunk, in the chunk's row order."""
-    prompt_len = tokenized.prompt_lengths()
-    response_len = tokenized.response_lengths()
-    fed = np.maximum(prompt_len + response_len - 1, 0)  # the last token is never fed
-    results: list[np.ndarray | None] = [None] * tokenized.num_rows
-    for rows in plan_batches(fed, max_tokens):
-        batch = [
-            (tokenized.prompt_ids[tokenized.prompt_offsets[i]:tokenized.prompt_offsets[i + 1]],
-             tokenized.response_ids[tokenized.response_offsets[i]:tokenized.response_offsets[i + 1]])
-            for i in rows
-        ]
-        for i, values in zip(rows, model.score_batch(batch, temperature)):
-            results[i] = values
-        summary.real_tokens += int(fed[rows].sum())
-        summary.padded_tokens += len(rows) * int(fed[rows].max())
-        check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
-    return results
+def _sharing_mode(model, asked: str, log) -> str:
+    """The prefix-sharing mode to run with: `asked`, unless the model cannot continue a KV cache exactly."""
+    if asked == "off":
+        return "off"
+    problem = model.check_prefix_sharing()
+    if problem is None:
+        return asked
+    if asked == "on":
+        raise ModelError(f"--prefix-sharing on: {type(model.model).__name__} cannot share prompts exactly ({problem})")
+    log(f"prefix sharing off: {type(model.model).__name__} cannot share prompts exactly ({problem})")
+    return "off"
 
 
 def _same_run(a: cache.Provenance, b: cache.Provenance) -> bool:

@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from klpipe.rollouts import Chunk, TokenizedChunk
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +38,19 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
 
 def read_rows(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
+
+
+def tokenized_chunk(rows) -> TokenizedChunk:
+    """A chunk of (prompt ids, response ids) rows, flattened as ChunkTokenizer hands it to the model."""
+
+    def flat(lists):
+        offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=offsets[1:])
+        values = np.concatenate([np.asarray(x, dtype=np.int64) for x in lists]) if lists else np.zeros(0, np.int64)
+        return values, offsets
+
+    prompts, prompt_offsets = flat([p for p, _ in rows])
+    responses, response_offsets = flat([r for _, r in rows])
+    n = len(rows)
+    chunk = Chunk(0, 0, pa.table({"x": list(range(n))}), np.zeros(n, np.int64), np.arange(n))
+    return TokenizedChunk(chunk, chunk.table, prompts, prompt_offsets, responses, response_offsets)
