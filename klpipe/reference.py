@@ -7,7 +7,6 @@ and the model's own LM head is applied to them in chunks of rows, with logsumexp
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import inspect
 import importlib.util
@@ -341,7 +340,7 @@ class ReferenceModel:
         mask = torch.cat([prompt_mask[groups], torch.ones_like(input_ids)], dim=1)  # (b, P_max + T)
         positions = prompt_lengths[groups][:, None] + torch.arange(longest, device=input_ids.device)[None]
         out = self.body(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{self._cache_argument: _select_rows(cache, groups)})
+                        **{self._cache_argument: _continuing(cache, groups)})
         return out.last_hidden_state
 
     def check_prefix_sharing(self) -> str | None:
@@ -389,17 +388,24 @@ class ReferenceModel:
         return out.cpu()
 
 
-def _select_rows(cache, rows: torch.Tensor):
-    """A cache whose batch row k is `cache`'s row rows[k], leaving `cache` itself untouched.
+def _continuing(cache, rows: torch.Tensor):
+    """A cache through which batch row k continues `cache`'s row rows[k], and that stores nothing.
 
-    transformers' dynamic cache layers rebind their keys and values on every update (torch.cat)
-    rather than writing into them, so copying the layer objects is enough to keep the prefill's
-    tensors intact for the next pass; `check_prefix_sharing` would catch a layer type that did not.
+    Each attention layer reads its prompt keys and values for the rows it needs and appends the
+    response's own, per layer and only for that layer's attention: the prompt's cache stays as the
+    prefill left it, for the next pass, and no pass holds copies of every layer at once. Everything
+    the masks are built from (lengths, sliding windows, KV-shared layers) is the prefill's.
     """
-    selected = copy.copy(cache)
-    selected.layers = [copy.copy(layer) for layer in cache.layers]
-    selected.batch_select_indices(rows)
-    return selected
+    from transformers import Cache
+
+    class Continuing(Cache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            layer = self.layers[layer_idx]
+            keys = torch.cat([layer.keys.index_select(0, rows), key_states], dim=-2)
+            values = torch.cat([layer.values.index_select(0, rows), value_states], dim=-2)
+            return keys, values
+
+    return Continuing(layers=cache.layers)
 
 
 def _check_exists(spec: ModelSpec) -> None:
