@@ -4,7 +4,9 @@ GRPO samples every prompt G times, and agent prompts are often longer than the r
 of what a per-row forward pass computes is the same prompt again. Rows of a chunk whose prompt
 token ids are identical are grouped; each group's prompt runs once (a prefill) and its responses
 continue from that KV cache (`ReferenceModel.score_shared`). Rows whose prompt appears once in the
-chunk gain nothing from that and take the per-row path (`ReferenceModel.score_batch`).
+chunk gain nothing from that and take the per-row path (`ReferenceModel.score_batch`), except on
+models whose prefill skips layers for all but the last prompt position (Gemma 4's KV-shared
+layers), where the prefill path is cheaper for every row.
 
 Both paths give the same logprobs up to float rounding, and the plan depends only on the chunk's
 rows, so a resumed or sharded run reproduces an uninterrupted one bit for bit.
@@ -19,7 +21,9 @@ import numpy as np
 
 from klpipe.batching import group_by_prompt, plan_batches, plan_shared
 
-SHARING_MODES = ("auto", "on", "off")  # auto: share prompts that repeat in a chunk; on: every row; off: per row
+# auto: the prefill path where it saves work (repeated prompts; every row where the prefill skips
+# layers); on: every row through it; off: every row on its own (the per-row path).
+SHARING_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -55,6 +59,8 @@ def chunk_logprobs(model, chunk, max_tokens: int, temperature: float, sharing: s
     if sharing == "off":
         shared = np.zeros(chunk.num_rows, dtype=bool)
     elif sharing == "on":
+        shared = np.ones(chunk.num_rows, dtype=bool)
+    elif model.prefill_skips_layers:  # auto: even a prompt seen once is cheaper through the prefill
         shared = np.ones(chunk.num_rows, dtype=bool)
     else:  # auto: a prompt seen once gains nothing from a prefill of its own
         shared = np.bincount(group_of_row)[group_of_row] > 1

@@ -167,6 +167,11 @@ class ReferenceModel:
         # transformers 5 renamed past_key_values to cache (the old name warns, then goes).
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
         self._accepts_logits_to_keep = "logits_to_keep" in parameters
+        # Gemma 4's KV-shared layers read the keys and values of earlier layers and write none, so a
+        # prefill that keeps only the last position runs them on that position alone: for E2B, 20 of
+        # 35 layers and ~69% of the body's FLOPs skipped for every prompt token but the last.
+        self.prefill_skips_layers = (self._accepts_logits_to_keep
+                                     and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
 
     @classmethod
     def load(cls, spec: ModelSpec) -> ReferenceModel:

@@ -68,6 +68,8 @@ class FakeModel:
     """Scores response token t of a row whose prompt is p as -(t + p[0]/100)/1000, so every logprob says
     which token, row and prompt it came from. The shared path also checks its calling contract."""
 
+    prefill_skips_layers = False  # like a Llama: auto shares only prompts that repeat
+
     def __init__(self):
         self.batch_sizes = []
         self.prefills = []
@@ -94,18 +96,21 @@ def _tokenized(prompts, responses):
 
 
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 3), st.integers(0, 40)), min_size=1, max_size=30),
-       st.integers(1, 300), st.sampled_from(["auto", "on", "off"]))
+       st.integers(1, 300), st.sampled_from(["auto", "on", "off"]), st.booleans())
 @settings(max_examples=150, deadline=None)
-def test_results_come_back_in_input_order(shapes, budget, sharing):
+def test_results_come_back_in_input_order(shapes, budget, sharing, skips_layers):
     # Rows draw their prompt from 15 (token, length) kinds, so prompts repeat, in any order.
     prompts = [[kind + 1] * (13 * length) for kind, length, _ in shapes]
     responses = [list(range(10 * i, 10 * i + r)) for i, (_, _, r) in enumerate(shapes)]
     model = FakeModel()
+    model.prefill_skips_layers = skips_layers
     stats = ForwardStats()
     results = chunk_logprobs(model, _tokenized(prompts, responses), budget, 1.0, sharing, stats)
     for prompt, response, values in zip(prompts, responses, results):
         np.testing.assert_array_equal(values, FakeModel._values(prompt, response))
     repeated = [sum(p == q for q in prompts) > 1 for p in prompts]
+    if sharing == "auto" and skips_layers:
+        sharing = "on"  # where the prefill skips layers, auto sends every row through it
     alone = {"off": len(shapes), "on": 0, "auto": repeated.count(False)}[sharing]
     assert sum(model.batch_sizes) == alone
     assert stats.shared_rows == len(shapes) - alone

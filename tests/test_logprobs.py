@@ -70,9 +70,11 @@ def test_shared_prompts_match_oracle(reference, sharing, max_tokens):
     finally:
         del reference.score_shared
     assert worst_error(reference, rows, results) <= TOLERANCE
-    # Each prompt ran once, and only "on" gives the group of one a prefill of its own.
+    # Each prompt ran once.
     prompt_lengths = sorted(length for batch in prefills for length in batch)
-    expected = [3, WINDOW - 1, 2 * WINDOW + 1, 5 * WINDOW + 3] + ([12] if sharing == "on" else [])
+    # A group of one gets a prefill of its own under "on", and under "auto" where the prefill skips layers.
+    alone_prefilled = sharing == "on" or reference.prefill_skips_layers
+    expected = [3, WINDOW - 1, 2 * WINDOW + 1, 5 * WINDOW + 3] + ([12] if alone_prefilled else [])
     assert prompt_lengths == sorted(expected)
     if max_tokens == 100_000:
         assert len(prefills) == 1  # groups with four different prompt lengths in one left-padded batch
@@ -80,7 +82,7 @@ def test_shared_prompts_match_oracle(reference, sharing, max_tokens):
         assert all(len(batch) == 1 for batch in prefills if batch[0] > 16)  # a prompt over the budget runs alone
     reused = (5 - 1) * (5 * WINDOW + 3) + (3 - 1) * 3 + (2 - 1) * (WINDOW - 1) + (2 - 1) * (2 * WINDOW + 1)
     assert stats.prompt_tokens_reused == reused
-    assert stats.shared_rows == len(rows) - (sharing == "auto")
+    assert stats.shared_rows == len(rows) - (not alone_prefilled)
 
 
 def test_shared_and_per_row_paths_agree_with_temperature(reference):
@@ -96,6 +98,12 @@ def test_shared_and_per_row_paths_agree_with_temperature(reference):
 
 def test_probe_accepts_both_tiny_models(reference):
     assert reference.check_prefix_sharing() is None
+
+
+def test_only_gemma_prefill_skips_layers(reference):
+    # Gemma 4's KV-shared layers run on the prompt's last position alone; a Llama has no such layers.
+    is_gemma = type(reference.model).__name__.startswith("Gemma4")
+    assert reference.prefill_skips_layers == is_gemma
 
 
 def test_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, monkeypatch):
