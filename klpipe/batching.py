@@ -7,6 +7,7 @@ padded size fits a token budget, and their results are put back in input order b
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,8 +55,74 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, batch_cost: int | None
 
 
 def padding_efficiency(lengths: Sequence[int], batches: list[np.ndarray]) -> tuple[int, int]:
-    """(real tokens, padded tokens) that `batches` would process."""
+    """(real tokens, padded tokens) that `batches` (row indices into `lengths`) would process."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    real = int(lengths.sum())
+    real = int(sum(int(lengths[b].sum()) for b in batches))
     padded = int(sum(len(b) * int(lengths[b].max()) for b in batches if len(b)))
     return real, padded
+
+
+# -- prefix sharing --------------------------------------------------------------------------------
+
+
+def group_by_prompt(prompt_ids: np.ndarray, prompt_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group of each row, first row of each group): rows whose prompt token ids are identical share a group.
+
+    Groups are numbered in order of first appearance, so the grouping of a chunk never depends on
+    anything but its rows. Exact comparison of the ids, not a hash: a collision would silently give
+    a row another prompt's logprobs.
+    """
+    group_of_row = np.empty(len(prompt_offsets) - 1, dtype=np.int64)
+    first_rows: list[int] = []
+    seen: dict[bytes, int] = {}
+    for row in range(len(group_of_row)):
+        key = prompt_ids[prompt_offsets[row]:prompt_offsets[row + 1]].tobytes()
+        group = seen.setdefault(key, len(first_rows))
+        if group == len(first_rows):
+            first_rows.append(row)
+        group_of_row[row] = group
+    return group_of_row, np.asarray(first_rows, dtype=np.int64)
+
+
+@dataclass
+class SharedBatch:
+    """Prompts prefilled once, together, and the response passes that continue them.
+
+    `rows` are every row of those prompts' groups; `passes` hold the rows that feed response tokens
+    (two or more response tokens: the first is predicted by the prompt's last position, and the last
+    is only ever a target), each pass one forward against the prompts' KV cache.
+    """
+
+    groups: np.ndarray  # (n,) group indices, longest prompt first
+    rows: np.ndarray  # every row of those groups
+    passes: list[np.ndarray] = field(default_factory=list)  # row indices, one array per forward pass
+
+
+def plan_shared(prompt_lengths: Sequence[int], response_lengths: Sequence[int], group_of_row: np.ndarray,
+                max_tokens: int) -> list[SharedBatch]:
+    """Cut groups of rows that share a prompt into prefill batches and response passes.
+
+    A prefill batch is the prompts of several groups, left-padded to the longest: `plan_batches` over
+    prompt lengths, so its padded size fits `max_tokens` (a prompt longer than that runs alone).
+    Its rows' responses then run in passes against that KV cache. A pass of b rows holds b copies
+    of the prompt positions as keys and values besides the response tokens it feeds, so it costs
+    b × (longest prompt + longest fed response) against the same budget: memory stays what the
+    per-row path would use for those rows, while the prompts' compute is paid once.
+    """
+    prompt_lengths = np.asarray(prompt_lengths, dtype=np.int64)  # (groups,)
+    fed = np.maximum(np.asarray(response_lengths, dtype=np.int64) - 1, 0)  # (rows,) response tokens fed
+    rows_of_group = _rows_by_group(group_of_row, len(prompt_lengths))
+    batches = []
+    for groups in plan_batches(prompt_lengths, max_tokens):
+        rows = np.sort(np.concatenate([rows_of_group[g] for g in groups]))
+        feeding = rows[fed[rows] > 0]
+        held = int(prompt_lengths[groups].max())  # every row's KV is padded to the batch's longest prompt
+        passes = [feeding[p] for p in plan_batches(held + fed[feeding], max_tokens)]
+        batches.append(SharedBatch(groups=groups, rows=rows, passes=passes))
+    return batches
+
+
+def _rows_by_group(group_of_row: np.ndarray, groups: int) -> list[np.ndarray]:
+    order = np.argsort(group_of_row, kind="stable")
+    bounds = np.searchsorted(group_of_row[order], np.arange(groups + 1))
+    return [order[bounds[g]:bounds[g + 1]] for g in range(groups)]

@@ -1,7 +1,8 @@
 """Stage 1: stream rollouts through the reference model into a per-token logprob cache.
 
-Data flow: rollouts.iter_chunks -> ChunkTokenizer (in a reader thread) -> plan_batches ->
-ReferenceModel.score_batch -> one checkpoint file per chunk -> merged cache, renamed into place.
+Data flow: rollouts.iter_chunks -> ChunkTokenizer (in a reader thread) -> logprobs.chunk_logprobs
+(a prompt shared by several rows runs once; other rows are batched per row) -> one checkpoint file
+per chunk -> merged cache, renamed into place.
 
 Resume: finished chunks live in the work directory `<output>.partial/` (workdir.py) with a
 `run.json` describing the run. A rerun of the same command skips them; the chunk plan is
@@ -16,14 +17,12 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from klpipe import __version__, cache, sharding
-from klpipe.batching import padding_efficiency, plan_batches
-from klpipe.errors import InputError, OutputError
+from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files import fingerprint, output_beside, refuse_overwriting_inputs
+from klpipe.logprobs import SHARING_MODES, ForwardStats, chunk_logprobs
 from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
-from klpipe.rollouts import INPUT_SUFFIXES, ChunkTokenizer, TokenizedChunk, chunk_sizes, iter_chunks, open_rollouts
+from klpipe.rollouts import INPUT_SUFFIXES, ChunkTokenizer, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.threads import prefetch
@@ -45,7 +44,8 @@ class PrecomputeConfig:
     device: str = "auto"
     temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
     max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
-    chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted in
+    chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
+    prefix_sharing: str = "auto"  # auto | on | off: run a prompt once for the rows that share it (logprobs.py)
     trust_remote_code: bool = False
     overwrite: bool = False  # replace an existing output made by a different run
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
@@ -59,6 +59,8 @@ class PrecomputeConfig:
             raise InputError("--chunk-rows must be at least 1")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
             raise InputError("--max-tokens-per-batch must be at least 1")
+        if self.prefix_sharing not in SHARING_MODES:
+            raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
         if self.progress not in PROGRESS_MODES:
             raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
                              f"not {self.progress!r}")
@@ -69,8 +71,8 @@ class PrecomputeSummary:
     output: Path
     rows: int = 0  # rows scored in this run
     tokens: int = 0  # response tokens scored in this run
-    padded_tokens: int = 0  # tokens fed to the model, padding included
-    real_tokens: int = 0  # tokens fed to the model, padding excluded
+    forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
+    prefix_sharing: str = "off"  # the mode in force once the model is loaded (auto may fall back to off)
     seconds: float = 0.0  # scoring time, model loading excluded
     load_seconds: float = 0.0
     resumed_chunks: int = 0  # chunks an earlier run of the same command had finished
@@ -84,7 +86,7 @@ class PrecomputeSummary:
 
     @property
     def padding_efficiency(self) -> float:
-        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+        return self.forward.padding_efficiency
 
 
 def default_max_tokens(device: str) -> int:
@@ -207,6 +209,7 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
     """Score every chunk not yet done and checkpoint each one in the work directory."""
     sizes = chunk_sizes(rows, config.chunk_rows)
     max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
+    summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=sum(sizes[i] for i in done),
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
@@ -216,7 +219,8 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
         # error or a stop, closing the stream stops that thread now, not when the stream is collected.
         with closing(prefetch(map(tokenize, chunks))) as stream:
             for tokenized in stream:
-                logprobs = _score_chunk(model, tokenized, max_tokens, config.temperature, summary, stop.check)
+                logprobs = chunk_logprobs(model, tokenized, max_tokens, config.temperature, summary.prefix_sharing,
+                                          summary.forward, stop.check)
                 work.write_chunk(tokenized, logprobs)
                 response_tokens = int(tokenized.response_lengths().sum())
                 summary.rows += tokenized.num_rows
@@ -228,27 +232,18 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
         summary.seconds = time.perf_counter() - compute_started
 
 
-def _score_chunk(model, tokenized: TokenizedChunk, max_tokens: int, temperature: float,
-                 summary: PrecomputeSummary, check_stop=lambda: None) -> list[np.ndarray]:
-    """Reference logprobs for every row of a chunk, in the chunk's row order."""
-    prompt_len = tokenized.prompt_lengths()
-    response_len = tokenized.response_lengths()
-    fed = np.maximum(prompt_len + response_len - 1, 0)  # the last token is never fed
-    results: list[np.ndarray | None] = [None] * tokenized.num_rows
-    batches = plan_batches(fed, max_tokens)
-    for rows in batches:
-        batch = [
-            (tokenized.prompt_ids[tokenized.prompt_offsets[i]:tokenized.prompt_offsets[i + 1]],
-             tokenized.response_ids[tokenized.response_offsets[i]:tokenized.response_offsets[i + 1]])
-            for i in rows
-        ]
-        for i, values in zip(rows, model.score_batch(batch, temperature)):
-            results[i] = values
-        check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
-    real, padded = padding_efficiency(fed, batches)
-    summary.real_tokens += real
-    summary.padded_tokens += padded
-    return results
+def _sharing_mode(model, asked: str, log) -> str:
+    """The prefix-sharing mode to run with: `asked`, unless the model cannot continue a KV cache exactly."""
+    if asked == "off":
+        return "off"
+    problem = model.check_prefix_sharing()
+    if problem is None:
+        return asked
+    name = type(model.model).__name__
+    if asked == "on":
+        raise ModelError(f"--prefix-sharing on: {name} cannot share prompts exactly ({problem})")
+    log(f"prefix sharing off: {name} cannot share prompts exactly ({problem})")
+    return "off"
 
 
 def _same_run(a: cache.Provenance, b: cache.Provenance) -> bool:

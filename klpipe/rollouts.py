@@ -85,6 +85,11 @@ class TokenizedChunk:
     def response_lengths(self) -> np.ndarray:
         return np.diff(self.response_offsets)
 
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt ids, response ids) of row i."""
+        return (self.prompt_ids[self.prompt_offsets[i]:self.prompt_offsets[i + 1]],
+                self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]])
+
 
 def open_rollouts(paths: list[str | Path]) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns."""

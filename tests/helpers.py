@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from klpipe.arrow import offsets_from_lengths
 from klpipe.cache import ID, METADATA_KEY, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP, Provenance
+from klpipe.rollouts import Chunk, TokenizedChunk
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_data"
@@ -227,3 +229,17 @@ def peak_rss_mib(commands: list[list], env: dict | None = None, timeout: float =
         assert process.returncode == 0 and code == "0", f"klpipe {' '.join(map(str, command))}: exit {code}: {stderr}"
         peaks.append(int(kib) / 1024)
     return peaks
+
+
+def tokenized_chunk(rows) -> TokenizedChunk:
+    """A chunk of (prompt ids, response ids) rows, flattened as ChunkTokenizer hands it to the model."""
+
+    def flat(lists):
+        values = np.concatenate([np.asarray(x, dtype=np.int64) for x in lists]) if lists else np.zeros(0, np.int64)
+        return values, offsets_from_lengths([len(x) for x in lists])
+
+    prompts, prompt_offsets = flat([p for p, _ in rows])
+    responses, response_offsets = flat([r for _, r in rows])
+    n = len(rows)
+    chunk = Chunk(0, pa.table({"x": list(range(n))}), np.zeros(n, np.int64), np.arange(n))
+    return TokenizedChunk(chunk, chunk.table, prompts, prompt_offsets, responses, response_offsets)

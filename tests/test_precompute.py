@@ -232,3 +232,35 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
     summary = run(tmp_path, overwrite=True)
     assert summary.resumed_chunks == 0 and pq.read_table(summary.output).num_rows == 48
     assert not work.exists()
+
+
+def reused_prompt_tokens(table: pa.Table, chunk_rows: int) -> int:
+    """Prompt tokens a chunk need not recompute: every row after the first with the same prompt ids."""
+    prompts = table.column("prompt_ids").to_pylist()
+    total = 0
+    for start in range(0, len(prompts), chunk_rows):
+        seen = set()
+        for prompt in prompts[start:start + chunk_rows]:
+            if tuple(prompt) in seen:
+                total += len(prompt)
+            seen.add(tuple(prompt))
+    return total
+
+
+@pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
+def test_prefix_sharing_modes_match_oracle_and_count_what_they_saved(tmp_path, models, model_dir):
+    source = pq.read_table(ROLLOUTS)
+    # The sample has groups of 4 rows sharing a prompt: chunks of 6 rows split every other group.
+    expected_reused = reused_prompt_tokens(source, 6)
+    assert 0 < expected_reused < sum(len(p) for p in source.column("prompt_ids").to_pylist())
+    outputs = {}
+    for sharing in ("on", "auto", "off"):
+        summary = run(tmp_path, model=model_dir, name=f"{sharing}.parquet", chunk_rows=6, prefix_sharing=sharing)
+        outputs[sharing] = pq.read_table(summary.output)
+        assert_matches_oracle(models[model_dir], outputs[sharing])
+        assert summary.prefix_sharing == sharing
+        assert summary.forward.prompt_tokens == sum(len(p) for p in source.column("prompt_ids").to_pylist())
+        assert summary.forward.prompt_tokens_reused == (0 if sharing == "off" else expected_reused)
+    # Every row of the sample repeats its prompt somewhere in its chunk, except where a chunk boundary
+    # leaves one alone: auto and on differ only in those rows' path, both within the oracle's tolerance.
+    assert outputs["on"].drop_columns(["ref_logprobs"]).equals(outputs["off"].drop_columns(["ref_logprobs"]))

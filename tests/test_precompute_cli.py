@@ -296,3 +296,39 @@ def test_inputs_with_different_columns(tmp_path):
     result = precompute("-m", TINY_GEMMA, first, second, "-o", tmp_path / "out.parquet")
     assert_bad_input(result, f"{second}: columns differ from {first} (no id, extra reward); "
                              "inputs of one run must share a schema", tmp_path)
+
+
+def test_prefix_sharing_option_environment_and_summary(tmp_path):
+    prompts = pq.read_table(ROLLOUTS).column("prompt_ids").to_pylist()
+    # One chunk holds all 48 rows: each of the 12 prompts runs once for its 4 rows.
+    distinct = {tuple(p) for p in prompts}
+    reused = sum(len(p) for p in prompts) - sum(len(p) for p in distinct)
+    share = reused / sum(len(p) for p in prompts)
+    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert f"{reused:,} prompt tokens not recomputed ({share:.0%} of prompt tokens)" in result.stderr
+    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "off.parquet", "--device", "cpu",
+                        env={"KLPIPE_PREFIX_SHARING": "off"})
+    assert result.exit_code == 0, result.output
+    assert "0 prompt tokens not recomputed (0% of prompt tokens)" in result.stderr
+
+
+def test_prefix_sharing_bad_value(tmp_path):
+    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--prefix-sharing", "yes")
+    assert_bad_input(result, "--prefix-sharing must be auto, on or off, not 'yes'", tmp_path)
+
+
+def test_a_model_that_cannot_share_falls_back_under_auto_and_fails_under_on(tmp_path, monkeypatch):
+    from klpipe.reference import ReferenceModel
+
+    monkeypatch.setattr(ReferenceModel, "check_prefix_sharing", lambda self: "the probe disagreed")
+    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "prefix sharing off: LlamaForCausalLM cannot share prompts exactly (the probe disagreed)" in result.stderr
+    assert "0 prompt tokens not recomputed" in result.stderr
+    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--device", "cpu",
+                        "--prefix-sharing", "on")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("Error: --prefix-sharing on: LlamaForCausalLM cannot share prompts exactly "
+                                     "(the probe disagreed)")
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.parquet.partial").exists()

@@ -49,6 +49,10 @@ def precompute_command(
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
         envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = 2048,
+    prefix_sharing: Annotated[str, typer.Option(
+        help="auto | on | off. auto: rows of a chunk with identical prompt_ids run the prompt once and "
+             "continue from its KV cache; off: every row runs its whole prompt.",
+        envvar="KLPIPE_PREFIX_SHARING", rich_help_panel=BATCH_PANEL)] = "auto",
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an output, or discard a work directory, that a different run made.",
         envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = False,
@@ -89,6 +93,7 @@ def precompute_command(
     config = PrecomputeConfig(
         inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=local_device(device),
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
+        prefix_sharing=prefix_sharing,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard,
     )
@@ -103,9 +108,14 @@ def precompute_command(
     _stderr(
         f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
         f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
-        f"padding efficiency {summary.padding_efficiency:.1%}, peak memory {memory}"
+        f"padding efficiency {summary.padding_efficiency:.1%}, {_reused(summary.forward)}, peak memory {memory}"
         + (f"; resumed {resumed}" if summary.resumed_chunks else "")
     )
+
+
+def _reused(forward) -> str:
+    share = forward.prompt_tokens_reused / forward.prompt_tokens if forward.prompt_tokens else 0.0
+    return f"{forward.prompt_tokens_reused:,} prompt tokens not recomputed ({share:.0%} of prompt tokens)"
 
 
 def _stderr(message: str) -> None:

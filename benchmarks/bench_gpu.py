@@ -1,0 +1,190 @@
+"""GPU benchmark: klpipe precompute on a random model of Gemma 4 E2B's text shape, prefix sharing on and off.
+
+    python benchmarks/bench_gpu.py                   # ~2M tokens of GRPO-shaped rows; under 5 minutes on one H200
+    python benchmarks/bench_gpu.py --tokens 200000   # a quick look
+
+The model has E2B's text shape as transformers' Gemma 4 conversion script defines it: hidden 1536,
+35 layers (4 sliding : 1 full, window 512), 8 query heads and 1 KV head, per-layer inputs of 256,
+the last 20 layers sharing KV, double-wide MLPs in those, vocabulary 262,144 with a tied head and
+final-logit softcap 30. Its weights are random (nothing is downloaded), in bfloat16, saved once
+under build/bench/gpu/ and loaded by `klpipe precompute` like any local checkpoint.
+
+Rows are GRPO-shaped: groups of 8 sharing a prompt of 512-2048 tokens, responses of 32-1024 tokens
+(log-uniform), about --tokens tokens counted per row (prompt + response). Each mode runs
+`klpipe.precompute` end to end (read, validate, forward, write), model loading excluded, and prints
+response tokens/s, tokens fed/s, peak GPU memory, and the share of the GPU's bf16 dense peak that
+the model FLOPs reached over the whole run (2 x the linear weights each token fed really passes
+through; attention scores left out, so a lower bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "bench" / "gpu"
+MODEL_DIR = WORK / "gemma4-e2b-shape"
+VOCAB = 262_144
+GROUP_SIZE = 8
+# Dense bf16 tensor-core peaks (no sparsity), TFLOP/s; --peak-tflops for anything else.
+PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def e2b_text_config():
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=4 * 1536,
+        num_hidden_layers=35, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        num_attention_heads=8, num_key_value_heads=1, num_kv_shared_layers=20, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, sliding_window=512, tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": {"rope_theta": 1_000_000.0, "rope_type": "proportional", "partial_rotary_factor": 0.25},
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+        max_position_embeddings=8192,
+    )
+
+
+def build_model() -> None:
+    import torch
+    from transformers import AutoTokenizer, Gemma4ForCausalLM
+
+    if (MODEL_DIR / "config.json").exists():
+        return
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Gemma4ForCausalLM(e2b_text_config()).to(torch.bfloat16)
+    model.save_pretrained(MODEL_DIR, safe_serialization=True)
+    # klpipe loads a tokenizer beside the model; ids are given, so the sample one will do.
+    AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(MODEL_DIR)
+    print(f"built and saved the model in {time.perf_counter() - started:.0f}s", flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def build_rollouts(tokens: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = WORK / f"rollouts-{tokens}.parquet"
+    if path.exists():
+        return path
+    rng = np.random.default_rng(0)
+    prompts, responses, total = [], [], 0
+    while total < tokens:
+        prompt = rng.integers(0, VOCAB, int(rng.integers(512, 2049)))
+        for _ in range(GROUP_SIZE):
+            response = rng.integers(0, VOCAB, int(np.exp(rng.uniform(np.log(32), np.log(1024)))))
+            prompts.append(prompt)
+            responses.append(response)
+            total += len(prompt) + len(response)
+    table = pa.table({
+        "prompt_ids": pa.array([p.tolist() for p in prompts], pa.list_(pa.int32())),
+        "response_ids": pa.array([r.tolist() for r in responses], pa.list_(pa.int32())),
+    })
+    pq.write_table(table, path)
+    return path
+
+
+def flops_per_token() -> dict:
+    """FLOPs per token: 2 x the weights of every linear layer a token passes through, counted on a
+    meta-device copy of the model (embedding lookups cost no FLOPs; KV-shared layers have no k and v
+    projections). `early` is the layers before the KV-shared ones, `shared` the KV-shared layers,
+    `head` the LM head for one response token."""
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(e2b_text_config())
+
+    def linear(module) -> int:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+    first_shared = model.config.num_hidden_layers - model.config.num_kv_shared_layers
+    shared = sum(linear(layer) for layer in model.model.layers[first_shared:])
+    return {"early": 2.0 * (linear(model.model) - shared), "shared": 2.0 * shared,
+            "head": 2.0 * model.lm_head.weight.numel()}
+
+
+def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
+    import pyarrow.parquet as pq
+    import torch
+
+    from klpipe.precompute import PrecomputeConfig, precompute
+
+    out = WORK / f"cached-{sharing}.parquet"
+    out.unlink(missing_ok=True)
+    torch.cuda.reset_peak_memory_stats()
+    summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(MODEL_DIR), device="cuda",
+                                          dtype="bfloat16", overwrite=True, progress="none",
+                                          prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
+    cost = flops_per_token()
+    forward = summary.forward
+    # A shared prompt is prefilled with logits_to_keep=1: its tokens skip the KV-shared layers (all
+    # but the last position, left out here). Every other token fed runs the whole body. Attention
+    # scores (QK^T and AV) are left out too: a lower bound on the work done, and so on the share.
+    prefilled = forward.prompt_tokens - forward.prompt_tokens_reused if forward.shared_rows else 0
+    flops = (cost["early"] * forward.fed_tokens + cost["shared"] * (forward.fed_tokens - prefilled)
+             + cost["head"] * summary.tokens)
+    return {
+        "sharing": sharing, "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
+        "fed": summary.forward.fed_tokens, "padded": summary.forward.padded_tokens,
+        "reused": summary.forward.prompt_tokens_reused,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "mfu": flops / summary.seconds / (peak_tflops * 1e12),
+        "first_rows": pq.read_table(out).column("ref_logprobs").slice(0, 16).to_pylist(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2_000_000, help="prompt + response tokens, counted per row")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu.py needs a CUDA GPU")
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), None)
+    if peak is None:
+        sys.exit(f"unknown GPU {name!r}: pass --peak-tflops")
+    WORK.mkdir(parents=True, exist_ok=True)
+    build_model()
+    rollouts = build_rollouts(args.tokens)
+    table_rows = pq_rows(rollouts)
+    print(f"{name}, bf16 peak {peak:g} TFLOP/s; {table_rows} rows in groups of {GROUP_SIZE}, ~{args.tokens:,} tokens "
+          "per row-wise count; Gemma 4 E2B text shape, random weights", flush=True)
+    results = [run(rollouts, sharing, peak) for sharing in ("auto", "off")]
+
+    gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(results[0]["first_rows"],
+                                                                          results[1]["first_rows"]) if len(a))
+    print()
+    print(f"{'prefix sharing':<16}{'seconds':>9}{'resp tok/s':>12}{'fed tok/s':>12}{'tokens fed':>13}"
+          f"{'prompt tok reused':>19}{'peak GPU GiB':>14}{'bf16 peak':>11}")
+    for r in results:
+        print(f"{r['sharing']:<16}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
+              f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['reused']:>19,}{r['peak_gib']:>14.1f}"
+              f"{r['mfu']:>11.1%}")
+    print(f"\nauto / off throughput: {results[1]['seconds'] / results[0]['seconds']:.2f}x; "
+          f"max |auto - off| over the first 16 rows' logprobs: {gap:.3g} (bf16)")
+
+
+def pq_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+if __name__ == "__main__":
+    main()

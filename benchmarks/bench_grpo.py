@@ -1,0 +1,242 @@
+"""Benchmark prefix sharing on GRPO-shaped rollouts: groups of 8 rows that share one prompt.
+
+    python benchmarks/bench_grpo.py                  # 24 groups x 8 rows (what `make bench` runs)
+    python benchmarks/bench_grpo.py --groups 8       # a quicker look
+
+Data: prompts of 256-768 tokens (uniform), responses of 16-256 tokens (log-uniform), random ids.
+Model: a random Llama-style model (8 layers x 256, FFN 1024, vocabulary 8,192), fp32 on CPU, whose
+body-to-head FLOPs ratio (~3.8:1) is close to Gemma 4 E2B's. Each contender runs in its own process,
+one after the other, on the same file; model loading is excluded from every time.
+
+  (a) klpipe         `klpipe.precompute` end to end, --prefix-sharing auto (the default)
+  (b) klpipe off     the same with --prefix-sharing off: every row runs its whole prompt
+  (c) floor          the per-row minimal-work floor: each row alone (no padding), the model body over
+                     prompt + response, the LM head on response positions only
+  (d) TRL            TRL's GRPO reference pass (trl 1.16 GRPOTrainer._get_per_token_logps_and_entropies
+                     with trl.trainer.utils.add_fused_lm_head): prompts left-padded and completions
+                     right-padded over the whole generation batch, forwarded in batches of 8 in
+                     input order. Needs `pip install trl` (benchmark only; never a klpipe dependency).
+
+Every contender's logprobs for the first rows are checked against (c)'s, so the times compare the
+same numbers. Targets (issue 7): (a) >= 3x (c), (a) >= 4x (d).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "bench" / "grpo"
+MODEL_DIR = WORK / "llama-8k"
+VOCAB = 8192
+GROUP_SIZE = 8
+CHECKED_ROWS = 16  # rows whose logprobs every contender must agree on
+TRL_BATCH = 8
+
+
+def rollouts_path(groups: int) -> Path:
+    return WORK / f"rollouts-{groups}x{GROUP_SIZE}.parquet"
+
+
+def build_inputs(groups: int, seed: int = 0) -> None:
+    """The model and the rollouts, made once and reused (delete build/bench/grpo to rebuild)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not (MODEL_DIR / "model.safetensors").exists():
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                             tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(MODEL_DIR, safe_serialization=True)
+        # klpipe loads a tokenizer beside the model; ids are given, so any tokenizer will do.
+        AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
+    path = rollouts_path(groups)
+    if not path.exists():
+        rng = np.random.default_rng(seed)
+        prompts, responses, ids = [], [], []
+        for g in range(groups):
+            prompt = rng.integers(0, VOCAB, int(rng.integers(256, 769))).tolist()
+            for k in range(GROUP_SIZE):
+                length = int(np.exp(rng.uniform(np.log(16), np.log(256))))
+                prompts.append(prompt)
+                responses.append(rng.integers(0, VOCAB, length).tolist())
+                ids.append(f"g{g:03d}-{k}")
+        table = pa.table({
+            "id": ids,
+            "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
+            "response_ids": pa.array(responses, pa.list_(pa.int32())),
+        })
+        pq.write_table(table, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+
+
+def load_rows(groups: int):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(rollouts_path(groups))
+    return table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+
+
+def load_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_grad_enabled(False)
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+def run_klpipe(groups: int, sharing: str) -> dict:
+    import pyarrow.parquet as pq
+
+    import klpipe.reference  # noqa: F401 - torch and transformers imported before the clock, as for the others
+    from klpipe.precompute import PrecomputeConfig, precompute
+
+    out = WORK / f"klpipe-{sharing}.parquet"
+    out.unlink(missing_ok=True)  # a finished output would make the run a no-op
+    started = time.perf_counter()
+    summary = precompute(PrecomputeConfig(inputs=[rollouts_path(groups)], output=out, model=str(MODEL_DIR),
+                                          device="cpu", dtype="float32", overwrite=True, progress="none",
+                                          prefix_sharing=sharing), log=lambda m: None)
+    seconds = time.perf_counter() - started - summary.load_seconds
+    assert summary.rows and not summary.skipped
+    checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
+    forward = summary.forward
+    return {"seconds": seconds, "fed_tokens": forward.fed_tokens, "padded_tokens": forward.padded_tokens,
+            "checked": checked}
+
+
+def run_floor(groups: int) -> dict:
+    import torch
+
+    model = load_model()
+    prompts, responses = load_rows(groups)
+    body, head = model.model, model.lm_head
+    checked, fed = [], 0
+    started = time.perf_counter()
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor([p + r[:-1]])
+        fed += ids.shape[1]
+        hidden = body(input_ids=ids).last_hidden_state[0, len(p) - 1:]  # response positions only
+        logits = head(hidden).float()
+        values = logits.gather(1, torch.tensor(r)[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        if i < CHECKED_ROWS:
+            checked.append(values.tolist())
+    return {"seconds": time.perf_counter() - started, "fed_tokens": fed, "padded_tokens": fed, "checked": checked}
+
+
+def run_trl(groups: int) -> dict:
+    """GRPOTrainer's reference pass, as trl 1.16 runs it for one generation batch."""
+    import torch
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = load_model()
+    add_fused_lm_head(model)
+    prompts, responses = load_rows(groups)
+    # GRPOTrainer pads the generation batch once: prompts on the left, completions on the right.
+    prompt_len, completion_len = max(map(len, prompts)), max(map(len, responses))
+    n = len(prompts)
+    input_ids = torch.zeros(n, prompt_len + completion_len, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, prompt_len - len(p):prompt_len] = torch.tensor(p)
+        input_ids[i, prompt_len:prompt_len + len(r)] = torch.tensor(r)
+        attention_mask[i, prompt_len - len(p):prompt_len + len(r)] = 1
+    logits_to_keep = completion_len
+    all_logps = []
+    started = time.perf_counter()
+    for start in range(0, n, TRL_BATCH):  # _get_per_token_logps_and_entropies, batch_size 8
+        ids, mask = input_ids[start:start + TRL_BATCH], attention_mask[start:start + TRL_BATCH]
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        with torch.no_grad():
+            outputs = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        all_logps.append(outputs.log_probs[:, -logits_to_keep:])
+    seconds = time.perf_counter() - started
+    logps = torch.cat(all_logps)
+    checked = [logps[i, :len(responses[i])].tolist() for i in range(min(CHECKED_ROWS, n))]
+    padded = n * (prompt_len + completion_len)
+    return {"seconds": seconds, "fed_tokens": int(attention_mask.sum()), "padded_tokens": padded, "checked": checked}
+
+
+CONTENDERS = {
+    "klpipe": lambda groups: run_klpipe(groups, "auto"),
+    "klpipe-off": lambda groups: run_klpipe(groups, "off"),
+    "floor": run_floor,
+    "trl": run_trl,
+}
+LABELS = {
+    "klpipe": "(a) klpipe",
+    "klpipe-off": "(b) klpipe --prefix-sharing off",
+    "floor": "(c) per-row minimal-work floor",
+    "trl": "(d) TRL GRPO reference pass",
+}
+
+
+def child(name: str, groups: int) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    result = CONTENDERS[name](groups)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=24)
+    parser.add_argument("--only", nargs="+", choices=sorted(CONTENDERS), help="run only these contenders")
+    parser.add_argument("--child", choices=sorted(CONTENDERS))
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.groups)
+
+    build_inputs(args.groups)
+    prompts, responses = load_rows(args.groups)
+    response_tokens = sum(map(len, responses))
+    print(f"{len(prompts)} rows in {args.groups} groups of {GROUP_SIZE}: prompts 256-768 tokens, responses 16-256 "
+          f"(log-uniform), {response_tokens:,} response tokens; Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, "
+          f"fp32, CPU, {os.cpu_count()} threads", flush=True)
+    results = {}
+    for name in args.only or list(CONTENDERS):
+        out = subprocess.run([sys.executable, __file__, "--child", name, "--groups", str(args.groups)],
+                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if out.returncode or not line:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        results[name] = json.loads(line[0][7:])
+        print(f"  ran {name}: {results[name]['seconds']:.1f}s", flush=True)
+
+    reference = results.get("floor") or next(iter(results.values()))
+    for name, result in results.items():
+        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
+        assert gap < 1e-3, f"{name} disagrees with the floor's logprobs by {gap:.3g}"
+
+    print()
+    print(f"{'contender':<34}{'seconds':>9}{'resp tok/s':>12}{'tokens fed':>12}{'padded':>11}{'peak RSS MiB':>14}")
+    for name, r in results.items():
+        print(f"{LABELS[name]:<34}{r['seconds']:>9.1f}{response_tokens / r['seconds']:>12,.0f}"
+              f"{r['fed_tokens']:>12,}{r['padded_tokens']:>11,}{r['peak_rss_mib']:>14,.0f}")
+    print()
+    a = results.get("klpipe")
+    for other, target in (("floor", 3.0), ("trl", 4.0), ("klpipe-off", None)):
+        if a and other in results:
+            ratio = results[other]["seconds"] / a["seconds"]
+            goal = f"   (target >= {target:g}x)" if target else ""
+            print(f"(a) / {LABELS[other][:3]} throughput: {ratio:.2f}x{goal}")
+
+
+if __name__ == "__main__":
+    main()
