@@ -318,6 +318,19 @@ def test_submit_chains_score_after_the_array(tmp_path):
     assert (tmp_path / "logs").is_dir()  # Slurm would not create it
 
 
+def test_submit_passes_the_array_and_site_options_on(tmp_path):
+    """ARRAY goes to the array job alone; arguments go to both jobs."""
+    result = subprocess.run(["bash", str(EXAMPLES / "submit.sh"), "--partition=a100", "--account=rl"],
+                            cwd=tmp_path, capture_output=True, text=True, env={**script_env(tmp_path), "ARRAY": "0-15"},
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert slurm_calls(tmp_path / "slurm.log") == [
+        f"sbatch --parsable --array=0-15 --partition=a100 --account=rl {EXAMPLES / 'precompute-array.sbatch'}",
+        "sbatch --dependency=afterok:4242 --kill-on-invalid-dep=yes --partition=a100 --account=rl "
+        f"{EXAMPLES / 'score-after.sbatch'}",
+    ]
+
+
 def test_torchrun_two_cpu_ranks_equal_single_process(tmp_path, single):
     env = script_env(tmp_path, NPROC=2, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached")
     result = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh")], cwd=tmp_path, env=env,
