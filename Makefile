@@ -43,7 +43,8 @@ test-faults: install
 # The examples under a real one-node Slurm cluster that tests/slurm starts on 127.0.0.1 and stops
 # again. Installs Debian's slurm-wlm and munge first when they are missing (needs root, as in CI).
 test-slurm: install
-	@PATH="$$PATH:/usr/sbin:/sbin"; command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null || { \
+	@PATH="$$PATH:/usr/sbin:/sbin"; \
+	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
 	$(BIN)/python -m pytest -q --durations=0 tests/slurm
 

@@ -98,8 +98,8 @@ class Cluster:
         munge = self.root / "munge"
         munge.mkdir(mode=0o755)
         key = munge / "munge.key"
-        key.write_bytes(os.urandom(128))  # what `mungekey` makes: 1024 random bits
-        key.chmod(0o600)
+        with os.fdopen(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(os.urandom(128))  # what `mungekey` makes: 1024 random bits, readable by root alone
         munge_socket = munge / "munge.socket"
         for name in ("state", "spool"):
             (self.root / name).mkdir(mode=0o700)
