@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-faults bench sample-data clean
+.PHONY: install demo test test-faults test-slurm bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,14 @@ test: install
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
+
+# The examples under a real one-node Slurm cluster that tests/slurm starts on 127.0.0.1 and stops
+# again. Installs Debian's slurm-wlm and munge first when they are missing (needs root, as in CI).
+test-slurm: install
+	@PATH="$$PATH:/usr/sbin:/sbin"; \
+	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null || { \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
+	$(BIN)/python -m pytest -q --durations=0 tests/slurm
 
 bench: install
 	$(BIN)/python benchmarks/bench_precompute.py

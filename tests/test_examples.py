@@ -1,10 +1,12 @@
 """The scripts under examples/ run as written and give what one process gives.
 
-Slurm is not installed here, so the sbatch scripts run under bash with the SLURM_* variables an
-array task would see (the #SBATCH lines are comments to bash). Where a test needs `srun`,
-`scontrol` or `sbatch`, a stand-in on PATH execs or records instead. torchrun is real (it comes
-with torch) and starts 2 CPU processes. The cron line is taken from examples/crontab itself, its
-paths pointed at a temporary directory.
+The sbatch scripts run under bash with the SLURM_* variables an array task would see (the #SBATCH
+lines are comments to bash). Every script runs with stand-ins for `srun`, `scontrol` and `sbatch`
+first on its PATH (`srun` runs its command, each records its call), so what these tests see does not
+depend on whether a real Slurm is installed on the machine, as it is on any login node. The same
+scripts under a real one-node Slurm cluster are tested by tests/slurm/ (`make test-slurm`). torchrun
+is real (it comes with torch) and starts 2 CPU processes. The cron line is taken from
+examples/crontab itself, its paths pointed at a temporary directory.
 
 Every result is compared with a single-process run over the same rollouts with the same
 --chunk-rows: parts concatenated in shard order must equal it bit for bit (schema metadata aside:
@@ -51,13 +53,35 @@ def one_torch_thread():
         torch.set_num_threads(before)
 
 
-def script_env(extra_path: Path | None = None, **settings) -> dict:
-    """A clean environment: nothing inherited that could shard a run or change its settings."""
+def slurm_stand_ins(directory: Path) -> Path:
+    """`srun` that runs its command, `scontrol` that does nothing, and `sbatch` that prints a job id
+    ("4242;cluster1" with --parsable): each appends its command line to $FAKE_SLURM_LOG."""
+    directory.mkdir(exist_ok=True)
+    record = 'echo "$(basename "$0") $*" >> "$FAKE_SLURM_LOG"\n'
+    tools = {
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n',
+        "scontrol": "",
+        "sbatch": 'case " $* " in *" --parsable "*) echo "4242;cluster1";; *) echo "Submitted batch job 4243";; esac\n',
+    }
+    for tool, body in tools.items():
+        (directory / tool).write_text("#!/bin/bash\n" + record + body)
+        (directory / tool).chmod(0o755)
+    return directory
+
+
+def slurm_calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def script_env(tmp_path: Path, **settings) -> dict:
+    """A clean environment: nothing inherited that could shard a run or change its settings, and the
+    Slurm stand-ins (recording to tmp_path/slurm.log) ahead of any real Slurm on the system PATH."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "KLPIPE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PATH")}
-    path = [str(extra_path)] if extra_path else []
+    stand_ins = slurm_stand_ins(tmp_path / "slurm-bin")
     env.update({
-        "PATH": os.pathsep.join([*path, str(VENV_BIN), "/usr/local/bin", "/usr/bin", "/bin"]),
+        "PATH": os.pathsep.join([str(stand_ins), str(VENV_BIN), "/usr/local/bin", "/usr/bin", "/bin"]),
+        "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         # Up to three klpipe processes share two cores here; one thread each keeps them from
@@ -137,10 +161,13 @@ def run_array(script: Path, tasks: range, cwd: Path, env: dict, only: list[int] 
 
 @pytest.mark.parametrize("tasks", [range(0, 2), range(10, 13)], ids=["2-shards", "3-shards-from-10"])
 def test_sbatch_array_then_score_equals_single_process(tmp_path, single, tasks):
-    env = script_env(KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
+    env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
                      SCORE_DIR=tmp_path / "scored", KL_STATE=tmp_path / "kl_state.json")
     for result in run_array(EXAMPLES / "precompute-array.sbatch", tasks, tmp_path, env):
         assert result.returncode == 0, result.stdout
+    # In a job, each task runs klpipe as a job step.
+    step = f"srun --ntasks=1 klpipe precompute --model {TINY_LLAMA} {ROLLOUTS} --output {tmp_path / 'cached'}"
+    assert slurm_calls(tmp_path / "slurm.log") == [step] * len(tasks)
     expected = without_metadata(pq.read_table(single / "cached.parquet"))
     assert concatenated_parts(tmp_path / "cached", len(tasks)).equals(expected)
 
@@ -158,30 +185,24 @@ def test_sbatch_array_then_score_equals_single_process(tmp_path, single, tasks):
 
 
 def test_score_after_refuses_an_array_with_a_missing_shard(tmp_path):
-    """Task 0 of 2 never finished (say, it failed for good and someone ran the score job by hand):
-    score must refuse the directory rather than score half the rollouts, and write nothing."""
-    env = script_env(KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
+    """Only shard 1 of 2 is there (task 0 failed for good; someone reran task 1 by hand on the login
+    node, then ran the score job by hand): score must refuse the directory rather than score half
+    the rollouts, and write nothing. Run by hand, outside a job, the array script runs klpipe directly,
+    not under the login node's srun (which would ask for a new allocation)."""
+    env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
                      SCORE_DIR=tmp_path / "scored", KL_STATE=tmp_path / "kl_state.json")
-    [task] = run_array(EXAMPLES / "precompute-array.sbatch", range(0, 2), tmp_path, env, only=[1])
+    task = subprocess.run(["bash", str(EXAMPLES / "precompute-array.sbatch")], cwd=tmp_path, text=True,
+                          env={**env, "KLPIPE_SHARD_INDEX": "1", "KLPIPE_NUM_SHARDS": "2"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert task.returncode == 0, task.stdout
+    assert (tmp_path / "cached" / "part-00001-of-00002.done").exists()
+    assert slurm_calls(tmp_path / "slurm.log") == []  # no srun, no scontrol
     result = subprocess.run(["bash", str(EXAMPLES / "score-after.sbatch")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("Error: ") and ("part-00000-of-00002" in error or "missing" in error.lower()), error
     assert not (tmp_path / "scored" / "scored.parquet").exists() and not (tmp_path / "kl_state.json").exists()
-
-
-def fake_slurm_tools(directory: Path) -> Path:
-    """`srun` that just runs its command; `scontrol` that records its arguments."""
-    directory.mkdir()
-    (directory / "srun").write_text(
-        '#!/bin/bash\necho "srun $*" >> "$FAKE_SLURM_LOG"\n'
-        'while [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
-    (directory / "scontrol").write_text('#!/bin/bash\necho "scontrol $*" >> "$FAKE_SLURM_LOG"\n')
-    for tool in ("srun", "scontrol"):
-        (directory / tool).chmod(0o755)
-    return directory
 
 
 def long_rollouts(tmp_path: Path) -> Path:
@@ -207,8 +228,8 @@ def test_sbatch_task_stopped_by_usr1_is_requeued_and_resumes(tmp_path, spawn):
     rollouts = long_rollouts(tmp_path)
     cache_dir = tmp_path / "cached"
     log = tmp_path / "slurm.log"
-    env = script_env(fake_slurm_tools(tmp_path / "bin"), KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=rollouts,
-                     CACHE_DIR=cache_dir, KLPIPE_MAX_TOKENS_PER_BATCH=1, FAKE_SLURM_LOG=log,
+    env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=rollouts,
+                     CACHE_DIR=cache_dir, KLPIPE_MAX_TOKENS_PER_BATCH=1,
                      SLURM_JOB_ID=7001, SLURM_ARRAY_JOB_ID=7000, SLURM_ARRAY_TASK_ID=1,
                      SLURM_ARRAY_TASK_COUNT=2, SLURM_ARRAY_TASK_MIN=0)
     part = cache_dir / "part-00001-of-00002.parquet"
@@ -250,8 +271,8 @@ def test_sbatch_task_terminated_by_slurm_is_not_requeued_by_the_script(tmp_path,
     script leaves requeueing to Slurm (a --requeue job is requeued by Slurm; a cancelled one must stay so)."""
     cache_dir = tmp_path / "cached"
     log = tmp_path / "slurm.log"
-    env = script_env(fake_slurm_tools(tmp_path / "bin"), KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=long_rollouts(tmp_path),
-                     CACHE_DIR=cache_dir, KLPIPE_MAX_TOKENS_PER_BATCH=1, FAKE_SLURM_LOG=log,
+    env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=long_rollouts(tmp_path),
+                     CACHE_DIR=cache_dir, KLPIPE_MAX_TOKENS_PER_BATCH=1,
                      SLURM_JOB_ID=8000, SLURM_ARRAY_JOB_ID=8000, SLURM_ARRAY_TASK_ID=0, SLURM_ARRAY_TASK_COUNT=1)
     work = cache_dir / "part-00000-of-00001.parquet.partial"
     task = spawn(["bash", str(EXAMPLES / "precompute-array.sbatch")], cwd=tmp_path, env=env,
@@ -262,7 +283,7 @@ def test_sbatch_task_terminated_by_slurm_is_not_requeued_by_the_script(tmp_path,
     assert task.returncode == 75, out
     assert "Error: stopped by SIGTERM; finished chunks are saved" in out
     assert "received SIGTERM again" not in out  # the script did not add a second TERM
-    assert not any(line.startswith("scontrol") for line in log.read_text().splitlines()), log.read_text()
+    assert not any(line.startswith("scontrol") for line in slurm_calls(log)), slurm_calls(log)
 
 
 def test_sbatch_directives():
@@ -287,24 +308,30 @@ def test_sbatch_directives():
 
 
 def test_submit_chains_score_after_the_array(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(
-        '#!/bin/bash\necho "$*" >> "$FAKE_SLURM_LOG"\n'
-        'case " $* " in *" --parsable "*) echo "4242;cluster1";; *) echo "Submitted batch job 4243";; esac\n')
-    (bin_dir / "sbatch").chmod(0o755)
-    log = tmp_path / "sbatch.log"
     result = subprocess.run(["bash", str(EXAMPLES / "submit.sh")], cwd=tmp_path, capture_output=True, text=True,
-                            env=script_env(bin_dir, FAKE_SLURM_LOG=log), timeout=60)
+                            env=script_env(tmp_path), timeout=60)
     assert result.returncode == 0, result.stderr
-    first, second = log.read_text().splitlines()
-    assert first == f"--parsable {EXAMPLES / 'precompute-array.sbatch'}"
-    assert second == f"--dependency=afterok:4242 --kill-on-invalid-dep=yes {EXAMPLES / 'score-after.sbatch'}"
+    first, second = slurm_calls(tmp_path / "slurm.log")
+    assert first == f"sbatch --parsable {EXAMPLES / 'precompute-array.sbatch'}"
+    assert second == f"sbatch --dependency=afterok:4242 --kill-on-invalid-dep=yes {EXAMPLES / 'score-after.sbatch'}"
     assert (tmp_path / "logs").is_dir()  # Slurm would not create it
 
 
+def test_submit_passes_the_array_and_site_options_on(tmp_path):
+    """ARRAY goes to the array job alone; arguments go to both jobs."""
+    result = subprocess.run(["bash", str(EXAMPLES / "submit.sh"), "--partition=a100", "--account=rl"],
+                            cwd=tmp_path, capture_output=True, text=True, env={**script_env(tmp_path), "ARRAY": "0-15"},
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert slurm_calls(tmp_path / "slurm.log") == [
+        f"sbatch --parsable --array=0-15 --partition=a100 --account=rl {EXAMPLES / 'precompute-array.sbatch'}",
+        "sbatch --dependency=afterok:4242 --kill-on-invalid-dep=yes --partition=a100 --account=rl "
+        f"{EXAMPLES / 'score-after.sbatch'}",
+    ]
+
+
 def test_torchrun_two_cpu_ranks_equal_single_process(tmp_path, single):
-    env = script_env(NPROC=2, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached")
+    env = script_env(tmp_path, NPROC=2, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached")
     result = subprocess.run(["bash", str(EXAMPLES / "torchrun.sh")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
