@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.conftest import ROLLOUTS, TINY_LLAMA
+from tests.helpers import ROLLOUTS, TINY_LLAMA
 from tests.slurm.cluster import Cluster
 from tests.test_examples import (
     CHUNK_ROWS, EXAMPLES, VENV_BIN, concatenated_parts, controller_state, one_torch_thread, without_metadata,
