@@ -4,8 +4,11 @@ Builds:
 
 * a 512-token byte-level BPE tokenizer trained on the small corpus below, with
   Gemma's special-token id layout (``<pad>``=0, ``<eos>``=1, ``<bos>``=2,
-  ``<unk>``=3) and a post-processor that prepends ``<bos>`` by default, as
-  Gemma's tokenizer does;
+  ``<unk>``=3), a post-processor that prepends ``<bos>`` by default, as
+  Gemma's tokenizer does, and a Gemma-style chat template that writes
+  ``<bos>`` itself (so tokenizing its output with special tokens added would
+  double it). ``<start_of_turn>`` and ``<end_of_turn>`` are plain text here,
+  not special tokens: adding tokens would change the vocabulary;
 * ``tiny-gemma4/``: a random ``Gemma4ForCausalLM`` that keeps the E2B features
   klpipe has to get right: final-logit softcapping, sliding + full attention
   with a window shorter than the sample prompts, KV-shared layers and
@@ -19,7 +22,13 @@ Builds:
   noise-perturbed copy of tiny-gemma4, so that tiny-gemma4 acts as the
   reference model and the policy-vs-reference KL is clearly non-zero.
   Sampling covers the full vocabulary, so a few responses contain ``<pad>`` or
-  ``<bos>`` ids mid-sequence; ids, not text, are authoritative.
+  ``<bos>`` ids mid-sequence; ids, not text, are authoritative;
+* ``conversational.parquet``: TRL's conversational prompt-completion format
+  (``prompt`` and ``completion`` as lists of messages), sampled from the same
+  policy after the chat template rendered each prompt. TRL stores the
+  completion as decoded text, so ``policy_logprobs`` are the policy's
+  teacher-forced logprobs of the completion as the template renders it (its
+  content plus the end-of-turn markup), which is what klpipe scores.
 
 Run ``python sample_data/generate.py`` from anywhere; outputs land next to
 this file. Everything is seeded, so reruns reproduce the same bytes of data.
@@ -54,6 +63,7 @@ OUT_DIR = Path(__file__).resolve().parent
 GEMMA_DIR = OUT_DIR / "tiny-gemma4"
 LLAMA_DIR = OUT_DIR / "tiny-llama"
 ROLLOUTS_PATH = OUT_DIR / "rollouts.parquet"
+CONVERSATIONAL_PATH = OUT_DIR / "conversational.parquet"
 
 VOCAB_SIZE = 512
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
@@ -87,6 +97,47 @@ SEED_LLAMA = 4321
 SEED_POLICY_NOISE = 777
 SEED_SAMPLING = 2024
 SEED_REWARD = 99
+# Separate streams, so the conversational file leaves every byte of the others as it was.
+# Picked so that no token's |policy − ref| passes the 20 nats at which `klpipe score` warns of a
+# tokenization mismatch: with random models a few seeds get there by chance.
+SEED_CHAT_SAMPLING = 2028
+SEED_CHAT_REWARD = 100
+
+# Gemma's layout: `<start_of_turn>ROLE\n...<end_of_turn>\n`, the assistant called `model`, a system
+# message folded into the first user turn, roles that must alternate, and `<bos>` written by the
+# template itself.
+CHAT_TEMPLATE = """\
+{{- bos_token -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system_prefix = (messages[0]['content'] | trim) + '\\n\\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set system_prefix = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{- '<start_of_turn>' + role + '\\n' + (system_prefix if loop.first else '') -}}
+    {{- (message['content'] | trim) + '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\\n' -}}
+{%- endif -%}
+"""
+
+# Conversational groups: (step, prompt messages). One with a system message, one multi-turn.
+CONVERSATIONS = [
+    (0, [{"role": "user", "content": "What is the capital of Australia, and why is it not Sydney?"}]),
+    (0, [{"role": "system", "content": "Answer in one short sentence."},
+         {"role": "user", "content": "Explain why the sky looks blue during the day and red at sunset."}]),
+    (1, [{"role": "user", "content": "Write a haiku about autumn leaves drifting across a cold pond."},
+         {"role": "assistant", "content": "Leaves drift on the pond."},
+         {"role": "user", "content": "Translate the sentence into French: the cat is sleeping on the chair."}]),
+    (1, [{"role": "user", "content": "Hello there!"}]),
+]
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -187,7 +238,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         pair="<bos> $A $B:1",
         special_tokens=[("<bos>", BOS)],
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
         eos_token="<eos>",
@@ -195,6 +246,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         model_max_length=512,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def check_tokenizer(model_dir: Path) -> None:
@@ -206,6 +259,12 @@ def check_tokenizer(model_dir: Path) -> None:
     assert BOS not in without
     assert tok.decode(without) == text
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.unk_token_id) == (PAD, EOS, BOS, UNK)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello! "}]
+    rendered = tok.apply_chat_template(chat, tokenize=False)
+    expected = "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+    assert rendered == expected, rendered
+    ids = tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0] == BOS and ids[1] != BOS, ids  # the template's own <bos>, once
 
 
 def gemma_config() -> Gemma4TextConfig:
@@ -393,6 +452,55 @@ def build_rollouts(tokenizer, ref, policy):
     return rows, torch.cat(kl_terms)
 
 
+@torch.no_grad()
+def build_conversational(tokenizer, ref, policy):
+    """TRL prompt-completion rows: render, sample, store the completion as text, as TRL does."""
+    gen = torch.Generator().manual_seed(SEED_CHAT_SAMPLING)
+    reward_rng = random.Random(SEED_CHAT_REWARD)
+    rows = []
+    worst = 0.0  # largest per-token |policy − ref|
+    for group_id, (step, prompt) in enumerate(CONVERSATIONS):
+        prompt_ids = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        responses, _ = sample_group(policy, prompt_ids, SAMPLES_PER_GROUP, gen)
+        for g, sampled in enumerate(responses):
+            completion = [{"role": "assistant", "content": tokenizer.decode(sampled, skip_special_tokens=True)}]
+            whole_ids = tokenizer.apply_chat_template(prompt + completion, tokenize=True, return_dict=True)["input_ids"]
+            assert whole_ids[: len(prompt_ids)] == prompt_ids, "the template must keep the prompt as a prefix"
+            response_ids = whole_ids[len(prompt_ids):]
+            policy_logprobs = teacher_forced_logprobs(policy, prompt_ids, response_ids)
+            ref_logprobs = teacher_forced_logprobs(ref, prompt_ids, response_ids)
+            worst = max(worst, (policy_logprobs - ref_logprobs).abs().max().item())
+            rows.append(
+                {
+                    "id": f"c{group_id}-g{g}",
+                    "step": step,
+                    "group_id": group_id,
+                    "prompt": prompt,
+                    "completion": completion,
+                    "policy_logprobs": policy_logprobs.tolist(),
+                    "reward": reward_fn(sampled, tokenizer, reward_rng),
+                }
+            )
+    return rows, worst
+
+
+def write_conversational(rows) -> None:
+    messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("step", pa.int64()),
+            ("group_id", pa.int64()),
+            ("prompt", messages),
+            ("completion", messages),
+            ("policy_logprobs", pa.list_(pa.float32())),
+            ("reward", pa.float64()),
+        ]
+    )
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), CONVERSATIONAL_PATH)
+
+
 def write_parquet(rows) -> None:
     schema = pa.schema(
         [
@@ -433,6 +541,8 @@ def main() -> None:
     policy = make_policy(gemma).eval()
     rows, kl_terms = build_rollouts(tokenizer, gemma, policy)
     write_parquet(rows)
+    conversational, worst_diff = build_conversational(tokenizer, gemma, policy)
+    write_conversational(conversational)
 
     lengths = [len(r["response_ids"]) for r in rows]
     n_eos = sum(r["response_ids"][-1] == EOS for r in rows)
@@ -447,10 +557,13 @@ def main() -> None:
     print(f"responses ending in <eos>: {n_eos}/{len(rows)}")
     print(f"mean per-token KL estimate mean(policy_lp - ref_lp): {mean_kl:.3f} nats over {kl_terms.numel()} tokens")
     print(f"responses that round-trip text -> ids: {round_trip}/{len(rows)}")
+    print(f"conversational rows: {len(conversational)}, rendered response lengths: "
+          f"{[len(r['policy_logprobs']) for r in conversational]}, largest |policy - ref| {worst_diff:.1f} nats")
     # Checked after printing so a failed retune still shows the numbers.
     assert 1 in lengths, "want at least one length-1 response"
     assert len(set(lengths)) > 3, lengths
     assert 0.5 <= mean_kl <= 6.0, mean_kl
+    assert worst_diff < 20.0, worst_diff
     for path in sorted(OUT_DIR.rglob("*")):
         if path.is_file() and path.name != Path(__file__).name:
             size = path.stat().st_size

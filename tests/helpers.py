@@ -27,6 +27,7 @@ SAMPLE = ROOT / "sample_data"
 TINY_GEMMA = SAMPLE / "tiny-gemma4"
 TINY_LLAMA = SAMPLE / "tiny-llama"
 ROLLOUTS = SAMPLE / "rollouts.parquet"
+CONVERSATIONAL = SAMPLE / "conversational.parquet"  # TRL prompt-completion messages
 SEED_PATH = ROOT.parent / "shared" / "seed" / "kl_controller.py"
 
 
