@@ -18,8 +18,9 @@ from klpipe.errors import InputError, ProvenanceError, first_line
 # Rollout columns (input to precompute).
 ID = "id"
 STEP = "step"
-PROMPT = "prompt"  # text mode: the exact prompt text the policy saw, chat template applied
+PROMPT = "prompt"  # text: the exact prompt text the policy saw; or TRL conversational messages
 RESPONSE = "response"
+COMPLETION = "completion"  # TRL's name for the response: used when there is no `response` column
 PROMPT_IDS = "prompt_ids"  # token-id mode (preferred: exact)
 RESPONSE_IDS = "response_ids"
 POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy
@@ -45,9 +46,11 @@ class Provenance:
     klpipe_version: str
     inputs: list[dict] = field(default_factory=list)  # [{name, size, sha256}] per input file
     shard: dict | None = None  # {"index": i, "count": n} for sharded runs
+    columns: dict = field(default_factory=dict)  # {role: column} from --column (klpipe/columns.py)
 
-    # The fields that change the numbers in ref_logprobs; the rest is bookkeeping.
-    IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature")
+    # The fields that change the numbers in ref_logprobs (the column mapping decides which ids
+    # are scored); the rest is bookkeeping.
+    IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature", "columns")
 
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in self.IDENTITY_FIELDS}

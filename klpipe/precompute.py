@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from klpipe import __version__, cache, sharding
+from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files import fingerprint, output_beside, refuse_overwriting_inputs
 from klpipe.logprobs import SHARING_MODES, ForwardStats, chunk_logprobs
 from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
-from klpipe.rollouts import INPUT_SUFFIXES, ChunkTokenizer, chunk_sizes, iter_chunks, open_rollouts
+from klpipe.rollouts import CHAT, INPUT_SUFFIXES, ChunkTokenizer, chunk_sizes, iter_chunks, open_rollouts
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.threads import prefetch
@@ -51,6 +52,7 @@ class PrecomputeConfig:
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
     log_interval: float = 30.0  # seconds between progress log lines
     shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
+    columns: dict[str, str] = field(default_factory=dict)  # role -> the input's column name (--column)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -64,6 +66,7 @@ class PrecomputeConfig:
         if self.progress not in PROGRESS_MODES:
             raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
                              f"not {self.progress!r}")
+        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
 
 
 @dataclass
@@ -109,7 +112,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     from klpipe import reference  # torch lives behind this import
 
     started = time.perf_counter()
-    rollouts = open_rollouts(config.inputs)  # schema and mode checks before anything heavy
+    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))  # schema and mode checks before anything heavy
     shard = config.shard
     destination = Path(config.output) if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
@@ -172,12 +175,13 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
     return cache.Provenance(
         model=config.model,
         revision=reference.weights_fingerprint(spec, model_config),
-        tokenizer=reference.tokenizer_fingerprint(tokenizer),
+        tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT),
         dtype=str(dtype).removeprefix("torch."),
         temperature=float(config.temperature),
         klpipe_version=__version__,
         inputs=[fingerprint(f.path) for f in rollouts.files],
         shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
+        columns=dict(rollouts.columns.given),
     )
 
 

@@ -113,14 +113,17 @@ def vocab_and_context(config) -> tuple[int, int | None]:
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over everything that decides token ids: vocabulary, merges, normalisation, special tokens."""
+def tokenizer_fingerprint(tokenizer, chat_template: bool = False) -> str:
+    """sha256 over everything that decides token ids: vocabulary, merges, normalisation, special tokens,
+    and, with `chat_template` (conversational rollouts, which it renders), the chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         payload = backend.to_str()
     else:
         payload = json.dumps(sorted(tokenizer.get_vocab().items()))
     payload += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    if chat_template:
+        payload += json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

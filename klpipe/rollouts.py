@@ -18,6 +18,8 @@ import pyarrow as pa
 
 from klpipe import cache
 from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_array, offsets_from_lengths
+from klpipe.chat import ChatError, ChatRenderer, is_messages_type
+from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
 from klpipe.files import (
     JSONL_SUFFIXES,
@@ -32,6 +34,7 @@ from klpipe.rows import row_name
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
 TEXT = "text"  # text mode: prompt / response tokenized with the reference tokenizer
+CHAT = "chat"  # TRL conversational: prompt / completion messages rendered with the chat template
 TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
 
 
@@ -49,7 +52,8 @@ class Rollouts:
 
     files: list[RolloutFile]
     schema: pa.Schema  # without metadata
-    mode: str  # TOKEN_IDS or TEXT
+    mode: str  # TOKEN_IDS, TEXT or CHAT
+    columns: ColumnMap  # role -> the user's column name
 
     @property
     def num_rows(self) -> int:
@@ -69,7 +73,7 @@ class Chunk:
 @dataclass
 class TokenizedChunk:
     chunk: Chunk
-    table: pa.Table  # input columns, plus prompt_ids/response_ids in text mode
+    table: pa.Table  # input columns, plus prompt_ids/response_ids in text and chat modes
     prompt_ids: np.ndarray  # flat int64 token ids of all prompts
     prompt_offsets: np.ndarray  # (rows + 1,)
     response_ids: np.ndarray
@@ -91,7 +95,7 @@ class TokenizedChunk:
                 self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]])
 
 
-def open_rollouts(paths: list[str | Path]) -> Rollouts:
+def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns."""
     files = [_open_file(p) for p in expand_inputs(paths, INPUT_SUFFIXES)]
     first = files[0]
@@ -101,7 +105,10 @@ def open_rollouts(paths: list[str | Path]) -> Rollouts:
                 f"{other.path}: columns differ from {first.path} "
                 f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
-    return Rollouts(files=files, schema=first.schema, mode=_detect_mode(first.path, first.schema))
+    columns = (columns or ColumnMap()).resolve(first.schema)
+    columns.check_present(first.path, first.schema, outputs=(cache.REF_LOGPROBS,))
+    mode = _detect_mode(first.path, first.schema, columns)
+    return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns)
 
 
 def _open_file(path: Path) -> RolloutFile:
@@ -176,23 +183,33 @@ def _first_bad_line(path: Path) -> str | None:
     return None
 
 
-def _detect_mode(path: Path, schema: pa.Schema) -> str:
+def _detect_mode(path: Path, schema: pa.Schema, columns: ColumnMap) -> str:
     names = set(schema.names)
-    if {cache.PROMPT_IDS, cache.RESPONSE_IDS} <= names:
-        for column in (cache.PROMPT_IDS, cache.RESPONSE_IDS):
+    prompt_ids, response_ids = columns.name(cache.PROMPT_IDS), columns.name(cache.RESPONSE_IDS)
+    prompt, response = columns.name(cache.PROMPT), columns.name(cache.RESPONSE)
+    if {prompt_ids, response_ids} <= names:
+        for column in (prompt_ids, response_ids):
             kind = schema.field(column).type
             if not (is_list_type(kind) and pa.types.is_integer(kind.value_type)):
                 raise InputError(f"{path}: column {column} must be a list of integer token ids, found {kind}")
         return TOKEN_IDS
-    if {cache.PROMPT, cache.RESPONSE} <= names:
-        for column in (cache.PROMPT, cache.RESPONSE):
-            kind = schema.field(column).type
+    if {prompt, response} <= names:
+        kinds = [schema.field(column).type for column in (prompt, response)]
+        if any(is_messages_type(kind) for kind in kinds):
+            for column, kind in zip((prompt, response), kinds, strict=True):
+                if not is_messages_type(kind):
+                    raise InputError(f"{path}: column {column} must be a list of chat messages like the other, "
+                                     f"found {kind}; TRL's conversational format has both as messages")
+            return CHAT
+        for column, kind in zip((prompt, response), kinds, strict=True):
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise InputError(f"{path}: column {column} must be a string, found {kind}")
+                raise InputError(f"{path}: column {column} must be a string or a list of chat messages, found {kind}")
         return TEXT
+    response_names = response if cache.RESPONSE in columns.given else f"{response} or {cache.COMPLETION}"
     raise InputError(
-        f"{path}: missing columns: needs {cache.PROMPT_IDS} and {cache.RESPONSE_IDS} (token ids) "
-        f"or {cache.PROMPT} and {cache.RESPONSE} (text); found {', '.join(schema.names) or 'none'}"
+        f"{path}: missing columns: needs {prompt_ids} and {response_ids} (token ids), "
+        f"or {prompt} and {response_names} (text, or TRL conversational messages); "
+        f"found {', '.join(schema.names) or 'none'}"
     )
 
 
@@ -284,31 +301,48 @@ class ChunkTokenizer:
 
     def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None):
         self.rollouts = rollouts
-        self.tokenizer = tokenizer  # only used in text mode
+        self.names = rollouts.columns.name  # role -> the user's column
+        self.tokenizer = tokenizer  # only used in text and chat modes
+        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE))
         self.vocab_size = vocab_size
         self.max_positions = max_positions
 
     def __call__(self, chunk: Chunk) -> TokenizedChunk:
         table = chunk.table
+        names = self.names
         if self.rollouts.mode == TOKEN_IDS:
-            prompt, prompt_off = self._flat_ids(chunk, cache.PROMPT_IDS)
-            response, response_off = self._flat_ids(chunk, cache.RESPONSE_IDS)
+            prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS))
+            response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS))
         else:
-            prompts = self._texts(chunk, cache.PROMPT)
-            responses = self._texts(chunk, cache.RESPONSE)
-            for i, text in enumerate(prompts):
-                if not text:
-                    self._fail(chunk, i, f"{cache.PROMPT} is empty")
-            # The prompt is the exact text the policy saw, so it gets the tokenizer's default special
-            # tokens (BOS for Gemma); the response continues it and must not get a second BOS.
-            prompt_lists = self.tokenizer(prompts)["input_ids"]
-            response_lists = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
+            if self.rollouts.mode == CHAT:
+                prompt_lists, response_lists = self._render_chat(chunk)
+            else:
+                prompt_lists, response_lists = self._tokenize_text(chunk)
             prompt, prompt_off = _flatten(prompt_lists)
             response, response_off = _flatten(response_lists)
             table = self._with_ids(table, prompt, prompt_off, response, response_off)
         tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off)
         self._validate(tokenized)
         return tokenized
+
+    def _tokenize_text(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
+        prompts = self._texts(chunk, self.names(cache.PROMPT))
+        responses = self._texts(chunk, self.names(cache.RESPONSE))
+        for i, text in enumerate(prompts):
+            if not text:
+                self._fail(chunk, i, f"{self.names(cache.PROMPT)} is empty")
+        # The prompt is the exact text the policy saw, so it gets the tokenizer's default special
+        # tokens (BOS for Gemma); the response continues it and must not get a second BOS.
+        prompt_lists = self.tokenizer(prompts)["input_ids"]
+        response_lists = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
+        return prompt_lists, response_lists
+
+    def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
+        try:
+            return self.chat.render(chunk.table.column(self.names(cache.PROMPT)).to_pylist(),
+                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist())
+        except ChatError as exc:
+            self._fail(chunk, exc.row, str(exc))
 
     def _flat_ids(self, chunk: Chunk, column: str) -> tuple[np.ndarray, np.ndarray]:
         array = chunk.table.column(column).combine_chunks()
@@ -333,8 +367,8 @@ class ChunkTokenizer:
 
     def _with_ids(self, table, prompt, prompt_off, response, response_off) -> pa.Table:
         for name, flat, offsets in (
-            (cache.PROMPT_IDS, prompt, prompt_off),
-            (cache.RESPONSE_IDS, response, response_off),
+            (self.names(cache.PROMPT_IDS), prompt, prompt_off),
+            (self.names(cache.RESPONSE_IDS), response, response_off),
         ):
             column = list_array(offsets, flat.astype(np.int32))  # TOKEN_ID_TYPE
             if name in table.column_names:  # text mode wins only when ids were incomplete
@@ -348,10 +382,11 @@ class ChunkTokenizer:
         prompt_len = t.prompt_lengths()
         empty = np.flatnonzero(prompt_len == 0)
         if len(empty):
-            self._fail(chunk, int(empty[0]), f"{cache.PROMPT_IDS} is empty (a response needs at least one prompt token)")
+            self._fail(chunk, int(empty[0]),
+                       f"{self.names(cache.PROMPT_IDS)} is empty (a response needs at least one prompt token)")
         for column, flat, offsets in (
-            (cache.PROMPT_IDS, t.prompt_ids, t.prompt_offsets),
-            (cache.RESPONSE_IDS, t.response_ids, t.response_offsets),
+            (self.names(cache.PROMPT_IDS), t.prompt_ids, t.prompt_offsets),
+            (self.names(cache.RESPONSE_IDS), t.response_ids, t.response_offsets),
         ):
             bad = np.flatnonzero((flat < 0) | (flat >= self.vocab_size))
             if len(bad):
@@ -373,7 +408,8 @@ class ChunkTokenizer:
     def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
         # A chunk may span input files: each row knows its own file and its index there.
         path = self.rollouts.files[int(chunk.file_index[row])].path
-        row_id = chunk.table.column(cache.ID)[row].as_py() if cache.ID in chunk.table.column_names else None
+        id_column = self.names(cache.ID)
+        row_id = chunk.table.column(id_column)[row].as_py() if id_column in chunk.table.column_names else None
         raise InputError(f"{row_name(path, int(chunk.file_row[row]), row_id)}: {problem}")
 
 

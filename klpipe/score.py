@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from klpipe import __version__, report
 from klpipe.arrow import from_numpy, list_array, numpy_view
 from klpipe.cache import STEP
+from klpipe.columns import ColumnMap, for_caches
 from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files import PARQUET_SUFFIXES, atomic_output, output_beside, refuse_overwriting_inputs, write_json_atomic
@@ -68,6 +69,7 @@ class ScoreConfig:
     aggregate: Aggregate = "mean"  # per-row aggregate over response tokens: mean | sum
     clamp: bool = True  # clamp the per-row k1 at 0, as the seed does (other estimators are never negative)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    columns: dict[str, str] = field(default_factory=dict)  # role -> column (--column); overrides the caches' own
     extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
     batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
     batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
@@ -82,6 +84,7 @@ class ScoreConfig:
             raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
         if self.batch_bytes < 1:
             raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
+        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
 
 
 @dataclass
@@ -113,7 +116,8 @@ def score(config: ScoreConfig) -> ScoreResult:
     refuse_overwriting_inputs(output, files)
     if config.plot is not None:
         _require_matplotlib(config.plot)
-    schema = open_caches(files)
+    names = for_caches(config.columns, files)  # role -> the caches' column names
+    schema = open_caches(files, names)
     warnings: list[str] = []
 
     controller, previous_run = _load_controller(config, warnings)
@@ -130,7 +134,7 @@ def score(config: ScoreConfig) -> ScoreResult:
 
     batches = _ControllerBatches(
         controller,
-        has_steps=STEP in schema.names,
+        has_steps=names.name(STEP) in schema.names,
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
     )
@@ -140,9 +144,10 @@ def score(config: ScoreConfig) -> ScoreResult:
         # another thread encodes the previous row group (parquet and numpy release the GIL).
         with pq.ParquetWriter(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
             row_groups = _RowGroups(write, config.row_group_bytes)
-            with closing(prefetch(read_batches(files, config.batch_tokens, config.batch_bytes))) as stream:
+            batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
+            with closing(prefetch(batch_stream)) as stream:
                 for batch, rows in stream:
-                    scored = _score_batch(batch, rows, config, batches, totals, replaced)
+                    scored = _score_batch(batch, rows, config, batches, totals, replaced, names)
                     row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
             row_groups.flush()
         batches.finish()
@@ -197,6 +202,7 @@ def _settings(config: ScoreConfig) -> dict:
         "clamp": config.clamp,
         "per_token": config.per_token,
         "controller": asdict(config.controller),
+        "columns": dict(config.columns),
     }
 
 
@@ -347,16 +353,18 @@ def _score_batch(
     batches: _ControllerBatches,
     totals: report.RunTotals,
     replaced: list[str],
+    names: ColumnMap,
 ) -> list[pa.Array]:
     """Check one record batch and return its output columns."""
-    logprobs = check_batch(batch, rows, batches.has_steps)
+    logprobs = check_batch(batch, rows, batches.has_steps, names)
     estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, config.estimator, config.aggregate,
                       config.clamp, config.per_token)
-    check_finite(estimate, logprobs, rows, config.estimator)
+    check_finite(estimate, logprobs, rows, config.estimator, names)
 
     kl = estimate.kl
     reward = logprobs.reward
-    coeffs = batches.coefficients(batch.column(STEP) if batches.has_steps else None, kl, reward, estimate.negative_k1)
+    steps = batch.column(names.name(STEP)) if batches.has_steps else None
+    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1)
     penalty = coeffs * kl
     adjusted = reward - penalty
 

@@ -3,7 +3,7 @@
 Everything a cache can get wrong is caught here, before any of its rows is scored or written:
 missing or mistyped columns, caches that do not belong together, nulls, rows whose policy and
 reference logprobs cover different tokens, and values that are not finite. Each message names the
-file and row (rows.py).
+file and row (rows.py), and each column by the name the user's file gives it (`--column`, columns.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_values, numpy_view
 from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP, check_compatible, read_provenance
+from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
 from klpipe.files import PARQUET_SUFFIXES, expand_inputs, open_parquet, schema_difference
 from klpipe.kl import RowKL
@@ -49,8 +50,11 @@ def expand_cache_inputs(paths: list[str | Path]) -> list[Path]:
     return found
 
 
-def open_caches(files: list[Path]) -> pa.Schema:
-    """Check that every input is a cache score can read and that they belong together; their schema."""
+def open_caches(files: list[Path], columns: ColumnMap) -> pa.Schema:
+    """Check that every input is a cache score can read and that they belong together; their schema.
+
+    `columns` names each role's column (columns.for_caches).
+    """
     provenances = []
     first_schema: pa.Schema | None = None
     for path in files:
@@ -58,7 +62,8 @@ def open_caches(files: list[Path]) -> pa.Schema:
         provenances.append((str(path), provenance))
         with open_parquet(path) as reader:
             schema = reader.schema_arrow
-        _check_columns(path, schema)
+        columns.check_present(path, schema)
+        _check_columns(path, schema, columns)
         if first_schema is None:
             first_schema = schema
         elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
@@ -70,18 +75,21 @@ def open_caches(files: list[Path]) -> pa.Schema:
     return first_schema
 
 
-def read_batches(files: list[Path], batch_tokens: int, batch_bytes: int) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
+def read_batches(files: list[Path], batch_tokens: int, batch_bytes: int,
+                 columns: ColumnMap) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
     """(record batch, where its rows come from), across all inputs in order."""
+    policy, id_column = columns.name(POLICY_LOGPROBS), columns.name(ID)
     for path in files:
         with open_parquet(path) as reader:
             first_index = 0
-            for batch in reader.iter_batches(batch_size=rows_per_batch(reader, batch_tokens, batch_bytes)):
-                ids = batch.column(ID) if ID in batch.schema.names else None
+            for batch in reader.iter_batches(batch_size=rows_per_batch(reader, batch_tokens, batch_bytes, policy)):
+                ids = batch.column(id_column) if id_column in batch.schema.names else None
                 yield batch, RowLocator(path, first_index, ids)
                 first_index += batch.num_rows
 
 
-def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int) -> int:
+def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int,
+                   policy_column: str = POLICY_LOGPROBS) -> int:
     """Rows that hold about `batch_tokens` tokens and at most `batch_bytes` bytes, from the file's means.
 
     The token budget alone would let a pass-through column of wide rows (documents, images) make
@@ -90,7 +98,7 @@ def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int) 
     metadata = reader.metadata
     groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
     column = next(
-        i for i in range(metadata.num_columns) if reader.schema.column(i).path.split(".")[0] == POLICY_LOGPROBS
+        i for i in range(metadata.num_columns) if reader.schema.column(i).path.split(".")[0] == policy_column
     )
     rows = max(1, metadata.num_rows)
     mean_tokens = max(1.0, sum(g.column(column).num_values for g in groups) / rows)
@@ -98,11 +106,14 @@ def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int) 
     return max(1, int(min(batch_tokens / mean_tokens, batch_bytes / mean_bytes)))
 
 
-def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool) -> Logprobs:
+def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, columns: ColumnMap) -> Logprobs:
     """Refuse a batch with a null, a row whose two logprob lists differ in length, or a non-finite reward."""
-    policy = batch.column(POLICY_LOGPROBS)
-    ref = batch.column(REF_LOGPROBS)
-    for name in (REWARD, POLICY_LOGPROBS, REF_LOGPROBS) + ((STEP,) if has_steps else ()):
+    policy_name, ref_name, reward_name, step_name = (
+        columns.name(role) for role in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP)
+    )
+    policy = batch.column(policy_name)
+    ref = batch.column(ref_name)
+    for name in (reward_name, policy_name, ref_name) + ((step_name,) if has_steps else ()):
         i = first_null(batch.column(name))
         if i is not None:
             raise InputError(f"{rows.name(i)}: {name} is null")
@@ -111,23 +122,23 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool) -> Log
     if not np.array_equal(offsets, ref_offsets):
         i = int(np.flatnonzero(np.diff(offsets) != np.diff(ref_offsets))[0])
         raise InputError(
-            f"{rows.name(i)}: {POLICY_LOGPROBS} has {offsets[i + 1] - offsets[i]} tokens but {REF_LOGPROBS} has "
+            f"{rows.name(i)}: {policy_name} has {offsets[i + 1] - offsets[i]} tokens but {ref_name} has "
             f"{ref_offsets[i + 1] - ref_offsets[i]}; both must cover the same response tokens "
             "(rerun `klpipe precompute` with the policy's tokenization)"
         )
-    for name, array in ((POLICY_LOGPROBS, policy), (REF_LOGPROBS, ref)):
+    for name, array in ((policy_name, policy), (ref_name, ref)):
         i = first_null_in_lists(array)
         if i is not None:
             raise InputError(f"{rows.name(i)}: {name} holds a null")
-    reward = numpy_view(batch.column(REWARD)).astype(np.float64, copy=False)
+    reward = numpy_view(batch.column(reward_name)).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
     if bad_reward.any():
         i = int(np.flatnonzero(bad_reward)[0])
-        raise InputError(f"{rows.name(i)}: {REWARD} is {_describe(reward[i])}")
+        raise InputError(f"{rows.name(i)}: {reward_name} is {_describe(reward[i])}")
     return Logprobs(policy_values, ref_values, offsets, reward)
 
 
-def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimator: str) -> None:
+def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimator: str, columns: ColumnMap) -> None:
     """Refuse a non-finite logprob, or a KL that overflows, naming the first such row."""
     # A non-finite logprob makes its row's max |policy − ref| non-finite, so the per-row values
     # (not the tokens) are scanned; the tokens are looked at only to name the culprit.
@@ -135,7 +146,8 @@ def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimato
     if bad_rows.any():
         i = int(np.flatnonzero(bad_rows)[0])
         start, stop = logprobs.offsets[i], logprobs.offsets[i + 1]
-        for name, values in ((POLICY_LOGPROBS, logprobs.policy), (REF_LOGPROBS, logprobs.ref)):
+        named = ((columns.name(POLICY_LOGPROBS), logprobs.policy), (columns.name(REF_LOGPROBS), logprobs.ref))
+        for name, values in named:
             bad = values[start:stop][~np.isfinite(values[start:stop])]
             if bad.size:
                 raise InputError(f"{rows.name(i)}: {name} holds {_describe(bad[0])}")
@@ -148,27 +160,28 @@ def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimato
         )
 
 
-def _check_columns(path: Path, schema: pa.Schema) -> None:
-    missing = [name for name in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD) if name not in schema.names]
+def _check_columns(path: Path, schema: pa.Schema, columns: ColumnMap) -> None:
+    policy, ref, reward, step = (columns.name(role) for role in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP))
+    missing = [name for name in (policy, ref, reward) if name not in schema.names]
     if missing:
-        if REF_LOGPROBS in missing:
+        if ref in missing:
             hint = "run `klpipe precompute` on it first to add the reference logprobs"
-        elif POLICY_LOGPROBS in missing:
+        elif policy in missing:
             hint = "the rollouts must carry the sampling policy's per-token logprobs"
         else:
             hint = "add each rollout's reward before scoring"
         raise InputError(f"{path}: no {' or '.join(missing)} column; {hint}")
-    for name in (POLICY_LOGPROBS, REF_LOGPROBS):
+    for name in (policy, ref):
         kind = schema.field(name).type
         if not (is_list_type(kind) and pa.types.is_floating(kind.value_type)):
             raise InputError(f"{path}: {name} must be a list of floats, got {kind}")
-    reward_type = schema.field(REWARD).type
+    reward_type = schema.field(reward).type
     if not (pa.types.is_floating(reward_type) or pa.types.is_integer(reward_type)):
-        raise InputError(f"{path}: {REWARD} must be numeric, got {reward_type}")
-    if STEP in schema.names:
-        step_type = schema.field(STEP).type
+        raise InputError(f"{path}: {reward} must be numeric, got {reward_type}")
+    if step in schema.names:
+        step_type = schema.field(step).type
         if not (pa.types.is_integer(step_type) or pa.types.is_string(step_type) or pa.types.is_large_string(step_type)):
-            raise InputError(f"{path}: {STEP} must be an integer or a string, got {step_type}")
+            raise InputError(f"{path}: {step} must be an integer or a string, got {step_type}")
 
 
 def _describe(value: float) -> str:

@@ -21,7 +21,7 @@ from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError
 from klpipe.files import atomic_output, open_parquet
-from klpipe.rollouts import TOKEN_ID_TYPE, Rollouts, TokenizedChunk
+from klpipe.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts, TokenizedChunk
 
 CHUNK_PATTERN = "chunk-{:08d}.parquet"
 
@@ -41,21 +41,22 @@ class WorkDir:
             "rows": list(rows),
             "mode": rollouts.mode,
         }
+        self.ref_logprobs = rollouts.columns.name(cache.REF_LOGPROBS)  # the column written
         self.output_schema = self._output_schema(rollouts)
         self._lock_file = None
 
     def _output_schema(self, rollouts: Rollouts) -> pa.Schema:
         schema = rollouts.schema
-        if rollouts.mode == "text":
-            for name in (cache.PROMPT_IDS, cache.RESPONSE_IDS):
+        if rollouts.mode in (TEXT, CHAT):  # the ids they tokenized are written
+            for name in (rollouts.columns.name(cache.PROMPT_IDS), rollouts.columns.name(cache.RESPONSE_IDS)):
                 if name in schema.names:
                     schema = schema.set(schema.get_field_index(name), pa.field(name, TOKEN_ID_TYPE))
                 else:
                     schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
-        if cache.REF_LOGPROBS in schema.names:
-            raise InputError(f"{rollouts.files[0].path}: already has a {cache.REF_LOGPROBS} column; "
+        if self.ref_logprobs in schema.names:
+            raise InputError(f"{rollouts.files[0].path}: already has a {self.ref_logprobs} column; "
                              "is this a cache? precompute reads rollouts")
-        schema = schema.append(pa.field(cache.REF_LOGPROBS, cache.REF_LOGPROBS_TYPE))
+        schema = schema.append(pa.field(self.ref_logprobs, cache.REF_LOGPROBS_TYPE))
         return cache.schema_with_provenance(schema, self.provenance)
 
     def locked(self):
@@ -112,7 +113,7 @@ class WorkDir:
         offsets = offsets_from_lengths([len(x) for x in logprobs])
         values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
         column = list_array(offsets, values)  # cache.REF_LOGPROBS_TYPE
-        table = tokenized.table.append_column(cache.REF_LOGPROBS, column)
+        table = tokenized.table.append_column(self.ref_logprobs, column)
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
         with atomic_output(path) as tmp:

@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from klpipe import cache
+from klpipe import cache, reference
 from klpipe.errors import InputError, OutputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, default_output, precompute
 from klpipe.sharding import Shard
-from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, oracle_logprobs
+from tests.helpers import CONVERSATIONAL, ROLLOUTS, TINY_GEMMA, TINY_LLAMA, oracle_logprobs
 
 TOLERANCE = 1e-4
 
@@ -31,6 +31,8 @@ def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kw
     ("chunk_rows", 0, "--chunk-rows must be at least 1"),
     ("max_tokens_per_batch", 0, "--max-tokens-per-batch must be at least 1"),
     ("progress", "fancy", "--progress must be auto, bar, log or none, not 'fancy'"),
+    ("columns", {"rewards": "score"}, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, "
+                                      "response, prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs"),
 ])
 def test_the_config_refuses_bad_arguments(option, value, message):
     with pytest.raises(InputError) as excinfo:
@@ -264,3 +266,98 @@ def test_prefix_sharing_modes_match_oracle_and_count_what_they_saved(tmp_path, m
     # Every row of the sample repeats its prompt somewhere in its chunk, except where a chunk boundary
     # leaves one alone: auto and on differ only in those rows' path, both within the oracle's tolerance.
     assert outputs["on"].drop_columns(["ref_logprobs"]).equals(outputs["off"].drop_columns(["ref_logprobs"]))
+
+
+# -- the formats trainers write -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
+def test_conversational_rollouts_are_rendered_with_the_chat_template(tmp_path, models, model_dir):
+    # The default --prefix-sharing auto: a group's rows render to identical prompt ids, so they share
+    # the prompt (on Gemma 4 every row goes through the prefill); chunks of 5 split groups of 4.
+    summary = run(tmp_path, inputs=[CONVERSATIONAL], model=model_dir, chunk_rows=5, max_tokens_per_batch=200)
+    table = pq.read_table(summary.output)
+    source = pq.read_table(CONVERSATIONAL)
+    assert summary.prefix_sharing == "auto"
+    assert summary.forward.prompt_tokens_reused == reused_prompt_tokens(table, 5) > 0
+    assert table.column_names == source.column_names + ["prompt_ids", "response_ids", "ref_logprobs"]
+    assert table.select(source.column_names).equals(source.replace_schema_metadata(None))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for row in table.to_pylist():
+        whole = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True,
+                                              return_dict=True)["input_ids"]
+        alone = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
+                                              return_dict=True)["input_ids"]
+        assert row["prompt_ids"] + row["response_ids"] == whole
+        assert row["prompt_ids"] == alone
+        assert len(row["policy_logprobs"]) == len(row["response_ids"])  # so klpipe score can pair them
+    assert_matches_oracle(models[model_dir], table)
+    # The template decides the ids, so it is part of the tokenizer fingerprint (and only here).
+    assert cache.read_provenance(summary.output).tokenizer == reference.tokenizer_fingerprint(tokenizer,
+                                                                                              chat_template=True)
+    assert reference.tokenizer_fingerprint(tokenizer, chat_template=True) != reference.tokenizer_fingerprint(tokenizer)
+
+
+def test_conversational_jsonl_matches_parquet(tmp_path):
+    jsonl = tmp_path / "conversational.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(CONVERSATIONAL).to_pylist()))
+    expected = pq.read_table(run(tmp_path, inputs=[CONVERSATIONAL], model=TINY_LLAMA, name="a.parquet").output)
+    from_jsonl = pq.read_table(run(tmp_path, inputs=[jsonl], model=TINY_LLAMA, name="b.parquet").output)
+    for column in ("prompt_ids", "response_ids", "ref_logprobs"):
+        assert from_jsonl.column(column).to_pylist() == expected.column(column).to_pylist()
+
+
+def test_trl_standard_prompt_completion_is_the_text_mode(tmp_path, models):
+    columns = ["id", "step", "prompt", "completion", "policy_logprobs", "reward"]
+    table = pq.read_table(ROLLOUTS).select(["id", "step", "prompt", "response", "policy_logprobs", "reward"])
+    table = table.slice(0, 16)  # text mode is tested in full above (with Gemma); this is the alias
+    path = tmp_path / "standard.parquet"
+    pq.write_table(table.rename_columns(columns), path)
+    out = pq.read_table(run(tmp_path, inputs=[path], model=TINY_LLAMA).output)
+    assert out.column_names == columns + ["prompt_ids", "response_ids", "ref_logprobs"]
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA)
+    for row in out.to_pylist():
+        assert row["prompt_ids"] == tokenizer(row["prompt"]).input_ids
+        assert row["response_ids"] == tokenizer(row["completion"], add_special_tokens=False).input_ids
+    assert_matches_oracle(models[TINY_LLAMA], out)
+
+
+# A verl/OpenRLHF-style dump: every role under another name.
+DUMP_NAMES = {"id": "uid", "step": "global_step", "prompt_ids": "prompt_token_ids", "response_ids": "completion_ids",
+              "policy_logprobs": "old_log_probs", "reward": "score"}
+
+
+def test_column_mapping_reads_and_writes_the_users_names(tmp_path, models):
+    from klpipe.score import ScoreConfig, score
+
+    source = pq.read_table(ROLLOUTS)
+    dump = tmp_path / "dump.parquet"
+    pq.write_table(source.rename_columns([DUMP_NAMES.get(n, n) for n in source.column_names]), dump)
+    columns = {**DUMP_NAMES, "ref_logprobs": "ref_log_prob"}
+    mapped = run(tmp_path, inputs=[dump], model=TINY_LLAMA, name="mapped.parquet", columns=columns, chunk_rows=7)
+    table = pq.read_table(mapped.output)
+    names = [DUMP_NAMES.get(n, n) for n in source.column_names]
+    assert table.column_names == names + ["ref_log_prob"]
+    # The oracle reads the mapped id columns (`prompt` and `response` text sit in the dump too, but ids win).
+    back = table.rename_columns(source.column_names + ["ref_logprobs"])
+    assert_matches_oracle(models[TINY_LLAMA], back)
+    assert cache.read_provenance(mapped.output).columns == columns
+    # Prefix sharing (auto) grouped the rows by the mapped prompt ids, as it groups unmapped ones.
+    assert mapped.forward.prompt_tokens_reused == reused_prompt_tokens(back, 7) > 0
+
+    # klpipe score reads the mapping the cache recorded: no --column needed, the user's names kept.
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(back.replace_schema_metadata(None), plain)
+    scored = score(ScoreConfig(inputs=[mapped.output], output=tmp_path / "mapped.scored.parquet"))
+    expected = score(ScoreConfig(inputs=[plain], output=tmp_path / "plain.scored.parquet"))
+    got, want = pq.read_table(scored.output), pq.read_table(expected.output)
+    assert got.column_names == names + ["ref_log_prob", "kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
+    for column in ("kl", "kl_coeff", "kl_penalty", "adjusted_reward"):
+        assert got.column(column).equals(want.column(column))
+    assert scored.report["steps"] == expected.report["steps"]  # `global_step` grouped the rows
+    assert len(scored.report["steps"]) == 6
+
+    # A rerun with another mapping is another run, not "already complete".
+    with pytest.raises(OutputError, match="exists and was made by a different run"):
+        run(tmp_path, inputs=[dump], model=TINY_LLAMA, name="mapped.parquet", columns={**columns, "id": "prompt"},
+            chunk_rows=7)

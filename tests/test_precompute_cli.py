@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from klpipe.cli import app
-from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
+from tests.helpers import CONVERSATIONAL, ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
 
 runner = CliRunner()
 
@@ -18,9 +18,9 @@ def precompute(*args, env=None):
     return runner.invoke(app, ["precompute", *map(str, args)], env={"KLPIPE_PROGRESS": "none", **(env or {})})
 
 
-def write(tmp_path, name, columns: dict) -> str:
+def write(tmp_path, name, columns: dict | pa.Table) -> str:
     path = tmp_path / name
-    pq.write_table(pa.table(columns), path)
+    pq.write_table(columns if isinstance(columns, pa.Table) else pa.table(columns), path)
     return str(path)
 
 
@@ -113,8 +113,12 @@ def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypat
 def test_missing_columns(tmp_path):
     path = write(tmp_path, "in.parquet", {"id": ["a"], "prompt_ids": [[2, 5]]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
-    assert_bad_input(result, f"{path}: missing columns: needs prompt_ids and response_ids (token ids) "
-                             "or prompt and response (text); found id, prompt_ids", tmp_path)
+    assert_bad_input(result, f"{path}: missing columns: needs prompt_ids and response_ids (token ids), "
+                             "or prompt and response or completion (text, or TRL conversational messages); "
+                             "found id, prompt_ids", tmp_path)
+    mapped = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet", "--column", "response=answer",
+                        "--column", "response_ids=answer_ids")
+    assert_bad_input(mapped, f"{path}: --column response=answer: no column 'answer'; found id, prompt_ids", tmp_path)
 
 
 def test_wrong_column_type(tmp_path):
@@ -332,3 +336,56 @@ def test_a_model_that_cannot_share_falls_back_under_auto_and_fails_under_on(tmp_
     assert result.stderr.strip() == ("Error: --prefix-sharing on: LlamaForCausalLM cannot share prompts exactly "
                                      "(the probe disagreed)")
     assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.parquet.partial").exists()
+
+
+def test_column_mapping_from_the_environment(tmp_path):
+    source = pq.read_table(ROLLOUTS).select(["id", "prompt_ids", "response_ids", "reward"])
+    path = write(tmp_path, "dump.parquet", source.rename_columns(["uid", "input_ids", "completion_ids", "score"]))
+    out = tmp_path / "cached.parquet"
+    # One variable holds every mapping, separated by spaces, as click splits a repeatable option.
+    result = precompute("-m", TINY_LLAMA, path, "-o", out,
+                        env={"KLPIPE_COLUMN": "prompt_ids=input_ids response_ids=completion_ids id=uid"})
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.column_names == ["uid", "input_ids", "completion_ids", "score", "ref_logprobs"]
+    assert json.loads(pq.read_schema(out).metadata[b"klpipe"])["columns"] == {
+        "prompt_ids": "input_ids", "response_ids": "completion_ids", "id": "uid"}
+    # Messages name rows and columns as the user's file does.
+    bad = write(tmp_path, "bad.parquet", {"uid": ["a", "b"], "input_ids": [[2, 7], []], "completion_ids": [[5], [6]]})
+    result = precompute("-m", TINY_LLAMA, bad, "-o", tmp_path / "out.parquet",
+                        env={"KLPIPE_COLUMN": "prompt_ids=input_ids response_ids=completion_ids id=uid"})
+    assert_bad_input(result, f"{bad}: row 1 (id 'b'): input_ids is empty (a response needs at least one prompt token)",
+                     tmp_path)
+
+
+def test_bad_column_options(tmp_path):
+    result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "rewards=score")
+    assert_bad_input(result, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, response, "
+                             "prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs", tmp_path)
+    result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "reward")
+    assert_bad_input(result, "--column reward: expected ROLE=NAME, e.g. --column reward=score", tmp_path)
+    result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "reward=score")
+    assert_bad_input(result, f"{ROLLOUTS}: --column reward=score: no column 'score'; found id, step, group_id, prompt, "
+                             "response, prompt_ids, response_ids, policy_logprobs, reward", tmp_path)
+    result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "ref_logprobs=reward")
+    assert_bad_input(result, f"{ROLLOUTS}: already has a reward column; is this a cache? precompute reads rollouts",
+                     tmp_path)
+
+
+def test_conversational_rollouts_need_a_chat_template(tmp_path):
+    plain = tmp_path / "no-template-model"
+    shutil.copytree(TINY_LLAMA, plain)
+    (plain / "chat_template.jinja").unlink()
+    result = precompute("-m", plain, CONVERSATIONAL, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{CONVERSATIONAL}: row 0 (id 'c0-g0'): prompt holds chat messages, but the tokenizer "
+                             "has no chat template to render them with; use a tokenizer that has one, or give "
+                             "prompt_ids and response_ids", tmp_path)
+
+
+def test_conversational_prompt_with_a_text_completion(tmp_path):
+    source = pq.read_table(CONVERSATIONAL).slice(0, 2)
+    path = write(tmp_path, "in.parquet", source.set_column(source.column_names.index("completion"), "completion",
+                                                           pa.array(["a", "b"])))
+    result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
+    assert_bad_input(result, f"{path}: column completion must be a list of chat messages like the other, found "
+                             "string; TRL's conversational format has both as messages", tmp_path)

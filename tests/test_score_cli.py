@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD
+from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.cli import app
 from tests.helpers import CACHE_SCHEMA, ROOT, make_rows, provenance, write_cache
 
@@ -45,6 +45,7 @@ def test_help_has_examples_and_every_option():
         "--increase-factor",
         "--decrease-factor",
         "--horizon",
+        "--column",
     ):
         assert option in result.stdout
     assert "KLPIPE_SCORE_KL_TARGET" in result.stdout
@@ -256,6 +257,64 @@ def test_warnings_go_to_stderr(tmp_path):
     result = invoke(cache, env={"COLUMNS": "400"})
     assert result.exit_code == 0 and result.stdout == ""
     assert f"Warning: 1 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 0 (id 'odd')." in result.stderr
+
+
+# -- column mapping ---------------------------------------------------------------------------------
+
+SCORED = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
+# A dump with every role under another name, and a `reward` column that is not the reward.
+DUMP_SCHEMA = pa.schema([("uid", pa.string()), ("global_step", pa.int64()), ("old_log_probs", pa.list_(pa.float32())),
+                         ("ref", pa.list_(pa.float32())), ("reward", pa.float64()), ("score", pa.float64())])
+DUMP_COLUMNS = "id=uid step=global_step policy_logprobs=old_log_probs ref_logprobs=ref reward=score"
+
+
+def dump_rows(rows):
+    return [{"uid": r[ID], "global_step": r[STEP], "old_log_probs": r[POLICY_LOGPROBS], "ref": r[REF_LOGPROBS],
+             "reward": 99.0, "score": r[REWARD]} for r in rows]
+
+
+def test_column_mapping_keeps_the_users_names(tmp_path):
+    rows = make_rows(40)
+    plain = write_cache(tmp_path / "plain.parquet", rows)
+    dump = write_cache(tmp_path / "dump.parquet", dump_rows(rows), schema=DUMP_SCHEMA)
+    control = ["--kl-target", "0.6", "--window", "6"]
+    assert invoke(plain, "-o", tmp_path / "plain.out.parquet", *control).exit_code == 0
+    expected = pq.read_table(tmp_path / "plain.out.parquet")
+
+    from_env = invoke(dump, "-o", tmp_path / "env.parquet", "--report", tmp_path / "r.json", *control,
+                      env={"KLPIPE_SCORE_COLUMN": DUMP_COLUMNS})
+    options = [arg for spec in DUMP_COLUMNS.split() for arg in ("--column", spec)]
+    from_options = invoke(dump, "-o", tmp_path / "options.parquet", *options, *control)
+    assert from_env.exit_code == 0 and from_options.exit_code == 0, from_env.stderr + from_options.stderr
+    for out in (tmp_path / "env.parquet", tmp_path / "options.parquet"):
+        table = pq.read_table(out)
+        assert table.column_names == DUMP_SCHEMA.names + SCORED
+        for column in SCORED:
+            assert table.column(column).equals(expected.column(column))
+        assert set(table.column("reward").to_pylist()) == {99.0}  # passed through, not used
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["columns"] == dict(spec.split("=") for spec in DUMP_COLUMNS.split())
+    assert [s["step"] for s in report["steps"]] == list(range(10))  # `global_step` made the controller batches
+
+
+def test_column_mapping_errors_name_the_users_columns(tmp_path):
+    rows = make_rows(6)
+    rows[2][POLICY_LOGPROBS], rows[2][REF_LOGPROBS] = [-1.0, float("nan")], [-1.0, -1.0]
+    dump = write_cache(tmp_path / "dump.parquet", dump_rows(rows), schema=DUMP_SCHEMA)
+    result = invoke(dump, env={"KLPIPE_SCORE_COLUMN": DUMP_COLUMNS})
+    assert result.exit_code == 2
+    assert result.stderr == f"Error: {dump}: row 2 (id 'r2'): old_log_probs holds NaN\n"
+    result = invoke(dump, "--column", "reward=scores", env={"KLPIPE_SCORE_COLUMN": DUMP_COLUMNS})
+    assert result.exit_code == 2  # the options replace the variable, they do not add to it
+    assert result.stderr == (f"Error: {dump}: --column reward=scores: no column 'scores'; "
+                             "found uid, global_step, old_log_probs, ref, reward, score\n")
+    result = invoke(dump)
+    assert result.exit_code == 2
+    assert result.stderr == (f"Error: {dump}: no policy_logprobs or ref_logprobs column; "
+                             "run `klpipe precompute` on it first to add the reference logprobs\n")
+    result = invoke(dump, "--column", "logprobs=old_log_probs")
+    assert result.exit_code == 2 and result.stderr.startswith("Error: --column logprobs=old_log_probs: unknown role")
+    assert not (tmp_path / "dump.scored.parquet").exists()
 
 
 # -- no torch on the scoring path -------------------------------------------------------------------

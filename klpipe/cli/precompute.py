@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
-from klpipe.cli.app import app, handle_errors
+from klpipe.cli.app import COLUMN_HELP, app, handle_errors
 
+INPUT_PANEL = "Input columns"
 MODEL_PANEL = "Reference model"
 BATCH_PANEL = "Batching and resume"
 OUTPUT_PANEL = "Output and progress"
@@ -69,12 +70,17 @@ def precompute_command(
         help="Number of shards; --output is then a directory of part files. "
              "Default: from SLURM_ARRAY_TASK_COUNT, or torchrun's WORLD_SIZE.",
         envvar="KLPIPE_NUM_SHARDS", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
+    column: Annotated[list[str] | None, typer.Option(
+        "--column", metavar="ROLE=NAME", help=COLUMN_HELP,
+        envvar="KLPIPE_COLUMN", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
 ):
     """Cache the reference model's logprob of every response token.
 
-    Reads rollouts with `prompt_ids` + `response_ids` (token ids, exact) or `prompt` + `response`
-    (text, tokenized with the reference tokenizer), and writes every input column plus
-    `ref_logprobs`. A killed run resumes from its last finished chunk when rerun.
+    Reads rollouts with `prompt_ids` + `response_ids` (token ids, exact), `prompt` + `response`
+    or `completion` (text, tokenized with the reference tokenizer), or TRL's conversational
+    `prompt` + `completion` messages (rendered with its chat template), and writes every input
+    column plus `ref_logprobs`. `--column` maps these roles to other column names. A killed run
+    resumes from its last finished chunk when rerun.
 
     Examples:
 
@@ -84,8 +90,11 @@ def precompute_command(
 
         KLPIPE_MODEL=./ref KLPIPE_DEVICE=cpu klpipe precompute rollouts.jsonl
 
+        klpipe precompute -m ./ref dump/ -o cached.parquet --column response_ids=completion_ids --column reward=score
+
         sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
     """
+    from klpipe.columns import parse_columns
     from klpipe.precompute import PrecomputeConfig, precompute
     from klpipe.sharding import local_device, resolve_shard
 
@@ -95,7 +104,7 @@ def precompute_command(
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
-        shard=shard,
+        shard=shard, columns=parse_columns(column),
     )
     summary = precompute(config, log=_stderr)
     if summary.skipped:

@@ -7,12 +7,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from klpipe.cli.app import app, handle_errors
+from klpipe.cli.app import COLUMN_HELP, app, handle_errors
 
 # Every option can come from KLPIPE_SCORE_<OPTION>; precompute reads KLPIPE_<OPTION>, and the
 # separate prefix keeps one command's environment from leaking into the other.
 ENV_PREFIX = "KLPIPE_SCORE_"
 
+INPUT_PANEL = "Input columns"
 OUTPUT_PANEL = "Outputs"
 KL_PANEL = "Per-row KL"
 CONTROLLER_PANEL = "Controller"
@@ -171,6 +172,17 @@ def score_command(
             help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.",
         ),
     ] = 10000,
+    column: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--column",
+            metavar="ROLE=NAME",
+            envvar=_env("column"),
+            rich_help_panel=INPUT_PANEL,
+            show_default=False,
+            help=COLUMN_HELP + " Default: the mapping the caches were made with.",
+        ),
+    ] = None,
 ) -> None:
     """Replay cached policy and reference logprobs through the adaptive KL controller.
 
@@ -189,11 +201,14 @@ def score_command(
         klpipe score caches/ --controller proportional --horizon 20000 --plot report.png
 
         klpipe score day2.parquet --state kl_state.json --reset-state --kl-target 2
+
+        klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score
     """
     from rich.console import Console
 
     # Imported here so `klpipe --help` and `klpipe precompute` do not load the scoring stack.
     from klpipe import report as report_module
+    from klpipe.columns import parse_columns
     from klpipe.controller import ControllerConfig
     from klpipe.score import ScoreConfig, score
 
@@ -220,6 +235,7 @@ def score_command(
             controller=controller,
             horizon=horizon,
         ),
+        columns=parse_columns(column),
     )
     result = score(config)
     console = Console(stderr=True)
