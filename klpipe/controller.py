@@ -8,6 +8,8 @@ Three rules, chosen by `ControllerConfig.controller`:
                   coeff ×= 1 + e·rows/horizon.
     fixed         never moves (also what `adaptive=False` means, the seed's switch).
 Both adaptive rules clamp to [kl_coeff_min, kl_coeff_max] and count an adaptation when the value changed.
+A coefficient of 0 (β = 0, TRL GRPO's default: KL monitored, not penalised) stays 0 under every
+rule: they all multiply it, and no lower clamp lifts it. kl_coeff_min = 0 is no lower clamp.
 
 Sequential exactness is the design constraint: the coefficient after N batches must not depend on
 whether they were fed in one process or several joined by save_state/load_state. So the state keeps
@@ -46,10 +48,10 @@ PROPORTIONAL_ERROR_CLIP = 0.2
 class ControllerConfig:
     """How the KL coefficient starts and moves. Defaults are the seed's."""
 
-    kl_coeff: float = 0.1  # starting coefficient; a loaded state replaces it
+    kl_coeff: float = 0.1  # starting coefficient; a loaded state replaces it. 0: monitor KL, never penalise
     kl_target: float = 3.0  # nats per row the adaptive rules steer towards
     adaptive: bool = True  # the seed's switch: False keeps the coefficient fixed whatever `controller` says
-    kl_coeff_min: float = 0.01  # adaptive rules clamp the coefficient to [min, max]
+    kl_coeff_min: float = 0.01  # adaptive rules clamp the coefficient to [min, max]; min 0: no lower clamp
     kl_coeff_max: float = 1.0
     window: int = 10  # window rule: how many recent per-row KLs are averaged (seed: adaptation_window)
     increase_factor: float = 1.5  # window rule: multiplier when the window mean is above 1.5×target
@@ -60,8 +62,12 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.controller not in CONTROLLERS:
             raise InputError(f"unknown controller {self.controller!r}; choose one of {', '.join(CONTROLLERS)}")
-        positive = ("kl_coeff", "kl_target", "kl_coeff_min", "kl_coeff_max", "increase_factor",
-                    "decrease_factor", "window", "horizon")  # fmt: skip
+        non_negative = ("kl_coeff", "kl_coeff_min")
+        positive = ("kl_target", "kl_coeff_max", "increase_factor", "decrease_factor", "window", "horizon")
+        for name in non_negative:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InputError(f"{name} must be a non-negative number, got {value!r}")
         for name in positive:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -160,6 +166,10 @@ class KLController:
             return
         self._history.extend(batch)
         self.samples_processed += len(batch)
+        if self.kl_coeff == 0:
+            # β = 0 stays 0: every rule multiplies the coefficient, and a lower clamp would lift it
+            # to kl_coeff_min, penalising KL the user chose only to monitor. (The seed does lift it.)
+            return
         kind = self.config.kind
         if kind == "window":
             proposed = self._window_rule()

@@ -121,6 +121,9 @@ def score(config: ScoreConfig) -> ScoreResult:
     warnings: list[str] = []
 
     controller, previous_run = _load_controller(config, warnings)
+    if controller.kl_coeff == 0 and config.controller.kind != "fixed":
+        warnings.append(f"the KL coefficient is 0: KL is measured and reported but not penalised, and the "
+                        f"{config.controller.kind} controller keeps a coefficient of 0 at 0")
     run_inputs = [{"name": path.name, "size": path.stat().st_size} for path in files]
     if previous_run and previous_run.get("inputs") == run_inputs:
         warnings.append(

@@ -188,6 +188,74 @@ def test_fixed_never_moves(config):
     assert controller.kl_coeff == 0.1 and controller.adaptation_count == 0 and controller.samples_processed == 40
 
 
+# -- β = 0 and no lower clamp -----------------------------------------------------------------------
+
+
+def feed_both(ours, seed, batches):
+    """The same batches to klpipe's controller and the seed's; every penalty and coefficient must agree."""
+    coefficients = []
+    for batch in batches:
+        penalties, _ = ours.penalise_batch(batch)
+        seed_penalties, _ = seed.get_batch_penalty_from_logprobs([[kl] for kl in batch], [[0.0]] * len(batch))
+        assert penalties == seed_penalties and ours.kl_coeff == seed.kl_coeff
+        assert ours.adaptation_count == seed._adaptation_count
+        coefficients.append(ours.kl_coeff)
+    return coefficients
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=CONFIGS, batches=BATCHES, start_at_zero=st.booleans())
+def test_no_lower_clamp_and_beta_zero_match_the_seed(config, batches, start_at_zero):
+    """kl_coeff_min = 0 (and a start at 0 with it), where the seed accepts them: identical numbers."""
+    config = {**config, "kl_coeff_min": 0.0} | ({"kl_coeff": 0.0} if start_at_zero else {})
+    ours, seed = KLController(ControllerConfig(**config)), seed_controller(**seed_config(**config))
+    coefficients = feed_both(ours, seed, batches)
+    if start_at_zero:
+        assert set(coefficients) <= {0.0}
+
+
+def test_without_a_lower_clamp_the_window_rule_goes_below_the_old_minimum():
+    config = {"kl_coeff": 0.04, "kl_coeff_min": 0.0, "window": 1, "decrease_factor": 0.5}
+    coefficients = feed_both(KLController(ControllerConfig(**config)), seed_controller(**seed_config(**config)),
+                             [[0.0]] * 6)
+    assert coefficients == [0.02, 0.01, 0.005, 0.0025, 0.00125, 0.000625]
+    clamped = KLController(ControllerConfig(**{**config, "kl_coeff_min": 0.01}))
+    for _ in range(6):
+        clamped.penalise_batch([0.0])
+    assert clamped.kl_coeff == 0.01
+
+
+@pytest.mark.parametrize("kind", ["window", "proportional"])
+def test_beta_zero_stays_zero_whatever_the_lower_clamp(kind):
+    # Departure from the seed, on purpose: with β = 0 and its default kl_coeff_min 0.01, the seed's
+    # window rule lifts the coefficient to 0.01 as soon as its window fills, penalising KL the user
+    # chose only to monitor. klpipe keeps it at 0 under every rule.
+    ours = KLController(ControllerConfig(kl_coeff=0.0, window=2, controller=kind, horizon=10))
+    for kls in ([9.0, 9.0], [0.0] * 30, [50.0] * 5):
+        penalties, stats = ours.penalise_batch(kls)
+        assert penalties == [0.0] * len(kls) and stats.current_coeff == 0.0
+    assert (ours.kl_coeff, ours.adaptation_count, ours.samples_processed) == (0.0, 0, 37)
+    assert ours.get_stats().max_kl == 50.0  # KL is still measured
+
+    seed = seed_controller(kl_coeff=0.0, adaptation_window=2)
+    seed.get_batch_penalty_from_logprobs([[9.0], [9.0]], [[0.0], [0.0]])
+    assert seed.kl_coeff == 0.01
+
+
+def test_a_coefficient_that_reaches_zero_stays_zero():
+    # 100 rows at KL 0 with horizon 10: × (1 − 0.2·100/10) = × −1, clamped to the lower bound.
+    config = {"controller": "proportional", "kl_coeff": 0.5, "kl_target": 1.0, "horizon": 10}
+    unclamped = KLController(ControllerConfig(**config, kl_coeff_min=0.0))
+    unclamped.penalise_batch([0.0] * 100)
+    assert (unclamped.kl_coeff, unclamped.adaptation_count) == (0.0, 1)
+    unclamped.penalise_batch([5.0] * 100)  # KL far above target: a multiplicative rule cannot leave 0
+    assert (unclamped.kl_coeff, unclamped.adaptation_count) == (0.0, 1)
+    clamped = KLController(ControllerConfig(**config))
+    clamped.penalise_batch([0.0] * 100)
+    clamped.penalise_batch([5.0] * 100)  # from the clamp at 0.01 it grows again: × (1 + 0.2·100/10)
+    assert clamped.kl_coeff == pytest.approx(0.03)
+
+
 def test_per_sample_penalty_uses_the_coefficient_after_adapting():
     controller = KLController(ControllerConfig(window=1))
     assert controller.penalise_sample(10.0) == pytest.approx(0.15 * 10.0)
@@ -296,7 +364,10 @@ def test_reset_history_keeps_coefficient_and_counters():
         ({"kl_target": 0.0}, "kl_target must be a positive number, got 0.0"),
         ({"window": 0}, "window must be a positive number, got 0"),
         ({"horizon": -5}, "horizon must be a positive number, got -5"),
-        ({"kl_coeff": math.nan}, "kl_coeff must be a positive number, got nan"),
+        ({"kl_coeff": math.nan}, "kl_coeff must be a non-negative number, got nan"),
+        ({"kl_coeff": -0.1}, "kl_coeff must be a non-negative number, got -0.1"),
+        ({"kl_coeff_min": -1e-9}, "kl_coeff_min must be a non-negative number, got -1e-09"),
+        ({"kl_coeff_max": 0.0}, "kl_coeff_max must be a positive number, got 0.0"),
         ({"controller": "pid"}, "unknown controller 'pid'; choose one of window, proportional, fixed"),
     ],
 )

@@ -317,6 +317,58 @@ def test_column_mapping_errors_name_the_users_columns(tmp_path):
     assert not (tmp_path / "dump.scored.parquet").exists()
 
 
+# -- β = 0 and no lower clamp -----------------------------------------------------------------------
+
+ZERO_WARNING = ("Warning: the KL coefficient is 0: KL is measured and reported but not penalised, "
+                "and the {} controller keeps a coefficient of 0 at 0")
+
+
+def test_kl_coeff_zero_writes_kl_reports_and_no_penalty(tmp_path):
+    rows = make_rows(40)
+    cache = write_cache(tmp_path / "a.parquet", rows)
+    control = ["--kl-target", "0.6", "--window", "6"]
+    assert invoke(cache, "-o", tmp_path / "beta.parquet", "--report", tmp_path / "beta.json", *control).exit_code == 0
+    for kind in ("window", "proportional"):
+        result = invoke(cache, "-o", tmp_path / f"{kind}.parquet", "--report", tmp_path / f"{kind}.json",
+                        "--kl-coeff", "0", "--controller", kind, "--state", tmp_path / f"{kind}.state.json", *control,
+                        env={"COLUMNS": "400"})
+        assert result.exit_code == 0, result.stderr
+        assert result.stderr.count("Warning:") == 1
+        assert ZERO_WARNING.format(kind) + "\n" in result.stderr
+        scored = pq.read_table(tmp_path / f"{kind}.parquet")
+        # The KL is what a penalised run measures; the penalty is 0 and the reward untouched.
+        assert scored.column("kl").equals(pq.read_table(tmp_path / "beta.parquet").column("kl"))
+        assert set(scored.column("kl_coeff").to_pylist()) == {0.0}
+        assert set(scored.column("kl_penalty").to_pylist()) == {0.0}
+        assert scored.column("adjusted_reward").to_pylist() == [r[REWARD] for r in rows]
+        report = json.loads((tmp_path / f"{kind}.json").read_text())
+        with_penalty = json.loads((tmp_path / "beta.json").read_text())
+        assert report["summary"]["kl/mean"] == with_penalty["summary"]["kl/mean"] > 0
+        assert report["summary"]["kl_coeff_after"] == 0 and report["summary"]["kl/adaptation_count"] == 0
+        assert [s["kl_coeff_after"] for s in report["steps"]] == [0.0] * 10
+        assert report["warnings"] == [ZERO_WARNING.format(kind).removeprefix("Warning: ")]
+        assert json.loads((tmp_path / f"{kind}.state.json").read_text())["kl_coeff"] == 0.0
+    fixed = invoke(cache, "-o", tmp_path / "fixed.parquet", "--kl-coeff", "0", "--no-adaptive")
+    assert fixed.exit_code == 0 and "Warning" not in fixed.stderr
+
+
+def test_kl_coeff_min_zero_is_no_lower_clamp_and_negatives_are_refused(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(40))
+    # The sample KLs sit far below 0.5 × target 100: every window decision decreases the coefficient.
+    low = ["--kl-target", "100", "--window", "1", "--decrease-factor", "0.5", "--report"]
+    unclamped = invoke(cache, "-o", tmp_path / "min0.parquet", "--kl-coeff-min", "0", *low, tmp_path / "min0.json")
+    assert unclamped.exit_code == 0
+    assert invoke(cache, "-o", tmp_path / "min.parquet", *low, tmp_path / "min.json").exit_code == 0
+    unclamped = json.loads((tmp_path / "min0.json").read_text())["summary"]["kl_coeff_after"]
+    clamped = json.loads((tmp_path / "min.json").read_text())["summary"]["kl_coeff_after"]
+    assert clamped == 0.01 and 0 < unclamped < 1e-3
+    for option, message in (("--kl-coeff", "kl_coeff must be a non-negative number, got -0.1"),
+                            ("--kl-coeff-min", "kl_coeff_min must be a non-negative number, got -0.1")):
+        result = invoke(cache, "-o", tmp_path / "bad.parquet", option, "-0.1")
+        assert result.exit_code == 2 and result.stderr == f"Error: {message}\n"
+        assert not (tmp_path / "bad.parquet").exists()
+
+
 # -- no torch on the scoring path -------------------------------------------------------------------
 
 BLOCK_TORCH = """

@@ -127,7 +127,7 @@ def score_command(
         typer.Option(
             envvar=_env("kl_coeff"),
             rich_help_panel=CONTROLLER_PANEL,
-            help="Starting coefficient (a loaded --state replaces it).",
+            help="Starting coefficient (a loaded --state replaces it). 0: KL is measured, not penalised.",
         ),
     ] = 0.1,
     kl_target: Annotated[
@@ -135,7 +135,8 @@ def score_command(
         typer.Option(envvar=_env("kl_target"), rich_help_panel=CONTROLLER_PANEL, help="Target per-row KL in nats."),
     ] = 3.0,
     kl_coeff_min: Annotated[
-        float, typer.Option(envvar=_env("kl_coeff_min"), rich_help_panel=CONTROLLER_PANEL, help="Lower clamp.")
+        float,
+        typer.Option(envvar=_env("kl_coeff_min"), rich_help_panel=CONTROLLER_PANEL, help="Lower clamp; 0: none."),
     ] = 0.01,
     kl_coeff_max: Annotated[
         float, typer.Option(envvar=_env("kl_coeff_max"), rich_help_panel=CONTROLLER_PANEL, help="Upper clamp.")
@@ -202,7 +203,7 @@ def score_command(
 
         klpipe score day2.parquet --state kl_state.json --reset-state --kl-target 2
 
-        klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score
+        klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score --kl-coeff 0
     """
     from rich.console import Console
 
