@@ -335,6 +335,12 @@ class ChunkTokenizer:
         # tokens (BOS for Gemma); the response continues it and must not get a second BOS.
         prompt_lists = self.tokenizer(prompts)["input_ids"]
         response_lists = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
+        # Text a chat template rendered may already start with BOS (Gemma's writes `<bos>`): the
+        # one the tokenizer adds in front of it is a token no policy was given.
+        bos, bos_id = self.tokenizer.bos_token, self.tokenizer.bos_token_id
+        if bos and bos_id is not None:
+            prompt_lists = [ids[1:] if ids[:2] == [bos_id, bos_id] and text.startswith(bos) else ids
+                            for text, ids in zip(prompts, prompt_lists, strict=True)]
         return prompt_lists, response_lists
 
     def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:

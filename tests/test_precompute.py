@@ -131,6 +131,25 @@ def test_text_mode_tokenizes_like_the_reference_tokenizer(tmp_path, models):
     assert_matches_oracle(models[TINY_GEMMA], table)
 
 
+def test_text_mode_never_doubles_a_bos_the_text_already_has(tmp_path, models):
+    # A prompt rendered by a chat template that writes <bos> (Gemma's, and the sample one): the
+    # tokenizer's default BOS in front of it would be a second one.
+    tokenizer = AutoTokenizer.from_pretrained(TINY_GEMMA)
+    source = pq.read_table(CONVERSATIONAL).slice(0, 4).to_pylist()
+    rendered = [{"prompt": tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                 "response": "Canberra.<end_of_turn>\n"} for r in source]
+    rendered.append({"prompt": "Hello there!", "response": " Hi."})  # no BOS in the text: the tokenizer adds it
+    path = tmp_path / "rendered.parquet"
+    pq.write_table(pa.Table.from_pylist(rendered), path)
+    table = pq.read_table(run(tmp_path, inputs=[path]).output)
+    for row in table.to_pylist()[:4]:
+        assert row["prompt"].startswith("<bos>")
+        assert row["prompt_ids"] == tokenizer(row["prompt"], add_special_tokens=False).input_ids
+        assert row["prompt_ids"][0] == tokenizer.bos_token_id != row["prompt_ids"][1]
+    assert table.column("prompt_ids")[4].as_py() == tokenizer("Hello there!").input_ids
+    assert_matches_oracle(models[TINY_GEMMA], table)
+
+
 def test_jsonl_and_save_to_disk_inputs_match_parquet(tmp_path):
     source = pq.read_table(ROLLOUTS)
     jsonl = tmp_path / "rollouts.jsonl"
