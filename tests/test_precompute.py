@@ -141,13 +141,13 @@ def test_text_mode_never_doubles_a_bos_the_text_already_has(tmp_path, models):
     rendered.append({"prompt": "Hello there!", "response": " Hi."})  # no BOS in the text: the tokenizer adds it
     path = tmp_path / "rendered.parquet"
     pq.write_table(pa.Table.from_pylist(rendered), path)
-    table = pq.read_table(run(tmp_path, inputs=[path]).output)
+    table = pq.read_table(run(tmp_path, inputs=[path], model=TINY_LLAMA).output)  # the tokenizer is shared
     for row in table.to_pylist()[:4]:
         assert row["prompt"].startswith("<bos>")
         assert row["prompt_ids"] == tokenizer(row["prompt"], add_special_tokens=False).input_ids
         assert row["prompt_ids"][0] == tokenizer.bos_token_id != row["prompt_ids"][1]
     assert table.column("prompt_ids")[4].as_py() == tokenizer("Hello there!").input_ids
-    assert_matches_oracle(models[TINY_GEMMA], table)
+    assert_matches_oracle(models[TINY_LLAMA], table)
 
 
 def test_jsonl_and_save_to_disk_inputs_match_parquet(tmp_path):
