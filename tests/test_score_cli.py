@@ -418,3 +418,17 @@ def test_a_scoring_run_does_not_import_pandas(tmp_path):
     result = _python(code, str(cache))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "a.scored.parquet").exists()
+
+
+def test_a_log_file_gets_whole_lines(tmp_path):
+    # Under Slurm stderr is a file: no line of the table or the summary may be cut at 80 columns.
+    cache = write_cache(tmp_path / "a.parquet", make_rows(12))
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    with open(tmp_path / "log", "w") as log:
+        subprocess.run([sys.executable, "-m", "klpipe", "score", str(cache), "-o", str(tmp_path / "out.parquet")],
+                       stderr=log, env=env, check=True, cwd=ROOT)
+    lines = (tmp_path / "log").read_text().splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("step"))
+    assert "→ reward" in header
+    summary = next(line for line in lines if line.startswith("12 rows in 3 controller batches"))
+    assert "adaptations in all" in summary and "negative k1 in" in summary

@@ -20,6 +20,21 @@ CONTROLLER_PANEL = "Controller"
 STATE_PANEL = "State across runs"
 
 
+# Under Slurm or cron stderr is a log file, where rich would wrap at 80 columns and split the
+# table's rows and the summary line across lines: a log gets room and long lines stay whole.
+LOG_WIDTH = 160
+
+
+def _stderr_console(console_class):
+    """A rich console on stderr: a terminal's own width, or LOG_WIDTH and no wrapping in a log."""
+    import os
+    import sys
+
+    if sys.stderr.isatty() or "COLUMNS" in os.environ:
+        return console_class(stderr=True)
+    return console_class(stderr=True, width=LOG_WIDTH, soft_wrap=True)
+
+
 def _env(option: str) -> str:
     return ENV_PREFIX + option.upper().replace("-", "_")
 
@@ -239,7 +254,7 @@ def score_command(
         columns=parse_columns(column),
     )
     result = score(config)
-    console = Console(stderr=True)
+    console = _stderr_console(Console)
     report_module.render_table(result.report, console)
     for warning in result.warnings:
         console.print(f"Warning: {warning}", markup=False, highlight=False, style="yellow")
