@@ -240,6 +240,8 @@ class KLController:
         if recorded is not None:
             self._check_same_goal(recorded)
         kl_coeff = _number(state, "kl_coeff", self.config.kl_coeff)
+        if kl_coeff < 0:  # a negative coefficient would reward drifting from the reference
+            raise StateError(f"state kl_coeff must be a non-negative number, got {kl_coeff!r}")
         adaptation_count = _count(state, "adaptation_count")
         samples_processed = _count(state, "samples_processed")
         history = state.get("recent_history", [])

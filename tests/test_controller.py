@@ -337,6 +337,7 @@ def test_other_config_changes_are_listed_not_refused():
     "state, message",
     [
         ({"kl_coeff": "high"}, "state kl_coeff must be a finite number, got 'high'"),
+        ({"kl_coeff": -0.5}, "state kl_coeff must be a non-negative number, got -0.5"),
         ({"kl_coeff": 0.1, "recent_history": [1.0, None]}, "state recent_history must be a list of finite numbers"),
         ({"adaptation_count": -1}, "state adaptation_count must be a non-negative integer, got -1"),
         ({"format": "klpipe-kl-state", "version": 99}, "unsupported state format 'klpipe-kl-state' version 99"),
