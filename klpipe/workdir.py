@@ -172,7 +172,7 @@ def _run_difference(previous: dict | None, current: dict) -> str:
         if previous.get(key) != current.get(key):
             return f"{key} {previous.get(key)!r} vs {current.get(key)!r}"
     before, now = previous.get("provenance", {}), current["provenance"]
-    for key in ("model", "revision", "tokenizer", "dtype", "temperature", "inputs", "klpipe_version"):
+    for key in cache.Provenance.IDENTITY_FIELDS + ("inputs", "klpipe_version"):
         if before.get(key) != now.get(key):
             return f"{'input files changed' if key == 'inputs' else key + ' differs'}"
     return "settings differ"

@@ -255,6 +255,14 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
     assert not work.exists()
 
 
+def test_work_dir_from_another_column_mapping_is_named():
+    from klpipe.workdir import _run_difference
+
+    current = {"chunk_rows": 3, "rows": [0, 48], "mode": "ids", "provenance": {"model": "m", "columns": {}}}
+    previous = {**current, "provenance": {"model": "m", "columns": {"reward": "score"}}}
+    assert _run_difference(previous, current) == "columns differs"
+
+
 def reused_prompt_tokens(table: pa.Table, chunk_rows: int) -> int:
     """Prompt tokens a chunk need not recompute: every row after the first with the same prompt ids."""
     prompts = table.column("prompt_ids").to_pylist()
