@@ -252,9 +252,8 @@ class ReferenceModel:
         inputs = [np.concatenate([p, r])[:-1] if len(r) else p[:0] for p, r in rows]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
-        results = [np.zeros(0, dtype=np.float32) for _ in rows]
         if longest == 0:
-            return results
+            return [np.zeros(0, dtype=np.float32) for _ in rows]
         # Right padding: with causal attention no real token can see a pad, so no attention mask
         # is needed and position ids stay 0..n-1, exactly as in an unpadded single-row pass.
         batch = np.zeros((len(rows), longest), dtype=np.int64)
@@ -264,23 +263,7 @@ class ReferenceModel:
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
 
         # Position prompt_len - 1 + i predicts response token i.
-        row_index, position, target = [], [], []
-        for i, (p, r) in enumerate(rows):
-            if len(r):
-                row_index.append(np.full(len(r), i))
-                position.append(np.arange(len(p) - 1, len(p) - 1 + len(r)))
-                target.append(r)
-        rows_t = torch.from_numpy(np.concatenate(row_index)).to(hidden.device)
-        pos_t = torch.from_numpy(np.concatenate(position)).to(hidden.device)
-        selected = hidden[rows_t, pos_t]  # (N, H): response positions only
-        targets = torch.from_numpy(np.concatenate(target).astype(np.int64))
-        logprobs = self._head_logprobs(selected, targets, temperature).numpy()
-
-        offset = 0
-        for i, (_, r) in enumerate(rows):
-            results[i] = logprobs[offset : offset + len(r)]
-            offset += len(r)
-        return results
+        return self._targets_logprobs(hidden, [len(p) - 1 for p, _ in rows], [r for _, r in rows], temperature)
 
     @torch.inference_mode()
     def score_shared(self, prompts: list[np.ndarray], responses: list[np.ndarray], prompt_of: np.ndarray,
@@ -308,15 +291,10 @@ class ReferenceModel:
             fed = [responses[i][:-1] for i in rows]  # (b,) lists of R_i - 1 tokens: the last is only a target
             groups = torch.as_tensor(prompt_of[rows], device=self.input_device)
             hidden = self._continue(cache, prompt_mask, prompt_lengths, groups, fed)  # (b, T, H)
-            row_index = np.concatenate([np.full(len(f), k) for k, f in enumerate(fed)])
-            position = np.concatenate([np.arange(len(f)) for f in fed])
-            selected = hidden[torch.from_numpy(row_index).to(hidden.device), torch.from_numpy(position).to(hidden.device)]
-            targets = torch.from_numpy(np.concatenate([responses[i][1:] for i in rows]).astype(np.int64))
-            logprobs = self._head_logprobs(selected, targets, temperature).numpy()
-            offset = 0
-            for i, f in zip(rows, fed):
-                results[i] = np.concatenate([results[i], logprobs[offset:offset + len(f)]])
-                offset += len(f)
+            # Fed token j (response token j) predicts response token j + 1.
+            rest = self._targets_logprobs(hidden, [0] * len(rows), [responses[i][1:] for i in rows], temperature)
+            for i, values in zip(rows, rest):
+                results[i] = np.concatenate([results[i], values])
         return results
 
     def _prefill(self, prompts: list[np.ndarray]):
@@ -385,6 +363,19 @@ class ReferenceModel:
         if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= self.probe_tolerance:
             return f"continuing a prompt's KV cache changes the logprobs (max |Δ logprob| = {gap:.3g})"
         return None
+
+    def _targets_logprobs(self, hidden: torch.Tensor, starts: list[int], targets: list[np.ndarray],
+                          temperature: float) -> list[np.ndarray]:
+        """Row k's logprobs of targets[k], predicted by hidden[k, starts[k] : starts[k] + len(targets[k])].
+
+        Only those positions reach the LM head, all rows' at once: (tokens, H), never (B, T, V).
+        """
+        row_index = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(targets)])
+        position = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, targets)])
+        selected = hidden[torch.from_numpy(row_index).to(hidden.device), torch.from_numpy(position).to(hidden.device)]
+        flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))
+        logprobs = self._head_logprobs(selected, flat, temperature).numpy()
+        return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         weight = self.head_weight
