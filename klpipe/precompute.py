@@ -211,10 +211,9 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
 def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done and checkpoint each one in the work directory."""
-    sizes = chunk_sizes(rows, config.chunk_rows)
     max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
-    progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=sum(sizes[i] for i in done),
+    progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
     try:

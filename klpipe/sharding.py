@@ -138,7 +138,7 @@ def _completion(part: Path) -> str:
 
 
 def is_shard_directory(path: Path) -> bool:
-    return path.is_dir() and any(PART_PATTERN.match(p.name) for p in path.iterdir())
+    return path.is_dir() and any(parse_part_name(p.name) for p in path.iterdir())
 
 
 def shard_parts(directory: Path) -> list[Path]:
