@@ -20,7 +20,8 @@ from pathlib import Path
 
 from klpipe.cache import Provenance, check_compatible, read_provenance
 from klpipe.errors import InputError, ProvenanceError
-from klpipe.files import open_parquet, write_json_atomic
+from klpipe.files.atomic import write_json_atomic
+from klpipe.files.parquet import open_parquet
 
 PART_PATTERN = re.compile(r"^part-(\d+)-of-(\d+)\.parquet$")
 PART_SUFFIX = ".parquet"
@@ -70,17 +71,6 @@ def resolve_shard(index: int | None, count: int | None, env: dict | None = None)
     if count < 1 or not 0 <= index < count:
         raise InputError(f"shard index {index} is outside 0..{count - 1} (from {source})")
     return Shard(index, count)
-
-
-def local_device(device: str, env: dict | None = None) -> str:
-    """Under torchrun each rank takes its own GPU: `auto` becomes cuda:LOCAL_RANK."""
-    env = os.environ if env is None else env
-    if device == "auto" and "LOCAL_RANK" in env:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"cuda:{_int(env, 'LOCAL_RANK')}"
-    return device
 
 
 def _int(env, name: str, default: int | None = None) -> int:

@@ -46,13 +46,13 @@ import transformers.models.llama.modeling_llama  # noqa: F401
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 import klpipe.cli
-import klpipe.files
-import klpipe.precompute
-import klpipe.reference
-import klpipe.report
-import klpipe.rollouts
-import klpipe.score
-import klpipe.workdir
+import klpipe.model.reference
+import klpipe.precompute.rollouts
+import klpipe.precompute.run
+import klpipe.precompute.tokenize
+import klpipe.precompute.workdir
+import klpipe.score.report
+import klpipe.score.run
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
@@ -60,16 +60,16 @@ import matplotlib.pyplot  # noqa: E402,F401
 
 PHASES = {
     # precompute
-    "read": "klpipe.rollouts._iter_file_rows: before the n-th record batch is handed on",
+    "read": "klpipe.precompute.rollouts._iter_file_rows: before the n-th record batch is handed on",
     "tokenize": "ChunkTokenizer.__call__: before the n-th chunk is tokenized",
     "forward": "inside the model's n-th forward pass, between its first and second decoder layer",
     "write": "pyarrow.parquet.write_table (a chunk): the tmp file is cut to `fraction` of its size first",
-    "commit": "klpipe.workdir.WorkDir.write_chunk: after the n-th chunk is renamed into place, before the next",
+    "commit": "klpipe.precompute.workdir.WorkDir.write_chunk: after the n-th chunk is renamed into place, before the next",
     "merge": "ParquetWriter.write_table: after the n-th row group of the merged output",
     "rename": "os.replace onto a file matching `match`: `when` before or after it",
     # score
-    "score_batch": "klpipe.score._score_batch: before the n-th record batch is scored",
-    "plot": "klpipe.report.plot: before the plot is drawn",
+    "score_batch": "klpipe.score.run._score_batch: before the n-th record batch is scored",
+    "plot": "klpipe.score.report.plot: before the plot is drawn",
     "write_text": "Path.write_text of a tmp file for a name matching `match`: `fraction` of the text, then the fault",
 }
 ACTIONS = ("kill", "signal", "enospc", "pause", "none")
@@ -155,8 +155,9 @@ class _Injector:
 
 def _install(inj: _Injector) -> None:
     fault = inj.fault
-    rollouts = klpipe.rollouts
-    workdir = klpipe.workdir
+    rollouts = klpipe.precompute.rollouts
+    tokenize = klpipe.precompute.tokenize
+    workdir = klpipe.precompute.workdir
 
     # Always traced: which chunks were committed before a fault.
     original_write_chunk = workdir.WorkDir.write_chunk
@@ -179,16 +180,16 @@ def _install(inj: _Injector) -> None:
 
     rollouts._iter_file_rows = iter_file_rows
 
-    original_tokenize = rollouts.ChunkTokenizer.__call__
+    original_tokenize = tokenize.ChunkTokenizer.__call__
 
-    def tokenize(self, chunk):
+    def tokenize_chunk(self, chunk):
         if inj.reached("tokenize"):
             inj.fire()
         return original_tokenize(self, chunk)
 
-    rollouts.ChunkTokenizer.__call__ = tokenize
+    tokenize.ChunkTokenizer.__call__ = tokenize_chunk
 
-    original_load = klpipe.reference.ReferenceModel.load.__func__
+    original_load = klpipe.model.reference.ReferenceModel.load.__func__
 
     def load(cls, spec):
         model = original_load(cls, spec)  # its probe forward passes (check_head) are not counted
@@ -201,7 +202,7 @@ def _install(inj: _Injector) -> None:
         layers[0].register_forward_hook(hook)
         return model
 
-    klpipe.reference.ReferenceModel.load = classmethod(load)
+    klpipe.model.reference.ReferenceModel.load = classmethod(load)
 
     original_write_table = pq.write_table
     inside_write_table = threading.local()  # pq.write_table runs a ParquetWriter: not a merge
@@ -241,23 +242,23 @@ def _install(inj: _Injector) -> None:
 
     os.replace = replace
 
-    original_score_batch = klpipe.score._score_batch
+    original_score_batch = klpipe.score.run._score_batch
 
     def score_batch(*args, **kwargs):
         if inj.reached("score_batch"):
             inj.fire()
         return original_score_batch(*args, **kwargs)
 
-    klpipe.score._score_batch = score_batch
+    klpipe.score.run._score_batch = score_batch
 
-    original_plot = klpipe.report.plot
+    original_plot = klpipe.score.report.plot
 
     def plot(*args, **kwargs):
         if inj.reached("plot"):
             inj.fire()
         return original_plot(*args, **kwargs)
 
-    klpipe.report.plot = plot
+    klpipe.score.report.plot = plot
 
     original_write_text = Path.write_text
 

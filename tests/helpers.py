@@ -19,8 +19,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe.arrow import offsets_from_lengths
-from klpipe.cache import ID, METADATA_KEY, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP, Provenance
-from klpipe.rollouts import Chunk, TokenizedChunk
+from klpipe.cache import (
+    ID,
+    METADATA_KEY,
+    POLICY_LOGPROBS,
+    REF_LOGPROBS,
+    REWARD,
+    STEP,
+    Provenance,
+)
+from klpipe.precompute.rollouts import Chunk
+from klpipe.precompute.tokenize import TokenizedChunk
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_data"

@@ -4,8 +4,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klpipe.batching import group_by_prompt, padding_efficiency, plan_batches, plan_shared
-from klpipe.logprobs import ForwardStats, chunk_logprobs
+from klpipe.precompute.batching import (
+    group_by_prompt,
+    padding_efficiency,
+    plan_batches,
+    plan_shared,
+)
+from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import tokenized_chunk
 
 

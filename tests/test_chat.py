@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from klpipe.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer
 from tests.helpers import CONVERSATIONAL, TINY_GEMMA
 
 BOS = 2

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klpipe.controller import ControllerConfig, KLController, KLStats
 from klpipe.errors import InputError, StateError
+from klpipe.score.controller import ControllerConfig, KLController, KLStats
 from tests.helpers import seed_config, seed_controller
 
 KL = st.floats(min_value=0, max_value=20, allow_nan=False)

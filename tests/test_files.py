@@ -6,23 +6,23 @@ import stat
 
 import pytest
 
-from klpipe import files
+from klpipe.files import atomic, discover, fingerprint
 from klpipe.errors import InputError, OutputError
 
 
 def test_atomic_output_appears_only_on_success(tmp_path):
     target = tmp_path / "out.txt"
     with pytest.raises(RuntimeError):
-        with files.atomic_output(target) as tmp:
+        with atomic.atomic_output(target) as tmp:
             tmp.write_text("half")
             raise RuntimeError("crash mid-write")
     assert list(tmp_path.iterdir()) == []
-    with files.atomic_output(target) as tmp:
+    with atomic.atomic_output(target) as tmp:
         tmp.write_text("whole")
     assert target.read_text() == "whole"
     assert list(tmp_path.iterdir()) == [target]
     # Not mkstemp's 0600: what open() would give under the process umask.
-    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~files._UMASK
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~atomic._UMASK
 
 
 def test_a_killed_writers_temporary_files_are_removed_by_the_next_write(tmp_path):
@@ -30,7 +30,7 @@ def test_a_killed_writers_temporary_files_are_removed_by_the_next_write(tmp_path
     for stale in (".out.txt.abcd1234.tmp", ".out.txt.k_9zq0xy.tmp"):  # what a kill -9 mid-write leaves
         (tmp_path / stale).write_text("half")
     (tmp_path / ".other.txt.abcd1234.tmp").write_text("another output's: not this write's business")
-    with files.atomic_output(target) as tmp:
+    with atomic.atomic_output(target) as tmp:
         tmp.write_text("whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.txt.abcd1234.tmp", "out.txt"]
 
@@ -39,7 +39,7 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     live = tmp_path / ".out.txt.live1234.tmp"
     with open(live, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as atomic_output holds its own until the rename
-        with files.atomic_output(tmp_path / "out.txt") as tmp:
+        with atomic.atomic_output(tmp_path / "out.txt") as tmp:
             tmp.write_text("whole")
         assert live.exists()
 
@@ -48,7 +48,7 @@ def test_atomic_output_into_an_unwritable_place_is_an_output_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OutputError, match=r"^.*/file/out\.txt: cannot write here"):
-        with files.atomic_output(blocker / "out.txt"):
+        with atomic.atomic_output(blocker / "out.txt"):
             pass
 
 
@@ -56,32 +56,32 @@ def test_expand_inputs(tmp_path):
     (tmp_path / "b.parquet").write_bytes(b"")
     (tmp_path / "a.parquet").write_bytes(b"")
     (tmp_path / "notes.txt").write_text("")
-    assert [p.name for p in files.expand_inputs([tmp_path], (".parquet",))] == ["a.parquet", "b.parquet"]
+    assert [p.name for p in discover.expand_inputs([tmp_path], (".parquet",))] == ["a.parquet", "b.parquet"]
     with pytest.raises(InputError, match="no such file or directory"):
-        files.expand_inputs([tmp_path / "nope"], (".parquet",))
+        discover.expand_inputs([tmp_path / "nope"], (".parquet",))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(InputError, match=r"empty: directory holds no \.parquet files"):
-        files.expand_inputs([empty], (".parquet",))
+        discover.expand_inputs([empty], (".parquet",))
 
 
 def test_fingerprint_sees_changes_in_small_files_anywhere(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(1000))
-    before = files.fingerprint(path)
+    before = fingerprint.fingerprint(path)
     path.write_bytes(bytes(500) + b"\x01" + bytes(499))
-    assert files.fingerprint(path)["sha256"] != before["sha256"]
+    assert fingerprint.fingerprint(path)["sha256"] != before["sha256"]
     assert before["size"] == 1000 and before["name"] == "f.bin"
 
 
 def test_fingerprint_of_large_files_covers_size_head_and_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "FULL_HASH_LIMIT", 100)
-    monkeypatch.setattr(files, "SAMPLE_BYTES", 10)
+    monkeypatch.setattr(fingerprint, "FULL_HASH_LIMIT", 100)
+    monkeypatch.setattr(fingerprint, "SAMPLE_BYTES", 10)
     path = tmp_path / "big.bin"
 
     def write(data: bytearray):
         path.write_bytes(bytes(data))
-        return files.fingerprint(path)["sha256"]
+        return fingerprint.fingerprint(path)["sha256"]
 
     base = bytearray(1000)
     original = write(base)
@@ -100,8 +100,8 @@ def test_fingerprint_of_a_directory_includes_every_file(tmp_path):
     folder.mkdir()
     (folder / "a").write_bytes(b"1")
     (folder / "b").write_bytes(b"2")
-    before = files.fingerprint(folder)
+    before = fingerprint.fingerprint(folder)
     (folder / "b").write_bytes(b"3")
-    assert files.fingerprint(folder)["sha256"] != before["sha256"]
+    assert fingerprint.fingerprint(folder)["sha256"] != before["sha256"]
     os.rename(folder / "b", folder / "c")
-    assert files.fingerprint(folder)["sha256"] != before["sha256"]
+    assert fingerprint.fingerprint(folder)["sha256"] != before["sha256"]

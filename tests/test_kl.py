@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from klpipe.arrow import list_values
-from klpipe.kl import estimate_kl_from_samples, kl_divergence, row_kl, sequence_kl
+from klpipe.score.kl import estimate_kl_from_samples, kl_divergence, row_kl, sequence_kl
 from tests.helpers import load_seed
 
 LOGPROB = st.floats(min_value=-30, max_value=0, allow_nan=False, width=32)

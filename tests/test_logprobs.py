@@ -5,8 +5,9 @@ Gemma 4 (softcap, sliding window of 8 and full attention, KV-shared layers, per-
 import numpy as np
 import pytest
 
-from klpipe.logprobs import ForwardStats, chunk_logprobs
-from klpipe.reference import ModelSpec, ReferenceModel
+from klpipe.model.loading import ModelSpec
+from klpipe.model.reference import ReferenceModel
+from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs, tokenized_chunk
 
 TOLERANCE = 1e-4
@@ -108,6 +109,6 @@ def test_only_gemma_prefill_skips_layers(reference):
 def test_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, monkeypatch):
     # Both tiny models accept unknown keyword arguments and drop them: a cache passed under a name
     # the model does not know is silently ignored, the responses then run without their prompt.
-    monkeypatch.setattr(reference, "_cache_argument", "not_a_cache_argument")
+    monkeypatch.setattr(reference, "cache_argument", "not_a_cache_argument")
     problem = reference.check_prefix_sharing()
     assert problem is not None and problem.startswith("continuing a prompt's KV cache changes the logprobs")

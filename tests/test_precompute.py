@@ -11,11 +11,18 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from klpipe import cache, reference
+from klpipe import cache
 from klpipe.errors import InputError, OutputError, ProvenanceError
+from klpipe.model import loading
 from klpipe.precompute import PrecomputeConfig, default_output, precompute
 from klpipe.sharding import Shard
-from tests.helpers import CONVERSATIONAL, ROLLOUTS, TINY_GEMMA, TINY_LLAMA, oracle_logprobs
+from tests.helpers import (
+    CONVERSATIONAL,
+    ROLLOUTS,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    oracle_logprobs,
+)
 
 TOLERANCE = 1e-4
 
@@ -191,7 +198,7 @@ def test_rerun_of_finished_output_is_a_noop_and_different_run_refuses(tmp_path):
 def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypatch):
     full = pq.read_table(run(tmp_path, name="full.parquet", chunk_rows=8).output)
 
-    from klpipe.workdir import WorkDir
+    from klpipe.precompute.workdir import WorkDir
 
     real_write = WorkDir.write_chunk
     written = []
@@ -221,8 +228,8 @@ def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
     # The run must close its reader itself, not leave it to the garbage collector: here the test
     # keeps a reference to the stream (as a debugger, or a traceback elsewhere, would), and an
     # unclosed stream keeps a thread alive that has read ahead into a full queue.
-    from klpipe import precompute as precompute_module
-    from klpipe.workdir import WorkDir
+    from klpipe.precompute import run as precompute_module
+    from klpipe.precompute.workdir import WorkDir
 
     streams = []
 
@@ -256,7 +263,7 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
 
 
 def test_work_dir_from_another_column_mapping_is_named():
-    from klpipe.workdir import _run_difference
+    from klpipe.precompute.workdir import _run_difference
 
     current = {"chunk_rows": 3, "rows": [0, 48], "mode": "ids", "provenance": {"model": "m", "columns": {}}}
     previous = {**current, "provenance": {"model": "m", "columns": {"reward": "score"}}}
@@ -320,9 +327,9 @@ def test_conversational_rollouts_are_rendered_with_the_chat_template(tmp_path, m
         assert len(row["policy_logprobs"]) == len(row["response_ids"])  # so klpipe score can pair them
     assert_matches_oracle(models[model_dir], table)
     # The template decides the ids, so it is part of the tokenizer fingerprint (and only here).
-    assert cache.read_provenance(summary.output).tokenizer == reference.tokenizer_fingerprint(tokenizer,
+    assert cache.read_provenance(summary.output).tokenizer == loading.tokenizer_fingerprint(tokenizer,
                                                                                               chat_template=True)
-    assert reference.tokenizer_fingerprint(tokenizer, chat_template=True) != reference.tokenizer_fingerprint(tokenizer)
+    assert loading.tokenizer_fingerprint(tokenizer, chat_template=True) != loading.tokenizer_fingerprint(tokenizer)
 
 
 def test_conversational_jsonl_matches_parquet(tmp_path):

@@ -92,7 +92,7 @@ def test_output_that_is_also_the_input_is_refused_even_with_overwrite(tmp_path):
 
 
 def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypatch):
-    from klpipe.workdir import WorkDir
+    from klpipe.precompute.workdir import WorkDir
 
     def killed_while_merging(self, output):
         raise KeyboardInterrupt  # as a kill during the merge leaves it: every chunk done, no output
@@ -323,7 +323,7 @@ def test_prefix_sharing_bad_value(tmp_path):
 
 
 def test_a_model_that_cannot_share_falls_back_under_auto_and_fails_under_on(tmp_path, monkeypatch):
-    from klpipe.reference import ReferenceModel
+    from klpipe.model.reference import ReferenceModel
 
     monkeypatch.setattr(ReferenceModel, "check_prefix_sharing", lambda self: "the probe disagreed")
     result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")

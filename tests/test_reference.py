@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from klpipe.reference import ModelSpec, ReferenceModel
-from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs as oracle
+from klpipe.model.loading import ModelSpec
+from klpipe.model.reference import ReferenceModel
+from tests.helpers import TINY_GEMMA, TINY_LLAMA
+from tests.helpers import oracle_logprobs as oracle
 
 TOLERANCE = 1e-4
 MODELS = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}
@@ -52,7 +54,7 @@ def test_batched_padded_logprobs_match_oracle(reference, batch_size):
 
 @pytest.mark.parametrize("head_rows", [1, 7, 100_000])
 def test_head_chunking_matches_oracle(reference, head_rows, monkeypatch):
-    monkeypatch.setattr(reference, "head_rows", head_rows)
+    monkeypatch.setattr(reference.head, "rows", head_rows)
     assert max_error(reference, random_rows(reference.vocab_size, 6, seed=head_rows)) <= TOLERANCE
 
 
@@ -87,7 +89,7 @@ def test_gemma_softcap_is_active_and_honoured():
     """The tiny Gemma's head is scaled so raw logits exceed the cap; without the cap the numbers differ."""
     reference = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
     cap = reference.model.config.final_logit_softcapping
-    assert cap and reference.softcap == cap
+    assert cap and reference.head.softcap == cap
     rows = random_rows(reference.vocab_size, 6, seed=11)
     ids = torch.from_numpy(np.concatenate(rows[0]))[None]
     with torch.no_grad():
@@ -96,5 +98,5 @@ def test_gemma_softcap_is_active_and_honoured():
     assert float(raw.abs().max()) > 1.5 * cap  # the cap bites hard
     assert max_error(reference, rows) <= TOLERANCE
     # Dropping the softcap must be caught by the oracle comparison: guard against a vacuous test.
-    reference.softcap = None
+    reference.head.softcap = None
     assert max_error(reference, rows) > 0.1

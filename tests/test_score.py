@@ -8,12 +8,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.cache import ID, METADATA_KEY, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
-from klpipe.controller import ControllerConfig
 from klpipe.errors import InputError, OutputError, ProvenanceError, StateError
 from klpipe.score import SCORE_METADATA_KEY, ScoreConfig, default_output, score
-from klpipe.score_input import rows_per_batch
+from klpipe.score.controller import ControllerConfig
+from klpipe.score.input import rows_per_batch
 from klpipe.sharding import mark_complete
-from tests.helpers import CACHE_SCHEMA, make_rows, provenance, seed_config, seed_controller, write_cache
+from tests.helpers import (
+    CACHE_SCHEMA,
+    make_rows,
+    provenance,
+    seed_config,
+    seed_controller,
+    write_cache,
+)
 
 SCORED = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
 

@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from klpipe.errors import InputError, ProvenanceError
+from klpipe.model.loading import local_device
 from klpipe.precompute import PrecomputeConfig, precompute
-from klpipe.score_input import expand_cache_inputs
-from klpipe.sharding import Shard, is_complete, local_device, marker_path, parse_part_name, resolve_shard
+from klpipe.score.input import expand_cache_inputs
+from klpipe.sharding import Shard, is_complete, marker_path, parse_part_name, resolve_shard
 from tests.helpers import ROLLOUTS, TINY_LLAMA
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -19,6 +20,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
+
+
+def defaults(config_class) -> dict:
+    """A config dataclass's default for each field that has one: what the options show and use."""
+    return {f.name: f.default for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING}
+
 
 def _print_version(value: bool) -> None:
     if value:

@@ -8,13 +8,17 @@ from typing import Annotated
 
 import typer
 
-from klpipe.cli.app import COLUMN_HELP, app, handle_errors
+from klpipe.cli.app import COLUMN_HELP, app, defaults, handle_errors
+from klpipe.precompute.config import PrecomputeConfig
 
 INPUT_PANEL = "Input columns"
 MODEL_PANEL = "Reference model"
 BATCH_PANEL = "Batching and resume"
 OUTPUT_PANEL = "Output and progress"
 SHARD_PANEL = "Sharding (Slurm arrays, torchrun)"
+
+# The library's defaults, written once (PrecomputeConfig): the options below read them.
+PRECOMPUTE = defaults(PrecomputeConfig)
 
 
 @app.command("precompute", no_args_is_help=True)
@@ -28,41 +32,41 @@ def precompute_command(
         envvar="KLPIPE_MODEL", rich_help_panel=MODEL_PANEL, show_default=False)],
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Cache to write. Default: INPUT.cached.parquet beside a single input.",
-        envvar="KLPIPE_OUTPUT", rich_help_panel=OUTPUT_PANEL, show_default=False)] = None,
+        envvar="KLPIPE_OUTPUT", rich_help_panel=OUTPUT_PANEL, show_default=False)] = PRECOMPUTE["output"],
     revision: Annotated[str | None, typer.Option(
         help="Hub revision (branch, tag or commit) of the model.",
-        envvar="KLPIPE_REVISION", rich_help_panel=MODEL_PANEL)] = None,
+        envvar="KLPIPE_REVISION", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["revision"],
     dtype: Annotated[str, typer.Option(
         help="auto | float32 | bfloat16 | float16. auto: bfloat16 on CUDA, float32 on CPU.",
-        envvar="KLPIPE_DTYPE", rich_help_panel=MODEL_PANEL)] = "auto",
+        envvar="KLPIPE_DTYPE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["dtype"],
     device: Annotated[str, typer.Option(
         help="auto | cpu | cuda | cuda:N. auto: the GPU if there is one (device_map=auto over several), else CPU.",
-        envvar="KLPIPE_DEVICE", rich_help_panel=MODEL_PANEL)] = "auto",
+        envvar="KLPIPE_DEVICE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["device"],
     temperature: Annotated[float, typer.Option(
         help="Rollout sampling temperature; logits are divided by it before the softmax.",
-        envvar="KLPIPE_TEMPERATURE", rich_help_panel=MODEL_PANEL)] = 1.0,
+        envvar="KLPIPE_TEMPERATURE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["temperature"],
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Run model code shipped with the checkpoint. Off unless asked.",
-        envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = False,
+        envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["trust_remote_code"],
     max_tokens_per_batch: Annotated[int | None, typer.Option(
         help="Padded tokens per forward pass. Default: 2048 on CPU, 65536 on CUDA.",
-        envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL, show_default=False)] = None,
+        envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["max_tokens_per_batch"],
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
-        envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = 2048,
+        envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["chunk_rows"],
     prefix_sharing: Annotated[str, typer.Option(
         help="auto | on | off. auto: rows of a chunk with identical prompt_ids run the prompt once and "
              "continue from its KV cache; off: every row runs its whole prompt.",
-        envvar="KLPIPE_PREFIX_SHARING", rich_help_panel=BATCH_PANEL)] = "auto",
+        envvar="KLPIPE_PREFIX_SHARING", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["prefix_sharing"],
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an output, or discard a work directory, that a different run made.",
-        envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = False,
+        envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = PRECOMPUTE["overwrite"],
     progress: Annotated[str, typer.Option(
         help="auto | bar | log | none. auto: a bar on a terminal, log lines under cron or Slurm.",
-        envvar="KLPIPE_PROGRESS", rich_help_panel=OUTPUT_PANEL)] = "auto",
+        envvar="KLPIPE_PROGRESS", rich_help_panel=OUTPUT_PANEL)] = PRECOMPUTE["progress"],
     log_interval: Annotated[float, typer.Option(
         help="Seconds between progress log lines.",
-        envvar="KLPIPE_LOG_INTERVAL", rich_help_panel=OUTPUT_PANEL)] = 30.0,
+        envvar="KLPIPE_LOG_INTERVAL", rich_help_panel=OUTPUT_PANEL)] = PRECOMPUTE["log_interval"],
     shard_index: Annotated[int | None, typer.Option(
         help="This process's shard (0-based). Default: from SLURM_ARRAY_TASK_ID, or torchrun's RANK.",
         envvar="KLPIPE_SHARD_INDEX", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
@@ -95,12 +99,12 @@ def precompute_command(
         sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
     """
     from klpipe.columns import parse_columns
-    from klpipe.precompute import PrecomputeConfig, precompute
-    from klpipe.sharding import local_device, resolve_shard
+    from klpipe.precompute import precompute
+    from klpipe.sharding import resolve_shard
 
     shard = resolve_shard(shard_index, num_shards)
     config = PrecomputeConfig(
-        inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=local_device(device),
+        inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,

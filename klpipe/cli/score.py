@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
-from klpipe.cli.app import COLUMN_HELP, app, handle_errors
+from klpipe.cli.app import COLUMN_HELP, app, defaults, handle_errors
+from klpipe.score.config import ScoreConfig
+from klpipe.score.controller import ControllerConfig, ControllerKind
+from klpipe.score.kl import Aggregate, Estimator
 
 # Every option can come from KLPIPE_SCORE_<OPTION>; precompute reads KLPIPE_<OPTION>, and the
 # separate prefix keeps one command's environment from leaking into the other.
@@ -19,6 +22,9 @@ KL_PANEL = "Per-row KL"
 CONTROLLER_PANEL = "Controller"
 STATE_PANEL = "State across runs"
 
+# The library's defaults, written once (ScoreConfig, ControllerConfig): the options below read them.
+SCORE = defaults(ScoreConfig)
+CONTROL = defaults(ControllerConfig)
 
 # Under Slurm or cron stderr is a log file, where rich would wrap at 80 columns and split the
 # table's rows and the summary line across lines: a log gets room and long lines stay whole.
@@ -42,163 +48,66 @@ def _env(option: str) -> str:
 @app.command("score")
 @handle_errors
 def score_command(
-    caches: Annotated[
-        list[Path],
-        typer.Argument(
-            envvar=_env("caches"),
-            help="Cache parquet files, or directories of them, scored in the order given.",
-        ),
-    ],
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "--output",
-            "-o",
-            envvar=_env("output"),
-            rich_help_panel=OUTPUT_PANEL,
-            help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.",
-        ),
-    ] = None,
-    report: Annotated[
-        Path | None,
-        typer.Option(envvar=_env("report"), rich_help_panel=OUTPUT_PANEL, help="Write the report JSON here."),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            envvar=_env("plot"),
-            rich_help_panel=OUTPUT_PANEL,
-            help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
-        ),
-    ] = None,
-    per_token: Annotated[
-        bool,
-        typer.Option(
-            "--per-token",
-            envvar=_env("per_token"),
-            rich_help_panel=OUTPUT_PANEL,
-            help="Also write each row's per-token KL list (kl_per_token).",
-        ),
-    ] = False,
-    state: Annotated[
-        Path | None,
-        typer.Option(
-            envvar=_env("state"),
-            rich_help_panel=STATE_PANEL,
-            help="Controller state JSON: continued from when it exists, saved at the end.",
-        ),
-    ] = None,
-    reset_state: Annotated[
-        bool,
-        typer.Option(
-            "--reset-state",
-            envvar=_env("reset_state"),
-            rich_help_panel=STATE_PANEL,
-            help="Ignore an existing --state file and start the controller from these options.",
-        ),
-    ] = False,
-    estimator: Annotated[
-        Literal["k1", "abs", "k2", "k3"],
-        typer.Option(
-            envvar=_env("estimator"),
-            rich_help_panel=KL_PANEL,
-            help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.",
-        ),
-    ] = "k1",
-    aggregate: Annotated[
-        Literal["mean", "sum"],
-        typer.Option(
-            envvar=_env("aggregate"), rich_help_panel=KL_PANEL, help="Per-row aggregate over response tokens."
-        ),
-    ] = "mean",
-    clamp: Annotated[
-        bool,
-        typer.Option(
-            "--clamp/--no-clamp",
-            envvar=_env("clamp"),
-            rich_help_panel=KL_PANEL,
-            help="Clamp the per-row k1 at 0 like the seed (other estimators are never negative).",
-        ),
-    ] = True,
-    controller: Annotated[
-        Literal["window", "proportional", "fixed"],
-        typer.Option(
-            envvar=_env("controller"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="window: the seed's windowed rule; proportional: Ziegler et al. (TRL, verl); fixed.",
-        ),
-    ] = "window",
-    adaptive: Annotated[
-        bool,
-        typer.Option(
-            "--adaptive/--no-adaptive",
-            envvar=_env("adaptive"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="The seed's switch: --no-adaptive keeps the coefficient fixed.",
-        ),
-    ] = True,
-    kl_coeff: Annotated[
-        float,
-        typer.Option(
-            envvar=_env("kl_coeff"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="Starting coefficient (a loaded --state replaces it). 0: KL is measured, not penalised.",
-        ),
-    ] = 0.1,
-    kl_target: Annotated[
-        float,
-        typer.Option(envvar=_env("kl_target"), rich_help_panel=CONTROLLER_PANEL, help="Target per-row KL in nats."),
-    ] = 3.0,
-    kl_coeff_min: Annotated[
-        float,
-        typer.Option(envvar=_env("kl_coeff_min"), rich_help_panel=CONTROLLER_PANEL, help="Lower clamp; 0: none."),
-    ] = 0.01,
-    kl_coeff_max: Annotated[
-        float, typer.Option(envvar=_env("kl_coeff_max"), rich_help_panel=CONTROLLER_PANEL, help="Upper clamp.")
-    ] = 1.0,
-    window: Annotated[
-        int,
-        typer.Option(
-            envvar=_env("window"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="window rule: recent per-row KLs averaged before each update.",
-        ),
-    ] = 10,
-    increase_factor: Annotated[
-        float,
-        typer.Option(
-            envvar=_env("increase_factor"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="window rule: multiplier when the mean is above 1.5×target.",
-        ),
-    ] = 1.5,
-    decrease_factor: Annotated[
-        float,
-        typer.Option(
-            envvar=_env("decrease_factor"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="window rule: multiplier when the mean is below 0.5×target.",
-        ),
-    ] = 0.8,
-    horizon: Annotated[
-        int,
-        typer.Option(
-            envvar=_env("horizon"),
-            rich_help_panel=CONTROLLER_PANEL,
-            help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.",
-        ),
-    ] = 10000,
-    column: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--column",
-            metavar="ROLE=NAME",
-            envvar=_env("column"),
-            rich_help_panel=INPUT_PANEL,
-            show_default=False,
-            help=COLUMN_HELP + " Default: the mapping the caches were made with.",
-        ),
-    ] = None,
+    caches: Annotated[list[Path], typer.Argument(
+        help="Cache parquet files, or directories of them, scored in the order given.", envvar=_env("caches"))],
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.",
+        envvar=_env("output"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output"],
+    report: Annotated[Path | None, typer.Option(
+        help="Write the report JSON here.", envvar=_env("report"), rich_help_panel=OUTPUT_PANEL)] = SCORE["report"],
+    plot: Annotated[Path | None, typer.Option(
+        help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
+        envvar=_env("plot"), rich_help_panel=OUTPUT_PANEL)] = SCORE["plot"],
+    per_token: Annotated[bool, typer.Option(
+        "--per-token", help="Also write each row's per-token KL list (kl_per_token).",
+        envvar=_env("per_token"), rich_help_panel=OUTPUT_PANEL)] = SCORE["per_token"],
+    state: Annotated[Path | None, typer.Option(
+        help="Controller state JSON: continued from when it exists, saved at the end.",
+        envvar=_env("state"), rich_help_panel=STATE_PANEL)] = SCORE["state"],
+    reset_state: Annotated[bool, typer.Option(
+        "--reset-state", help="Ignore an existing --state file and start the controller from these options.",
+        envvar=_env("reset_state"), rich_help_panel=STATE_PANEL)] = SCORE["reset_state"],
+    estimator: Annotated[Estimator, typer.Option(
+        help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.",
+        envvar=_env("estimator"), rich_help_panel=KL_PANEL)] = SCORE["estimator"],
+    aggregate: Annotated[Aggregate, typer.Option(
+        help="Per-row aggregate over response tokens.",
+        envvar=_env("aggregate"), rich_help_panel=KL_PANEL)] = SCORE["aggregate"],
+    clamp: Annotated[bool, typer.Option(
+        "--clamp/--no-clamp", help="Clamp the per-row k1 at 0 like the seed (other estimators are never negative).",
+        envvar=_env("clamp"), rich_help_panel=KL_PANEL)] = SCORE["clamp"],
+    controller: Annotated[ControllerKind, typer.Option(
+        help="window: the seed's windowed rule; proportional: Ziegler et al. (TRL, verl); fixed.",
+        envvar=_env("controller"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["controller"],
+    adaptive: Annotated[bool, typer.Option(
+        "--adaptive/--no-adaptive", help="The seed's switch: --no-adaptive keeps the coefficient fixed.",
+        envvar=_env("adaptive"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["adaptive"],
+    kl_coeff: Annotated[float, typer.Option(
+        help="Starting coefficient (a loaded --state replaces it). 0: KL is measured, not penalised.",
+        envvar=_env("kl_coeff"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff"],
+    kl_target: Annotated[float, typer.Option(
+        help="Target per-row KL in nats.", envvar=_env("kl_target"),
+        rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_target"],
+    kl_coeff_min: Annotated[float, typer.Option(
+        help="Lower clamp; 0: none.", envvar=_env("kl_coeff_min"),
+        rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff_min"],
+    kl_coeff_max: Annotated[float, typer.Option(
+        help="Upper clamp.", envvar=_env("kl_coeff_max"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff_max"],
+    window: Annotated[int, typer.Option(
+        help="window rule: recent per-row KLs averaged before each update.",
+        envvar=_env("window"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["window"],
+    increase_factor: Annotated[float, typer.Option(
+        help="window rule: multiplier when the mean is above 1.5×target.",
+        envvar=_env("increase_factor"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["increase_factor"],
+    decrease_factor: Annotated[float, typer.Option(
+        help="window rule: multiplier when the mean is below 0.5×target.",
+        envvar=_env("decrease_factor"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["decrease_factor"],
+    horizon: Annotated[int, typer.Option(
+        help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.",
+        envvar=_env("horizon"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["horizon"],
+    column: Annotated[list[str] | None, typer.Option(
+        "--column", metavar="ROLE=NAME", help=COLUMN_HELP + " Default: the mapping the caches were made with.",
+        envvar=_env("column"), rich_help_panel=INPUT_PANEL, show_default=False)] = None,
 ) -> None:
     """Replay cached policy and reference logprobs through the adaptive KL controller.
 
@@ -223,33 +132,17 @@ def score_command(
     from rich.console import Console
 
     # Imported here so `klpipe --help` and `klpipe precompute` do not load the scoring stack.
-    from klpipe import report as report_module
     from klpipe.columns import parse_columns
-    from klpipe.controller import ControllerConfig
-    from klpipe.score import ScoreConfig, score
+    from klpipe.score import report as report_module
+    from klpipe.score import score
 
     config = ScoreConfig(
-        inputs=caches,
-        output=output,
-        report=report,
-        state=state,
-        plot=plot,
-        per_token=per_token,
-        reset_state=reset_state,
-        estimator=estimator,
-        aggregate=aggregate,
-        clamp=clamp,
+        inputs=caches, output=output, report=report, state=state, plot=plot, per_token=per_token,
+        reset_state=reset_state, estimator=estimator, aggregate=aggregate, clamp=clamp,
         controller=ControllerConfig(
-            kl_coeff=kl_coeff,
-            kl_target=kl_target,
-            adaptive=adaptive,
-            kl_coeff_min=kl_coeff_min,
-            kl_coeff_max=kl_coeff_max,
-            window=window,
-            increase_factor=increase_factor,
-            decrease_factor=decrease_factor,
-            controller=controller,
-            horizon=horizon,
+            kl_coeff=kl_coeff, kl_target=kl_target, adaptive=adaptive, kl_coeff_min=kl_coeff_min,
+            kl_coeff_max=kl_coeff_max, window=window, increase_factor=increase_factor,
+            decrease_factor=decrease_factor, controller=controller, horizon=horizon,
         ),
         columns=parse_columns(column),
     )

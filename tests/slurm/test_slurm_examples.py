@@ -31,7 +31,13 @@ from klpipe.score import ScoreConfig, score
 from tests.helpers import ROLLOUTS, TINY_LLAMA
 from tests.slurm.cluster import Cluster
 from tests.test_examples import (
-    CHUNK_ROWS, EXAMPLES, VENV_BIN, concatenated_parts, controller_state, one_torch_thread, without_metadata,
+    CHUNK_ROWS,
+    EXAMPLES,
+    VENV_BIN,
+    concatenated_parts,
+    controller_state,
+    one_torch_thread,
+    without_metadata,
 )
 
 SITE_OPTIONS = ["--cpus-per-task=1", "--mem=1G", "--gres=none"]

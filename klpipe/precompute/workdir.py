@@ -20,8 +20,10 @@ import pyarrow.parquet as pq
 from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError
-from klpipe.files import atomic_output, open_parquet
-from klpipe.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts, TokenizedChunk
+from klpipe.files.atomic import atomic_output
+from klpipe.files.parquet import open_parquet
+from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
+from klpipe.precompute.tokenize import TokenizedChunk
 
 CHUNK_PATTERN = "chunk-{:08d}.parquet"
 

@@ -20,53 +20,26 @@ from pathlib import Path
 from klpipe import __version__, cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
-from klpipe.files import fingerprint, output_beside, refuse_overwriting_inputs
-from klpipe.logprobs import SHARING_MODES, ForwardStats, chunk_logprobs
-from klpipe.progress import PROGRESS_MODES, Progress, peak_memory
-from klpipe.rollouts import CHAT, INPUT_SUFFIXES, ChunkTokenizer, chunk_sizes, iter_chunks, open_rollouts
+from klpipe.files.discover import output_beside, refuse_overwriting_inputs
+from klpipe.files.fingerprint import fingerprint
+from klpipe.precompute.config import PrecomputeConfig
+from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
+from klpipe.precompute.rollouts import (
+    CHAT,
+    INPUT_SUFFIXES,
+    chunk_sizes,
+    iter_chunks,
+    open_rollouts,
+)
+from klpipe.precompute.tokenize import ChunkTokenizer
+from klpipe.precompute.workdir import WorkDir
+from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.threads import prefetch
-from klpipe.workdir import WorkDir
 
 # Default output name beside a single input (see default_output).
 OUTPUT_SUFFIX = ".cached.parquet"
-
-
-@dataclass
-class PrecomputeConfig:
-    """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
-
-    inputs: list[Path]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files
-    model: str  # hub id or local directory
-    output: Path | None = None  # the cache (a directory when sharded); None: default_output(inputs)
-    revision: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
-    temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
-    max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
-    chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
-    prefix_sharing: str = "auto"  # auto | on | off: run a prompt once for the rows that share it (logprobs.py)
-    trust_remote_code: bool = False
-    overwrite: bool = False  # replace an existing output made by a different run
-    progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
-    log_interval: float = 30.0  # seconds between progress log lines
-    shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
-    columns: dict[str, str] = field(default_factory=dict)  # role -> the input's column name (--column)
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise InputError("--temperature must be positive")
-        if self.chunk_rows < 1:
-            raise InputError("--chunk-rows must be at least 1")
-        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
-            raise InputError("--max-tokens-per-batch must be at least 1")
-        if self.prefix_sharing not in SHARING_MODES:
-            raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
-        if self.progress not in PROGRESS_MODES:
-            raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
-                             f"not {self.progress!r}")
-        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
 
 
 @dataclass
@@ -109,7 +82,7 @@ def default_output(inputs: list[Path], shard: Shard | None = None) -> Path:
 
 def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks."""
-    from klpipe import reference  # torch lives behind this import
+    from klpipe import model as reference  # torch lives behind this import
 
     started = time.perf_counter()
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))  # schema and mode checks before anything heavy
@@ -167,7 +140,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
 
 def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows) -> cache.Provenance:
     """How this run's cache is made: what a rerun must match to skip or resume it."""
-    from klpipe import reference
+    from klpipe import model as reference
 
     device, _ = reference.resolve_device(spec.device)
     dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU

@@ -1,7 +1,7 @@
 """Reading rollout rows: parquet streamed with pyarrow, JSON Lines and `save_to_disk` dirs via `datasets`.
 
-The reader hands out fixed-size chunks of consecutive rows (the unit of checkpointing), validates
-them, and turns them into flat token-id arrays. Nothing here imports torch.
+The reader hands out fixed-size chunks of consecutive rows, the unit of checkpointing, with
+bounded memory; tokenize.py turns each into flat token-id arrays. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,19 +17,18 @@ import numpy as np
 import pyarrow as pa
 
 from klpipe import cache
-from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_array, offsets_from_lengths
-from klpipe.chat import ChatError, ChatRenderer, is_messages_type
+from klpipe.arrow import is_list_type
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
-from klpipe.files import (
+from klpipe.files.discover import (
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
     expand_inputs,
     is_datasets_dir,
-    open_parquet,
     schema_difference,
 )
-from klpipe.rows import row_name
+from klpipe.files.parquet import open_parquet
+from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
@@ -68,31 +67,6 @@ class Chunk:
     table: pa.Table
     file_index: np.ndarray  # (rows,) which input file each row came from
     file_row: np.ndarray  # (rows,) the row's index inside that file
-
-
-@dataclass
-class TokenizedChunk:
-    chunk: Chunk
-    table: pa.Table  # input columns, plus prompt_ids/response_ids in text and chat modes
-    prompt_ids: np.ndarray  # flat int64 token ids of all prompts
-    prompt_offsets: np.ndarray  # (rows + 1,)
-    response_ids: np.ndarray
-    response_offsets: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.prompt_offsets) - 1
-
-    def prompt_lengths(self) -> np.ndarray:
-        return np.diff(self.prompt_offsets)
-
-    def response_lengths(self) -> np.ndarray:
-        return np.diff(self.response_offsets)
-
-    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(prompt ids, response ids) of row i."""
-        return (self.prompt_ids[self.prompt_offsets[i]:self.prompt_offsets[i + 1]],
-                self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]])
 
 
 def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> Rollouts:
@@ -294,132 +268,3 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                     break
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None
-
-
-class ChunkTokenizer:
-    """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
-
-    def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None):
-        self.rollouts = rollouts
-        self.names = rollouts.columns.name  # role -> the user's column
-        self.tokenizer = tokenizer  # only used in text and chat modes
-        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE))
-        self.vocab_size = vocab_size
-        self.max_positions = max_positions
-
-    def __call__(self, chunk: Chunk) -> TokenizedChunk:
-        table = chunk.table
-        names = self.names
-        if self.rollouts.mode == TOKEN_IDS:
-            prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS))
-            response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS))
-        else:
-            if self.rollouts.mode == CHAT:
-                prompt_lists, response_lists = self._render_chat(chunk)
-            else:
-                prompt_lists, response_lists = self._tokenize_text(chunk)
-            prompt, prompt_off = _flatten(prompt_lists)
-            response, response_off = _flatten(response_lists)
-            table = self._with_ids(table, prompt, prompt_off, response, response_off)
-        tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off)
-        self._validate(tokenized)
-        return tokenized
-
-    def _tokenize_text(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
-        prompts = self._texts(chunk, self.names(cache.PROMPT))
-        responses = self._texts(chunk, self.names(cache.RESPONSE))
-        for i, text in enumerate(prompts):
-            if not text:
-                self._fail(chunk, i, f"{self.names(cache.PROMPT)} is empty")
-        # The prompt is the exact text the policy saw, so it gets the tokenizer's default special
-        # tokens (BOS for Gemma); the response continues it and must not get a second BOS.
-        prompt_lists = self.tokenizer(prompts)["input_ids"]
-        response_lists = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
-        # Text a chat template rendered may already start with BOS (Gemma's writes `<bos>`): the
-        # one the tokenizer adds in front of it is a token no policy was given.
-        bos, bos_id = self.tokenizer.bos_token, self.tokenizer.bos_token_id
-        if bos and bos_id is not None:
-            prompt_lists = [ids[1:] if ids[:2] == [bos_id, bos_id] and text.startswith(bos) else ids
-                            for text, ids in zip(prompts, prompt_lists, strict=True)]
-        return prompt_lists, response_lists
-
-    def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
-        try:
-            return self.chat.render(chunk.table.column(self.names(cache.PROMPT)).to_pylist(),
-                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist())
-        except ChatError as exc:
-            self._fail(chunk, exc.row, str(exc))
-
-    def _flat_ids(self, chunk: Chunk, column: str) -> tuple[np.ndarray, np.ndarray]:
-        array = chunk.table.column(column).combine_chunks()
-        row = first_null(array)
-        if row is not None:
-            self._fail(chunk, row, f"{column} is null")
-        row = first_null_in_lists(array)  # as ints a null would read as -2**63, "outside the vocabulary"
-        if row is not None:
-            self._fail(chunk, row, f"{column} holds a null")
-        # `flatten()` honours slicing; `.values` would not.
-        flat = np.asarray(array.flatten(), dtype=np.int64)
-        offsets = np.asarray(array.offsets, dtype=np.int64)
-        offsets = offsets - offsets[0]
-        return flat, offsets
-
-    def _texts(self, chunk: Chunk, column: str) -> list[str]:
-        array = chunk.table.column(column)
-        row = first_null(array)
-        if row is not None:
-            self._fail(chunk, row, f"{column} is null")
-        return array.to_pylist()
-
-    def _with_ids(self, table, prompt, prompt_off, response, response_off) -> pa.Table:
-        for name, flat, offsets in (
-            (self.names(cache.PROMPT_IDS), prompt, prompt_off),
-            (self.names(cache.RESPONSE_IDS), response, response_off),
-        ):
-            column = list_array(offsets, flat.astype(np.int32))  # TOKEN_ID_TYPE
-            if name in table.column_names:  # text mode wins only when ids were incomplete
-                table = table.set_column(table.column_names.index(name), name, column)
-            else:
-                table = table.append_column(name, column)
-        return table
-
-    def _validate(self, t: TokenizedChunk) -> None:
-        chunk = t.chunk
-        prompt_len = t.prompt_lengths()
-        empty = np.flatnonzero(prompt_len == 0)
-        if len(empty):
-            self._fail(chunk, int(empty[0]),
-                       f"{self.names(cache.PROMPT_IDS)} is empty (a response needs at least one prompt token)")
-        for column, flat, offsets in (
-            (self.names(cache.PROMPT_IDS), t.prompt_ids, t.prompt_offsets),
-            (self.names(cache.RESPONSE_IDS), t.response_ids, t.response_offsets),
-        ):
-            bad = np.flatnonzero((flat < 0) | (flat >= self.vocab_size))
-            if len(bad):
-                row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
-                self._fail(
-                    chunk, row,
-                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary (0..{self.vocab_size - 1})",
-                )
-        if self.max_positions:
-            total = prompt_len + t.response_lengths()
-            too_long = np.flatnonzero(total > self.max_positions)
-            if len(too_long):
-                row = int(too_long[0])
-                self._fail(
-                    chunk, row,
-                    f"{int(total[row])} tokens (prompt + response) exceed the model's context of {self.max_positions}",
-                )
-
-    def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
-        # A chunk may span input files: each row knows its own file and its index there.
-        path = self.rollouts.files[int(chunk.file_index[row])].path
-        id_column = self.names(cache.ID)
-        row_id = chunk.table.column(id_column)[row].as_py() if id_column in chunk.table.column_names else None
-        raise InputError(f"{row_name(path, int(chunk.file_row[row]), row_id)}: {problem}")
-
-
-def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = offsets_from_lengths([len(x) for x in lists])
-    flat = np.fromiter((tok for x in lists for tok in x), dtype=np.int64, count=int(offsets[-1]))
-    return flat, offsets

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from klpipe.batching import group_by_prompt, padding_efficiency, plan_batches, plan_shared
-
-# auto: the prefill path where it saves work (repeated prompts; every row where the prefill skips
-# layers); on: every row through it; off: every row on its own (the per-row path).
-SHARING_MODES = ("auto", "on", "off")
+from klpipe.precompute.batching import (
+    group_by_prompt,
+    padding_efficiency,
+    plan_batches,
+    plan_shared,
+)
 
 
 @dataclass

@@ -16,24 +16,38 @@ from __future__ import annotations
 import json
 import time
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from klpipe import __version__, report
-from klpipe.arrow import from_numpy, list_array, numpy_view
+from klpipe import __version__
+from klpipe.arrow import from_numpy, list_array
 from klpipe.cache import STEP
 from klpipe.columns import ColumnMap, for_caches
-from klpipe.controller import ControllerConfig, KLController
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files import PARQUET_SUFFIXES, atomic_output, output_beside, refuse_overwriting_inputs, write_json_atomic
-from klpipe.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator, row_kl
+from klpipe.files.atomic import atomic_output, write_json_atomic
+from klpipe.files.discover import (
+    PARQUET_SUFFIXES,
+    output_beside,
+    refuse_overwriting_inputs,
+)
+from klpipe.files.parquet import RowGroups
 from klpipe.rows import RowLocator
-from klpipe.score_input import check_batch, check_finite, expand_cache_inputs, open_caches, read_batches
+from klpipe.score import report
+from klpipe.score.config import ScoreConfig
+from klpipe.score.controller import KLController
+from klpipe.score.input import (
+    check_batch,
+    check_finite,
+    expand_cache_inputs,
+    open_caches,
+    read_batches,
+)
+from klpipe.score.kl import row_kl
+from klpipe.score.steps import ControllerSteps
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.
@@ -52,39 +66,6 @@ OUTPUT_SUFFIX = ".scored.parquet"
 
 # Extreme-row warnings name at most this many rows; the report counts them all.
 EXTREME_ROWS_NAMED = 10
-
-
-@dataclass
-class ScoreConfig:
-    """One scoring run: inputs, outputs, the KL estimate and the controller."""
-
-    inputs: list[Path]  # cache files or directories of them, scored in the order given
-    output: Path | None = None  # None: <first input's stem>.scored.parquet beside the first input
-    report: Path | None = None  # report JSON, written atomically
-    state: Path | None = None  # controller state JSON: loaded when it exists, saved at the end
-    plot: Path | None = None  # three-panel PNG (needs matplotlib)
-    per_token: bool = False  # also write each row's per-token KL list
-    reset_state: bool = False  # ignore an existing state file and start from this config
-    estimator: Estimator = "k1"  # per-token estimator: k1 | abs | k2 | k3
-    aggregate: Aggregate = "mean"  # per-row aggregate over response tokens: mean | sum
-    clamp: bool = True  # clamp the per-row k1 at 0, as the seed does (other estimators are never negative)
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    columns: dict[str, str] = field(default_factory=dict)  # role -> column (--column); overrides the caches' own
-    extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
-    batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
-    batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
-    row_group_bytes: int = 32 << 20  # output row groups of about this size: big ones write faster and read better
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise InputError(f"unknown estimator {self.estimator!r}; choose one of {', '.join(ESTIMATORS)}")
-        if self.aggregate not in AGGREGATES:
-            raise InputError(f"unknown aggregate {self.aggregate!r}; choose one of {', '.join(AGGREGATES)}")
-        if self.batch_tokens < 1:
-            raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
-        if self.batch_bytes < 1:
-            raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
-        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
 
 
 @dataclass
@@ -135,7 +116,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         warnings.append(f"the input already has scored columns ({', '.join(replaced)}); they are replaced")
     out_schema = _output_schema(schema, config, replaced)
 
-    batches = _ControllerBatches(
+    batches = ControllerSteps(
         controller,
         has_steps=names.name(STEP) in schema.names,
         previous_last_step=(previous_run or {}).get("last_step"),
@@ -146,7 +127,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         # Three stages overlap: a thread decodes the next record batch, this thread scores, and
         # another thread encodes the previous row group (parquet and numpy release the GIL).
         with pq.ParquetWriter(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
-            row_groups = _RowGroups(write, config.row_group_bytes)
+            row_groups = RowGroups(write, config.row_group_bytes)
             batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
             with closing(prefetch(batch_stream)) as stream:
                 for batch, rows in stream:
@@ -209,32 +190,6 @@ def _settings(config: ScoreConfig) -> dict:
     }
 
 
-class _RowGroups:
-    """Gathers scored batches into row groups of about `target_bytes` and hands each to `write`.
-
-    pyarrow makes every write call its own row group, and small row groups cost writing time
-    (each column chunk starts a fresh dictionary) and reading time. Whole row groups also let the
-    writer thread encode one while this thread fills the next.
-    """
-
-    def __init__(self, write, target_bytes: int):
-        self.write = write
-        self.target_bytes = target_bytes
-        self.pending: list[pa.RecordBatch] = []
-        self.pending_bytes = 0
-
-    def add(self, batch: pa.RecordBatch) -> None:
-        self.pending.append(batch)
-        self.pending_bytes += batch.nbytes
-        if self.pending_bytes >= self.target_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.write(pa.Table.from_batches(self.pending))
-        self.pending, self.pending_bytes = [], 0
-
-
 # -- state ------------------------------------------------------------------------------------------
 
 
@@ -261,99 +216,11 @@ def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLContro
 # -- the stream -------------------------------------------------------------------------------------
 
 
-@dataclass
-class _OpenStep:
-    """The controller batch being read: its rows so far, all penalised with `kl_coeff`."""
-
-    label: object
-    kl_coeff: float
-    kls: list[np.ndarray] = field(default_factory=list)
-    rewards: list[np.ndarray] = field(default_factory=list)
-    negative_k1: int = 0
-
-
-class _ControllerBatches:
-    """Cuts the row stream into controller batches and hands each row its coefficient."""
-
-    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str]):
-        self.controller = controller
-        self.has_steps = has_steps
-        self.previous_last_step = previous_last_step
-        self.warnings = warnings
-        self.kl_coeff_before = controller.kl_coeff  # at the start of the run
-        self.open: _OpenStep | None = None
-        self.steps: list[dict] = []  # report entries, one per step
-        self.step_kl_means: list[float] = []  # unrounded, for the plot
-        self.batch_count = 0
-        self.last_label = None
-        self.per_row_coeffs: list[np.ndarray] = []  # without steps: the plot's coefficient trajectory
-
-    def coefficients(
-        self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray
-    ) -> np.ndarray:
-        """The coefficient for each row of a record batch, closing the steps that end in it."""
-        if not self.has_steps:
-            return self._per_row(kl)
-        n = len(kl)
-        coeffs = np.empty(n)
-        if n == 0:
-            return coeffs
-        changes = pc.indices_nonzero(pc.not_equal(steps.slice(1), steps.slice(0, n - 1)))
-        starts = np.concatenate(([0], numpy_view(changes).astype(np.int64) + 1))
-        ends = np.append(starts[1:], n)
-        labels = steps.take(from_numpy(starts)).to_pylist()
-        for start, end, label in zip(starts.tolist(), ends.tolist(), labels, strict=True):
-            if self.open is None or label != self.open.label:
-                self._close()
-                self._open(label)
-            step = self.open
-            step.kls.append(kl[start:end])
-            step.rewards.append(reward[start:end])
-            step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
-            coeffs[start:end] = step.kl_coeff
-        return coeffs
-
-    def _per_row(self, kl: np.ndarray) -> np.ndarray:
-        # Each row is its own batch: the coefficient can change after every row, so this is a
-        # loop, but one of scalar updates; the KL math stays vectorised.
-        coeffs = np.empty(len(kl))
-        controller = self.controller
-        for i, value in enumerate(kl.tolist()):
-            coeffs[i] = controller.kl_coeff
-            controller.observe_batch((value,))
-        self.batch_count += len(kl)
-        self.per_row_coeffs.append(coeffs)
-        return coeffs
-
-    def _open(self, label) -> None:
-        if not self.batch_count and self.previous_last_step is not None and label == self.previous_last_step:
-            self.warnings.append(
-                f"step {label!r} continues from the previous run recorded in the state file; it is scored "
-                "as a new controller batch, so its coefficients differ from scoring both runs together"
-            )
-        self.open = _OpenStep(label=label, kl_coeff=self.controller.kl_coeff)
-        self.batch_count += 1
-        self.last_label = label
-
-    def _close(self) -> None:
-        step, self.open = self.open, None
-        if step is None:
-            return
-        kls = np.concatenate(step.kls)
-        self.controller.observe_batch(kls.tolist())
-        self.step_kl_means.append(float(np.mean(kls)))
-        rewards = np.concatenate(step.rewards)
-        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, self.controller))
-
-    def finish(self) -> None:
-        self._close()
-
-
 def _score_batch(
     batch: pa.RecordBatch,
     rows: RowLocator,
     config: ScoreConfig,
-    batches: _ControllerBatches,
+    batches: ControllerSteps,
     totals: report.RunTotals,
     replaced: list[str],
     names: ColumnMap,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from klpipe.controller import KLController, KLStats
 from klpipe.errors import OutputError
-from klpipe.files import atomic_output
+from klpipe.files.atomic import atomic_output
+from klpipe.score.controller import KLController, KLStats
 
 PERCENTILES = (50, 90, 99)
 HISTOGRAM_BINS = 50

@@ -17,13 +17,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from klpipe.arrow import first_null, first_null_in_lists, is_list_type, list_values, numpy_view
-from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP, check_compatible, read_provenance
+from klpipe.arrow import (
+    first_null,
+    first_null_in_lists,
+    is_list_type,
+    list_values,
+    numpy_view,
+)
+from klpipe.cache import (
+    ID,
+    POLICY_LOGPROBS,
+    REF_LOGPROBS,
+    REWARD,
+    STEP,
+    check_compatible,
+    read_provenance,
+)
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
-from klpipe.files import PARQUET_SUFFIXES, expand_inputs, open_parquet, schema_difference
-from klpipe.kl import RowKL
+from klpipe.files.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
+from klpipe.files.parquet import open_parquet
 from klpipe.rows import RowLocator
+from klpipe.score.kl import RowKL
 from klpipe.sharding import is_shard_directory, shard_parts
 
 

@@ -1,0 +1,32 @@
+"""The reference model: the only package that imports torch and transformers.
+
+loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
+head.py       the LM head on selected hidden states, in blocks, fp32 logsumexp
+reference.py  ReferenceModel: rows in, response-token logprobs out
+shared.py     rows that share a prompt continue its KV cache
+probes.py     load-time checks of the fast paths against the model's own forward
+"""
+
+from klpipe.model.loading import (
+    ModelSpec,
+    load_config,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    tokenizer_fingerprint,
+    vocab_and_context,
+    weights_fingerprint,
+)
+from klpipe.model.reference import ReferenceModel
+
+__all__ = [
+    "ModelSpec",
+    "ReferenceModel",
+    "load_config",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "tokenizer_fingerprint",
+    "vocab_and_context",
+    "weights_fingerprint",
+]

@@ -1,0 +1,215 @@
+"""Loading the reference model safely: the device and dtype, the config, tokenizer and weights, their fingerprints.
+
+Safetensors only, no `trust_remote_code` unless asked, a local path never sent to the hub, and a
+checkpoint whose weights do not fit its class refused rather than filled with random values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from klpipe.errors import InputError, ModelError, first_line
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    name: str  # hub id or local directory
+    revision: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    trust_remote_code: bool = False
+
+
+def is_local(name: str) -> bool:
+    """A name that can only be a filesystem path: never sent to the hub."""
+    return (
+        os.path.exists(name)
+        or name.startswith((".", "/", "~"))
+        or os.sep in name.strip("/").replace("/", "", 1)  # hub ids have exactly one slash
+        or "\\" in name
+    )
+
+
+def resolve_device(device: str) -> tuple[str, str | dict | None]:
+    """(device for inputs, device_map for from_pretrained)."""
+    device = local_device(device)
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return "cpu", None
+        if torch.cuda.device_count() > 1:
+            # Several GPUs and one process: spread the model (for models larger than one GPU).
+            if importlib.util.find_spec("accelerate") is None:
+                raise ModelError("--device auto over several GPUs needs the accelerate package (pip install accelerate)")
+            return "cuda:0", "auto"
+        return "cuda:0", None
+    if device == "cpu":
+        return "cpu", None
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ModelError(f"--device {device} asked for, but torch sees no CUDA device")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ModelError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return f"cuda:{index}", None
+    raise ModelError(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
+
+
+def local_device(device: str, env: dict | None = None) -> str:
+    """Under torchrun each rank takes its own GPU: `auto` becomes cuda:LOCAL_RANK."""
+    env = os.environ if env is None else env
+    if device == "auto" and "LOCAL_RANK" in env and torch.cuda.is_available():
+        raw = env["LOCAL_RANK"]
+        try:
+            return f"cuda:{int(raw)}"
+        except ValueError:
+            raise InputError(f"environment variable LOCAL_RANK={raw!r} is not an integer") from None
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ModelError(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
+    if dtype == "float16" and device == "cpu":
+        # CPU float16 matmuls fall back to scalar code: orders of magnitude slower than bfloat16.
+        raise ModelError("--dtype float16 on CPU is extremely slow; use bfloat16 or float32")
+    return DTYPES[dtype]
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec.name, **_source_kwargs(spec))
+    except (OSError, ValueError) as exc:
+        raise _load_error(spec, "the tokenizer", exc) from None
+
+
+def load_config(spec: ModelSpec):
+    """The model config alone: cheap, so inputs are validated before gigabytes of weights load."""
+    from transformers import AutoConfig
+
+    _check_exists(spec)
+    try:
+        return AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
+    except (OSError, ValueError) as exc:
+        raise _load_error(spec, "the model config", exc) from None
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def vocab_and_context(config) -> tuple[int, int | None]:
+    text = text_config(config)
+    return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
+
+
+def tokenizer_fingerprint(tokenizer, chat_template: bool = False) -> str:
+    """sha256 over everything that decides token ids: vocabulary, merges, normalisation, special tokens,
+    and, with `chat_template` (conversational rollouts, which it renders), the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        payload = backend.to_str()
+    else:
+        payload = json.dumps(sorted(tokenizer.get_vocab().items()))
+    payload += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    if chat_template:
+        payload += json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def weights_fingerprint(spec: ModelSpec, config) -> str | None:
+    """The commit hash for hub models; for a local directory, a hash of its config and weight headers."""
+    commit = getattr(config, "_commit_hash", None)
+    if not is_local(spec.name):
+        return commit or spec.revision
+    root = Path(spec.name).expanduser()
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        digest.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as fh:
+            # A safetensors file starts with its header (names, shapes, offsets); 1 MiB also
+            # covers the first tensors' bytes, enough to tell retrained weights apart.
+            digest.update(fh.read(1 << 20))
+    return "local:" + digest.hexdigest()[:16]
+
+
+def load_model(spec: ModelSpec):
+    """(model, input device, dtype): the causal LM of `spec` in eval mode, gradients off, on its device."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # Our own progress and summary lines are the log; transformers' bars would garble cron logs,
+    # and its load report would repeat, in twenty lines, the one-line error we raise below.
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+    device, device_map = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    _check_exists(spec)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            spec.name,
+            dtype=dtype,
+            device_map=device_map,
+            use_safetensors=True,  # never unpickle .bin weights
+            output_loading_info=True,
+            **_source_kwargs(spec),
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise _load_error(spec, "the model", exc) from None
+    _check_loading_info(spec.name, type(model).__name__, info)
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, device, dtype
+
+
+def _check_exists(spec: ModelSpec) -> None:
+    if is_local(spec.name) and not Path(spec.name).expanduser().is_dir():
+        raise ModelError(f"{spec.name}: model directory does not exist")
+
+
+def _source_kwargs(spec: ModelSpec) -> dict:
+    kwargs = {"trust_remote_code": spec.trust_remote_code}
+    if is_local(spec.name):
+        kwargs["local_files_only"] = True  # a local path never touches the network
+    elif spec.revision:
+        kwargs["revision"] = spec.revision
+    return kwargs
+
+
+def _check_loading_info(name: str, cls: str, info: dict) -> None:
+    """Refuse weights that do not fit the class: transformers would fill the gaps with random values."""
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(kind) or [])
+        if keys:
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            label = kind.replace("_", " ")
+            raise ModelError(
+                f"{name}: {len(keys)} {label} loading it as {cls} ({shown}); "
+                "the checkpoint does not match the model class, refusing to run with random weights"
+            )
+
+
+def _load_error(spec: ModelSpec, what: str, exc: BaseException) -> ModelError:
+    text = str(exc)
+    if "trust_remote_code" in text or "custom code" in text:
+        return ModelError(f"{spec.name}: the checkpoint ships its own model code; "
+                          "klpipe runs it only with --trust-remote-code")
+    return ModelError(f"{spec.name}: cannot load {what} ({first_line(exc)})")

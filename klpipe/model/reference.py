@@ -1,0 +1,99 @@
+"""The frozen reference model: log p(response token | prefix) for batches of rows, never full-vocab logits.
+
+The model body runs once per batch, the hidden states at response positions are gathered, and
+the model's own LM head (head.py) is applied to them in blocks. Rows run whole here, one per
+batch row (`score_batch`), or continue shared prompts from a KV cache (`score_shared`, shared.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from klpipe.model import loading, probes, shared
+from klpipe.model.head import LMHead
+from klpipe.model.loading import ModelSpec
+
+
+class ReferenceModel:
+    """A frozen causal LM that returns log p(response token | prefix) for batches of rows."""
+
+    def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.body = model.base_model  # everything up to (and including) the final norm
+        config = loading.text_config(model.config)
+        self.head = LMHead(model, config, device, logits_budget)
+        self.vocab_size = self.head.vocab_size
+        # The load-time probes compare two computations of the same logprobs; bf16 rounding alone
+        # moves them by a few hundredths, a wrong computation by nats.
+        self.probe_tolerance = 1e-3 if dtype == torch.float32 else 0.25
+        parameters = inspect.signature(self.body.forward).parameters
+        # transformers 5 renamed past_key_values to cache (the old name warns, then goes).
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self.accepts_logits_to_keep = "logits_to_keep" in parameters
+        # Gemma 4's KV-shared layers read the keys and values of earlier layers and write none, so a
+        # prefill that keeps only the last position runs them on that position alone: for E2B, 20 of
+        # 35 layers and ~69% of the body's FLOPs skipped for every prompt token but the last.
+        self.prefill_skips_layers = (self.accepts_logits_to_keep
+                                     and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> ReferenceModel:
+        """Load `spec` safely (loading.py) and check the chunked head against the model's own logits."""
+        model, device, dtype = loading.load_model(spec)
+        reference = cls(model, device, dtype)
+        reference.check_head()
+        return reference
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def check_head(self) -> None:
+        probes.check_head(self)
+
+    def check_prefix_sharing(self) -> str | None:
+        return probes.check_prefix_sharing(self)
+
+    @torch.inference_mode()
+    def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0) -> list[np.ndarray]:
+        """log p(response[i] | prompt + response[:i]) for each (prompt_ids, response_ids) row, as float32."""
+        # The last response token is only ever a target, never context: feed one token less.
+        inputs = [np.concatenate([p, r])[:-1] if len(r) else p[:0] for p, r in rows]
+        lengths = [len(x) for x in inputs]
+        longest = max(lengths, default=0)
+        if longest == 0:
+            return [np.zeros(0, dtype=np.float32) for _ in rows]
+        # Right padding: with causal attention no real token can see a pad, so no attention mask
+        # is needed and position ids stay 0..n-1, exactly as in an unpadded single-row pass.
+        batch = np.zeros((len(rows), longest), dtype=np.int64)
+        for i, ids in enumerate(inputs):
+            batch[i, : len(ids)] = ids
+        input_ids = torch.from_numpy(batch).to(self.input_device)
+        hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
+
+        # Position prompt_len - 1 + i predicts response token i.
+        return self.targets_logprobs(hidden, [len(p) - 1 for p, _ in rows], [r for _, r in rows], temperature)
+
+    @torch.inference_mode()
+    def score_shared(self, prompts: list[np.ndarray], responses: list[np.ndarray], prompt_of: np.ndarray,
+                     passes: list[np.ndarray], temperature: float = 1.0) -> list[np.ndarray]:
+        """log p(response tokens) for rows that continue shared prompts, each prompt run once (shared.py)."""
+        return shared.score_shared(self, prompts, responses, prompt_of, passes, temperature)
+
+    def targets_logprobs(self, hidden: torch.Tensor, starts: list[int], targets: list[np.ndarray],
+                         temperature: float) -> list[np.ndarray]:
+        """Row k's logprobs of targets[k], predicted by hidden[k, starts[k] : starts[k] + len(targets[k])].
+
+        Only those positions reach the LM head, all rows' at once: (tokens, H), never (B, T, V).
+        """
+        row_index = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(targets)])
+        position = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, targets)])
+        selected = hidden[torch.from_numpy(row_index).to(hidden.device), torch.from_numpy(position).to(hidden.device)]
+        flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))
+        logprobs = self.head.logprobs(selected, flat, temperature).numpy()
+        return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])

@@ -1,0 +1,25 @@
+"""Stage 1, `klpipe precompute`: rollouts in, a cache of reference logprobs out, resumable chunk by chunk.
+
+rollouts.py   read rollouts in fixed-size chunks (parquet, JSON Lines, save_to_disk)
+chat.py       TRL conversational rows rendered with the chat template
+tokenize.py   a chunk into flat token ids, every row checked against the model
+batching.py   token-budget batches and shared-prompt groups (pure index arithmetic)
+logprobs.py   a chunk's rows through the reference model (klpipe.model)
+workdir.py    the work directory: run.json, the lock, chunk checkpoints, the merge
+run.py        the stage: chunks → logprobs → checkpoints → the cache, with resume
+
+No module here imports torch; klpipe.model is imported when the model is loaded.
+"""
+
+# The stage's entry points, importable as `from klpipe.precompute import ...`. Loaded on first use, so that
+# importing one module of the package (the CLI reads defaults from its config) stays light.
+__all__ = ["OUTPUT_SUFFIX", "PrecomputeConfig", "PrecomputeSummary", "default_max_tokens", "default_output",
+           "precompute"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from klpipe.precompute import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

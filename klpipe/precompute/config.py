@@ -1,0 +1,58 @@
+"""What one precompute run is asked to do: the rollouts, the reference model, batching, where the cache goes.
+
+The command line reads its defaults from here, so they are written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from klpipe.errors import InputError
+from klpipe.progress import PROGRESS_MODES
+
+if TYPE_CHECKING:
+    from klpipe.sharding import Shard
+
+# auto: the prefill path where it saves work (repeated prompts; every row where the prefill skips
+# layers); on: every row through it; off: every row on its own (the per-row path).
+SHARING_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class PrecomputeConfig:
+    """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
+
+    inputs: list[Path]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files
+    model: str  # hub id or local directory
+    output: Path | None = None  # the cache (a directory when sharded); None: default_output(inputs)
+    revision: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
+    max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
+    chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
+    prefix_sharing: str = "auto"  # auto | on | off: run a prompt once for the rows that share it (SHARING_MODES)
+    trust_remote_code: bool = False
+    overwrite: bool = False  # replace an existing output made by a different run
+    progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
+    log_interval: float = 30.0  # seconds between progress log lines
+    shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
+    columns: dict[str, str] = field(default_factory=dict)  # role -> the input's column name (--column)
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise InputError("--temperature must be positive")
+        if self.chunk_rows < 1:
+            raise InputError("--chunk-rows must be at least 1")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
+            raise InputError("--max-tokens-per-batch must be at least 1")
+        if self.prefix_sharing not in SHARING_MODES:
+            raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
+        if self.progress not in PROGRESS_MODES:
+            raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
+                             f"not {self.progress!r}")
+        from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
+
+        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column

@@ -1,0 +1,22 @@
+"""Stage 2, `klpipe score`: cached logprobs through the KL controller into penalised rewards. No torch.
+
+input.py       open caches, read them in record batches, check every row
+kl.py          per-token KL estimators and per-row aggregates (numpy)
+controller.py  the KL controllers: window (the seed's rule), proportional, fixed
+steps.py       controller batches: the coefficient each row gets, one update per step
+report.py      the report JSON, the per-step table, warnings, the plot
+run.py         the stage: stream caches through the controller, write outputs and state
+"""
+
+# The stage's entry points, importable as `from klpipe.score import ...`. Loaded on first use, so that
+# importing one module of the package (the CLI reads defaults from its config) stays light.
+__all__ = ["ADJUSTED_REWARD", "KL", "KL_COEFF", "KL_PENALTY", "KL_PER_TOKEN", "OUTPUT_SUFFIX",
+           "SCORED_COLUMNS", "SCORE_METADATA_KEY", "ScoreConfig", "ScoreResult", "default_output", "score"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from klpipe.score import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

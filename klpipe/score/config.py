@@ -1,0 +1,49 @@
+"""What one scoring run is asked to do: inputs, outputs, the KL estimate and the controller.
+
+The command line reads its defaults and choices from here (and from ControllerConfig), so they are
+written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from klpipe.errors import InputError
+from klpipe.score.controller import ControllerConfig
+from klpipe.score.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator
+
+
+@dataclass
+class ScoreConfig:
+    """One scoring run: inputs, outputs, the KL estimate and the controller."""
+
+    inputs: list[Path]  # cache files or directories of them, scored in the order given
+    output: Path | None = None  # None: <first input's stem>.scored.parquet beside the first input
+    report: Path | None = None  # report JSON, written atomically
+    state: Path | None = None  # controller state JSON: loaded when it exists, saved at the end
+    plot: Path | None = None  # three-panel PNG (needs matplotlib)
+    per_token: bool = False  # also write each row's per-token KL list
+    reset_state: bool = False  # ignore an existing state file and start from this config
+    estimator: Estimator = "k1"  # per-token estimator: k1 | abs | k2 | k3
+    aggregate: Aggregate = "mean"  # per-row aggregate over response tokens: mean | sum
+    clamp: bool = True  # clamp the per-row k1 at 0, as the seed does (other estimators are never negative)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    columns: dict[str, str] = field(default_factory=dict)  # role -> column (--column); overrides the caches' own
+    extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
+    batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
+    batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
+    row_group_bytes: int = 32 << 20  # output row groups of about this size: big ones write faster and read better
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise InputError(f"unknown estimator {self.estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+        if self.aggregate not in AGGREGATES:
+            raise InputError(f"unknown aggregate {self.aggregate!r}; choose one of {', '.join(AGGREGATES)}")
+        if self.batch_tokens < 1:
+            raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
+        if self.batch_bytes < 1:
+            raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
+        from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
+
+        ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
