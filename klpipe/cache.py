@@ -36,24 +36,52 @@ METADATA_KEY = b"klpipe"
 
 @dataclass
 class Provenance:
-    """How a cache was made. Caches scored together must agree on `identity()`."""
+    """How a cache was made: the model, every setting that moves its numbers, and the inputs.
+
+    Caches scored together must agree on `IDENTITY_FIELDS`, which decide what the numbers mean. A
+    rerun skips or resumes a run only when every field agrees, since the settings also decide
+    which rows share a batch and the kernels used, and with them the last bits of the values.
+    """
 
     model: str  # hub id or local path, as given
-    revision: str | None  # commit hash when known, else the requested revision
+    revision: str | None  # hub commit hash; for a local directory `local:` + a hash of every weight byte
     tokenizer: str  # sha256 of the tokenizer's serialised vocabulary and settings
     dtype: str
     temperature: float
     klpipe_version: str
     inputs: list[dict] = field(default_factory=list)  # [{name, size, sha256}] per input file
-    shard: dict | None = None  # {"index": i, "count": n} for sharded runs
+    shard: dict | None = None  # {"index": i, "count": n, "rows": [start, stop]} for sharded runs
     columns: dict = field(default_factory=dict)  # {role: column} from --column (klpipe/columns.py)
+    device: str | None = None  # "cpu" or "cuda": kernels differ in their last bits
+    prefix_sharing: str | None = None  # the --prefix-sharing mode asked for
+    max_tokens_per_batch: int | None = None  # the token budget in force: it decides which rows share a pass
+    chunk_rows: int | None = None  # rows per chunk: the window in which rows are batched and shared
+    versions: dict = field(default_factory=dict)  # {"torch": ..., "transformers": ...}
 
-    # The fields that change the numbers in ref_logprobs (the column mapping decides which ids
-    # are scored); the rest is bookkeeping.
+    # The fields that decide what the numbers in ref_logprobs are (the column mapping decides which
+    # ids are scored). The others change them at most in float rounding.
     IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature", "columns")
 
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in self.IDENTITY_FIELDS}
+
+    def differences(self, other: Provenance, names: tuple[str, ...] | None = None) -> list[str]:
+        """Each field (of `names`, default all) where `other` differs from this one, said for a person."""
+        found = []
+        for name in names or tuple(f for f in self.__dataclass_fields__):
+            before, after = getattr(self, name), getattr(other, name)
+            if before == after:
+                continue
+            if name == "inputs":
+                changed = _changed_inputs(before, after)
+                found.append(f"input files changed ({changed})")
+            elif name == "revision" and str(after).startswith("local:"):
+                found.append(f"the weights of {other.model} changed ({before} → {after})")
+            elif name == "tokenizer":
+                found.append("the tokenizer changed")
+            else:
+                found.append(f"{name} {before!r} → {after!r}")
+        return found
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -63,6 +91,13 @@ class Provenance:
         data = json.loads(raw)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def _changed_inputs(before: list[dict], after: list[dict]) -> str:
+    old = {f.get("name"): f for f in before or []}
+    new = {f.get("name"): f for f in after or []}
+    names = [n for n in new if old.get(n) != new[n]] + [n for n in old if n not in new]
+    return ", ".join(str(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def schema_with_provenance(schema: pa.Schema, provenance: Provenance) -> pa.Schema:

@@ -1,6 +1,7 @@
 """File plumbing: atomic outputs, input discovery, fingerprints."""
 
 import fcntl
+import hashlib
 import os
 import stat
 
@@ -74,25 +75,51 @@ def test_fingerprint_sees_changes_in_small_files_anywhere(tmp_path):
     assert before["size"] == 1000 and before["name"] == "f.bin"
 
 
-def test_fingerprint_of_large_files_covers_size_head_and_tail(tmp_path, monkeypatch):
-    monkeypatch.setattr(fingerprint, "FULL_HASH_LIMIT", 100)
-    monkeypatch.setattr(fingerprint, "SAMPLE_BYTES", 10)
+def test_fingerprint_reads_every_byte_of_a_large_file(tmp_path):
+    # The middle of a 65 MiB file: the old policy hashed only the first and last 4 MiB past 64 MiB,
+    # so an in-place edit there (same size, modification time put back) went unseen.
     path = tmp_path / "big.bin"
+    size = 65 << 20
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    before = fingerprint.fingerprint(path)
+    stat = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(b"\x01")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = fingerprint.fingerprint(path)
+    assert after["size"] == before["size"] and after["sha256"] != before["sha256"]
 
-    def write(data: bytearray):
-        path.write_bytes(bytes(data))
-        return fingerprint.fingerprint(path)["sha256"]
 
-    base = bytearray(1000)
-    original = write(base)
-    for position in (0, 995):  # head and tail (where a parquet footer lives)
-        changed = bytearray(base)
-        changed[position] = 1
-        assert write(changed) != original
-    assert write(bytearray(1001)) != original  # size
-    middle = bytearray(base)
-    middle[500] = 1
-    assert write(middle) == original  # the documented trade-off: the middle of a big file is not read
+def test_a_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KLPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 100)
+    first = fingerprint.file_digest(path)
+    assert first == "sha256:" + hashlib.sha256(b"a" * 100).hexdigest()
+
+    def must_not_read(_path):
+        raise AssertionError("an unchanged file was read again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(fingerprint, "_hash_file", must_not_read)
+        assert fingerprint.file_digest(path) == first  # remembered: no gigabytes read twice
+    stat = path.stat()
+    path.write_bytes(b"b" * 100)  # rewritten in place, same size, modification time put back
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint.file_digest(path) == "sha256:" + hashlib.sha256(b"b" * 100).hexdigest()
+
+
+def test_a_hugging_face_cache_file_costs_nothing(tmp_path, monkeypatch):
+    # The hub cache names each blob by the sha256 of its content, and snapshot files link to blobs.
+    blob_name = hashlib.sha256(b"the weights").hexdigest()
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / blob_name).write_bytes(b"the weights")
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "model.safetensors").symlink_to(tmp_path / "blobs" / blob_name)
+    monkeypatch.setattr(fingerprint, "_hash_file", lambda _path: pytest.fail("a content-addressed blob was read"))
+    assert fingerprint.file_digest(tmp_path / "snapshot" / "model.safetensors") == f"sha256:{blob_name}"
 
 
 def test_fingerprint_of_a_directory_includes_every_file(tmp_path):

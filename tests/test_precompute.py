@@ -1,6 +1,7 @@
 """Stage 1 end to end through the library: real tiny models, real parquet files on disk."""
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -189,7 +190,8 @@ def test_rerun_of_finished_output_is_a_noop_and_different_run_refuses(tmp_path):
     stamp = first.output.stat().st_mtime_ns
     again = run(tmp_path)
     assert again.skipped and first.output.stat().st_mtime_ns == stamp
-    with pytest.raises(OutputError, match="exists and was made by a different run; pass --overwrite"):
+    different = r"exists and was made by a different run \(temperature 1.0 → 2.0\); pass --overwrite"
+    with pytest.raises(OutputError, match=different):
         run(tmp_path, temperature=2.0)
     replaced = run(tmp_path, temperature=2.0, overwrite=True)
     assert not replaced.skipped and cache.read_provenance(replaced.output).temperature == 2.0
@@ -222,6 +224,56 @@ def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypat
     assert resumed.rows == full.num_rows - 16  # only the unfinished rows were scored again
     assert pq.read_table(resumed.output).equals(full)
     assert not work.exists()
+
+
+def change_one_weight(model_dir: Path, name: str) -> None:
+    """Add 1 to the first value of tensor `name`, in place: same size, same header, same first MiB."""
+    path = model_dir / "model.safetensors"
+    with open(path, "r+b") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        start = 8 + header_len + json.loads(fh.read(header_len))[name]["data_offsets"][0]
+        fh.seek(start)
+        value = np.frombuffer(fh.read(4), dtype=np.float32)[0]
+        fh.seek(start)
+        fh.write(np.float32(value + 1.0).tobytes())
+
+
+def test_changed_weights_are_never_reused(tmp_path, monkeypatch):
+    """A model updated in its directory (fine-tuned, LoRA-merged) is another model: an existing output
+    and a resumable work directory of the old one are refused, naming the model, never reused."""
+    model_dir = tmp_path / "ref"
+    shutil.copytree(TINY_LLAMA, model_dir)
+    last_layer = "model.layers.1.mlp.down_proj.weight"
+    old = pq.read_table(run(tmp_path, model=model_dir, name="done.parquet", chunk_rows=8).output)
+
+    from klpipe.precompute.workdir import WorkDir
+
+    real_write = WorkDir.write_chunk
+
+    def crash_after_two(self, tokenized, logprobs):
+        if tokenized.chunk.index == 2:
+            raise RuntimeError("simulated crash")
+        real_write(self, tokenized, logprobs)
+
+    with monkeypatch.context() as crashing:
+        crashing.setattr(WorkDir, "write_chunk", crash_after_two)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run(tmp_path, model=model_dir, name="partial.parquet", chunk_rows=8)
+    assert len(list((tmp_path / "partial.parquet.partial").glob("chunk-*.parquet"))) == 2
+
+    change_one_weight(model_dir, last_layer)
+    changed = f"the weights of {model_dir} changed"
+    with pytest.raises(OutputError, match=f"done.parquet exists and was made by a different run \\({changed}"):
+        run(tmp_path, model=model_dir, name="done.parquet", chunk_rows=8)
+    with pytest.raises(ProvenanceError, match=f"holds work from a different run \\({changed}"):
+        run(tmp_path, model=model_dir, name="partial.parquet", chunk_rows=8)
+    # With --overwrite both are recomputed, with the new weights throughout.
+    redone = pq.read_table(run(tmp_path, model=model_dir, name="done.parquet", chunk_rows=8, overwrite=True).output)
+    resumed = pq.read_table(run(tmp_path, model=model_dir, name="partial.parquet", chunk_rows=8, overwrite=True).output)
+    assert redone.equals(resumed)
+    old, new = (np.asarray(t.column("ref_logprobs").combine_chunks().flatten()) for t in (old, redone))
+    assert not np.array_equal(old, new)  # the change moved the numbers
+    assert_matches_oracle(AutoModelForCausalLM.from_pretrained(model_dir).eval(), redone)
 
 
 def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
@@ -265,9 +317,10 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
 def test_work_dir_from_another_column_mapping_is_named():
     from klpipe.precompute.workdir import _run_difference
 
-    current = {"chunk_rows": 3, "rows": [0, 48], "mode": "ids", "provenance": {"model": "m", "columns": {}}}
-    previous = {**current, "provenance": {"model": "m", "columns": {"reward": "score"}}}
-    assert _run_difference(previous, current) == "columns differs"
+    made = dict(model="m", revision=None, tokenizer="t", dtype="float32", temperature=1.0, klpipe_version="0.1.0")
+    current = {"rows": [0, 48], "mode": "ids", "provenance": {**made, "columns": {}}}
+    previous = {**current, "provenance": {**made, "columns": {"reward": "score"}}}
+    assert _run_difference(previous, current) == "columns {'reward': 'score'} → {}"
 
 
 def reused_prompt_tokens(table: pa.Table, chunk_rows: int) -> int:

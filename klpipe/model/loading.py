@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import InputError, ModelError, first_line
+from klpipe.files.fingerprint import file_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,20 +132,21 @@ def tokenizer_fingerprint(tokenizer, chat_template: bool = False) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+# The files of a local checkpoint that decide its numbers: config, weights, and model code (which
+# runs only with --trust-remote-code). Tokenizer files have their own fingerprint.
+WEIGHT_FILES = ("*.json", "*.safetensors", "*.py")
+
+
 def weights_fingerprint(spec: ModelSpec, config) -> str | None:
-    """The commit hash for hub models; for a local directory, a hash of its config and weight headers."""
+    """The commit hash for hub models; for a local directory, `local:` and a hash of every byte of its
+    config, weight and code files (files/fingerprint.py remembers each file's digest on this machine)."""
     commit = getattr(config, "_commit_hash", None)
     if not is_local(spec.name):
         return commit or spec.revision
     root = Path(spec.name).expanduser()
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
-        digest.update(path.name.encode())
-        digest.update(str(path.stat().st_size).encode())
-        with open(path, "rb") as fh:
-            # A safetensors file starts with its header (names, shapes, offsets); 1 MiB also
-            # covers the first tensors' bytes, enough to tell retrained weights apart.
-            digest.update(fh.read(1 << 20))
+    for path in sorted({p for pattern in WEIGHT_FILES for p in root.glob(pattern) if p.is_file()}):
+        digest.update(f"{path.name}:{file_digest(path)}\n".encode())
     return "local:" + digest.hexdigest()[:16]
 
 

@@ -105,14 +105,14 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     if _already_done(output, provenance, config, log):
         summary.skipped = True
         # A kill between the final rename and the cleanup leaves the finished work directory.
-        WorkDir(output, config.chunk_rows, provenance, rollouts, rows).remove_if_finished()
+        WorkDir(output, provenance, rollouts, rows).remove_if_finished()
         return summary
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions)
-    work = WorkDir(output, config.chunk_rows, provenance, rollouts, rows, overwrite=config.overwrite)
+    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
         sizes = chunk_sizes(rows, config.chunk_rows)
@@ -140,6 +140,9 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
 
 def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows) -> cache.Provenance:
     """How this run's cache is made: what a rerun must match to skip or resume it."""
+    import torch
+    import transformers
+
     from klpipe import model as reference
 
     device, _ = reference.resolve_device(spec.device)
@@ -155,6 +158,11 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         inputs=[fingerprint(f.path) for f in rollouts.files],
         shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
         columns=dict(rollouts.columns.given),
+        device=device.split(":")[0],
+        prefix_sharing=config.prefix_sharing,
+        max_tokens_per_batch=config.max_tokens_per_batch or default_max_tokens(device),
+        chunk_rows=config.chunk_rows,
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
     )
 
 
@@ -164,12 +172,13 @@ def _already_done(output: Path, provenance: cache.Provenance, config: Precompute
     if not (output.exists() and (shard is None or sharding.is_complete(output))):
         return False
     existing = cache.read_provenance(output) if output.is_file() else None
-    if existing is not None and _same_run(existing, provenance):
+    if existing == provenance:
         what = f"shard {shard.index} of {shard.count} ({output})" if shard else str(output)
-        log(f"{what} is already complete for these inputs and this model; nothing to do")
+        log(f"{what} is already complete for these inputs, this model and these settings; nothing to do")
         return True
     if not config.overwrite:
-        raise OutputError(f"{output} exists and was made by a different run; pass --overwrite to replace it")
+        why = "; ".join(existing.differences(provenance)) if existing is not None else "not made by klpipe"
+        raise OutputError(f"{output} exists and was made by a different run ({why}); pass --overwrite to replace it")
     return False
 
 
@@ -184,7 +193,7 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
 def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done and checkpoint each one in the work directory."""
-    max_tokens = config.max_tokens_per_batch or default_max_tokens(model.device)
+    max_tokens = work.provenance.max_tokens_per_batch  # the budget recorded in run.json
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
@@ -220,7 +229,3 @@ def _sharing_mode(model, asked: str, log) -> str:
         raise ModelError(f"--prefix-sharing on: {name} cannot share prompts exactly ({problem})")
     log(f"prefix sharing off: {name} cannot share prompts exactly ({problem})")
     return "off"
-
-
-def _same_run(a: cache.Provenance, b: cache.Provenance) -> bool:
-    return a.identity() == b.identity() and a.inputs == b.inputs

@@ -31,14 +31,13 @@ CHUNK_PATTERN = "chunk-{:08d}.parquet"
 class WorkDir:
     """`<output>.partial/`: the run description, a lock, and one parquet file per finished chunk."""
 
-    def __init__(self, output: Path, chunk_rows: int, provenance: cache.Provenance, rollouts: Rollouts,
-                 rows: tuple[int, int], overwrite: bool = False):
+    def __init__(self, output: Path, provenance: cache.Provenance, rollouts: Rollouts, rows: tuple[int, int],
+                 overwrite: bool = False):
         self.output = output
         self.overwrite = overwrite  # discard another run's work directory instead of refusing
         self.path = output.with_name(output.name + ".partial")
         self.provenance = provenance
-        self.run = {
-            "chunk_rows": chunk_rows,
+        self.run = {  # run.json: a rerun resumes these chunks only if every field is the same
             "provenance": json.loads(provenance.to_json()),
             "rows": list(rows),
             "mode": rollouts.mode,
@@ -168,13 +167,14 @@ class _Locked:
 
 
 def _run_difference(previous: dict | None, current: dict) -> str:
+    """Every way `previous` (a run.json) differs from this run's, said for a person."""
     if not isinstance(previous, dict):
         return "unreadable run.json"
-    for key in ("chunk_rows", "rows", "mode"):
-        if previous.get(key) != current.get(key):
-            return f"{key} {previous.get(key)!r} vs {current.get(key)!r}"
-    before, now = previous.get("provenance", {}), current["provenance"]
-    for key in cache.Provenance.IDENTITY_FIELDS + ("inputs", "klpipe_version"):
-        if before.get(key) != now.get(key):
-            return f"{'input files changed' if key == 'inputs' else key + ' differs'}"
-    return "settings differ"
+    found = [f"{key} {previous.get(key)!r} → {current.get(key)!r}" for key in ("rows", "mode")
+             if previous.get(key) != current.get(key)]
+    try:
+        before = cache.Provenance(**previous.get("provenance", {}))
+    except TypeError:
+        return "; ".join(found + ["a run.json from another klpipe version"])
+    found += before.differences(cache.Provenance(**current["provenance"]))
+    return "; ".join(found) or "settings differ"
