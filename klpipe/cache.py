@@ -30,8 +30,10 @@ REWARD = "reward"
 REF_LOGPROBS = "ref_logprobs"
 REF_LOGPROBS_TYPE = pa.list_(pa.float32())
 
-# Parquet schema-metadata key holding the JSON provenance record.
+# Parquet schema-metadata key holding the JSON provenance record of a cache (klpipe precompute).
 METADATA_KEY = b"klpipe"
+# And the key holding the settings of a scored file (klpipe score); a scored file keeps its cache's too.
+SCORED_METADATA_KEY = b"klpipe_score"
 
 
 @dataclass
@@ -119,6 +121,17 @@ def read_provenance(path: str | Path) -> Provenance | None:
         return Provenance.from_json(raw)
     except (ValueError, TypeError) as exc:
         raise InputError(f"{path}: corrupt klpipe provenance metadata ({exc})") from None
+
+
+def written_by_klpipe(path: str | Path) -> str | None:
+    """"scored" for a file klpipe score wrote, "cache" for one klpipe precompute wrote, else None."""
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (OSError, pa.ArrowException):
+        return None  # not readable as parquet: reading it as an input says what is wrong
+    if SCORED_METADATA_KEY in metadata:
+        return "scored"
+    return "cache" if METADATA_KEY in metadata else None
 
 
 def check_compatible(provenances: list[tuple[str, Provenance | None]]) -> None:

@@ -81,3 +81,53 @@ def test_score_inherits_the_caches_mapping_and_the_command_line_wins(tmp_path):
         f"caches disagree on columns: {first} was made with --column policy_logprobs=old_log_probs "
         f"--column reward=score, {plain} with no --column; score caches made with one column mapping at a time"
     )
+
+
+def test_leaf_index_counts_nested_columns_as_parquet_does(tmp_path):
+    import pyarrow.parquet as pq
+
+    from klpipe.files.parquet import leaf_index
+
+    table = pa.table({
+        "a": [1],
+        "s": pa.array([{"x": 1, "y": [2.0]}]),
+        "m": pa.array([[("k", 1)]], type=pa.map_(pa.string(), pa.int64())),
+        "l": pa.array([[[1.0]]], type=pa.list_(pa.list_(pa.float32()))),
+        "old.log probs ✓": pa.array([[0.5]], type=pa.list_(pa.float32())),
+    })
+    pq.write_table(table, tmp_path / "t.parquet")
+    leaves = pq.ParquetFile(tmp_path / "t.parquet").schema
+    for name in table.column_names:
+        # Parquet's own leaf paths start with the field's name (unambiguous here but for the dotted one).
+        first = next(i for i in range(len(leaves)) if leaves.column(i).path.startswith(name))
+        assert leaf_index(table.schema, name) == first, name
+    assert leaf_index(table.schema, "old.log probs ✓") == 6  # a, s.x, s.y, m.key, m.value, l, then this
+
+
+def test_columns_with_dots_spaces_and_unicode_in_both_stages(tmp_path):
+    """`--column` takes any column name: a dotted one made `klpipe score` fail with 'unexpected RuntimeError'."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers import ROLLOUTS, TINY_LLAMA, run_cli
+
+    names = {"prompt_ids": "prompt ids ✓", "response_ids": "réponse.ids", "policy_logprobs": "old.log.probs",
+             "reward": "my.reward", "step": "global.step", "ref_logprobs": "ref.logprobs"}
+    table = pq.read_table(ROLLOUTS)
+    pq.write_table(table.rename_columns([names.get(n, n) for n in table.column_names]), tmp_path / "dump.parquet")
+    options = [arg for role, name in names.items() for arg in ("--column", f"{role}={name}")]
+    made = run_cli("precompute", "-m", str(TINY_LLAMA), str(tmp_path / "dump.parquet"), "-o",
+                   str(tmp_path / "cached.parquet"), "--progress", "none", *options)
+    assert made.returncode == 0, made.stderr
+    plain = run_cli("precompute", "-m", str(TINY_LLAMA), str(ROLLOUTS), "-o", str(tmp_path / "plain.parquet"),
+                    "--progress", "none")
+    assert plain.returncode == 0, plain.stderr
+    cached = pq.read_table(tmp_path / "cached.parquet")
+    assert cached.column("ref.logprobs").equals(pq.read_table(tmp_path / "plain.parquet").column("ref_logprobs"))
+    for args in ([], options):  # the cache recorded the mapping; naming it again changes nothing
+        scored = run_cli("score", str(tmp_path / "cached.parquet"), "-o", str(tmp_path / "scored.parquet"), *args)
+        assert scored.returncode == 0, scored.stderr
+        plain_scored = run_cli("score", str(tmp_path / "plain.parquet"), "-o", str(tmp_path / "plain.scored.parquet"))
+        assert plain_scored.returncode == 0, plain_scored.stderr
+        ours, theirs = pq.read_table(tmp_path / "scored.parquet"), pq.read_table(tmp_path / "plain.scored.parquet")
+        for column in ("kl", "kl_coeff", "kl_penalty", "adjusted_reward"):
+            assert ours.column(column).equals(theirs.column(column)), column

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from klpipe.files import atomic, discover, fingerprint
 from klpipe.errors import InputError, OutputError
+from klpipe.files import atomic, discover, fingerprint
 
 
 def test_atomic_output_appears_only_on_success(tmp_path):
@@ -57,7 +57,7 @@ def test_expand_inputs(tmp_path):
     (tmp_path / "b.parquet").write_bytes(b"")
     (tmp_path / "a.parquet").write_bytes(b"")
     (tmp_path / "notes.txt").write_text("")
-    assert [p.name for p in discover.expand_inputs([tmp_path], (".parquet",))] == ["a.parquet", "b.parquet"]
+    assert [p.name for p in discover.expand_inputs([tmp_path], (".parquet",))[0]] == ["a.parquet", "b.parquet"]
     with pytest.raises(InputError, match="no such file or directory"):
         discover.expand_inputs([tmp_path / "nope"], (".parquet",))
     empty = tmp_path / "empty"

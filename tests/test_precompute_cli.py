@@ -389,3 +389,22 @@ def test_conversational_prompt_with_a_text_completion(tmp_path):
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
     assert_bad_input(result, f"{path}: column completion must be a list of chat messages like the other, found "
                              "string; TRL's conversational format has both as messages", tmp_path)
+
+
+def test_a_cache_written_into_the_input_directory_is_not_read_as_rollouts(tmp_path):
+    rollouts = tmp_path / "day"
+    rollouts.mkdir()
+    shutil.copy(ROLLOUTS, rollouts / "rollouts.parquet")
+    args = ["precompute", "-m", str(TINY_LLAMA), str(rollouts), "-o", str(rollouts / "cached.parquet"),
+            "--progress", "none"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    made = (rollouts / "cached.parquet").read_bytes()
+    again = run_cli(*args)  # the cache is now in the directory: it is skipped, and the run is the same one
+    assert again.returncode == 0, again.stderr
+    assert f"skipping 1 klpipe output(s) found in an input directory, not rollouts: {rollouts / 'cached.parquet'}" \
+        in again.stderr
+    assert "is already complete" in again.stderr and (rollouts / "cached.parquet").read_bytes() == made
+    other = run_cli(*args[:-3], str(rollouts / "other.parquet"), "--progress", "none")
+    assert other.returncode == 0, other.stderr
+    assert pq.read_table(rollouts / "other.parquet").num_rows == pq.read_table(ROLLOUTS).num_rows

@@ -432,3 +432,40 @@ def test_a_log_file_gets_whole_lines(tmp_path):
     assert "→ reward" in header
     summary = next(line for line in lines if line.startswith("12 rows in 3 controller batches"))
     assert "adaptations in all" in summary and "negative k1 in" in summary
+
+
+# -- outputs never land on inputs -------------------------------------------------------------------
+
+
+def test_no_output_option_may_name_an_input_or_another_output(tmp_path):
+    # `--report X` with X a cache exited 0 and replaced the cache with a report.
+    cache = write_cache(tmp_path / "a.parquet", make_rows(8))
+    original = cache.read_bytes()
+    for option in ("--report", "--state", "--plot"):
+        result = invoke(cache, "-o", tmp_path / "out.parquet", option, cache)
+        assert result.exit_code == 2, result.stderr
+        assert result.stderr == f"Error: {cache}: is also an input; pass another {option}\n"
+        assert cache.read_bytes() == original and not (tmp_path / "out.parquet").exists()
+    result = invoke(cache, "-o", tmp_path / "out.parquet", "--report", tmp_path / "x.json",
+                    "--state", tmp_path / "x.json")
+    assert result.exit_code == 2
+    assert result.stderr == (f"Error: {tmp_path / 'x.json'}: named by both --report and --state; "
+                             "each output needs its own path\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet"]
+
+
+def test_an_output_written_into_an_input_directory_is_not_scored_again(tmp_path):
+    caches = tmp_path / "caches"
+    caches.mkdir()
+    write_cache(caches / "day1.parquet", make_rows(12, seed=1))
+    write_cache(caches / "day2.parquet", make_rows(12, seed=2))
+    first = invoke(caches, "-o", caches / "scored.parquet", "--report", caches / "report.json")
+    assert first.exit_code == 0, first.stderr
+    scored = pq.read_table(caches / "scored.parquet")
+    assert scored.num_rows == 24
+    again = invoke(caches, "-o", caches / "scored.parquet", "--report", caches / "report.json")
+    assert again.exit_code == 0, again.stderr
+    assert f"skipped 1 file(s) that klpipe score wrote into an input directory, so they are not scored again: " \
+           f"{caches / 'scored.parquet'}" in " ".join(again.stderr.split())
+    assert pq.read_table(caches / "scored.parquet").equals(scored)  # 24 rows, not 24 + 24
+    assert json.loads((caches / "report.json").read_text())["summary"]["rows"] == 24

@@ -74,7 +74,7 @@ def single(tmp_path_factory):
 def test_sharded_parts_concatenate_to_the_single_process_output(tmp_path, single, count):
     for index in range(count):
         run(tmp_path / "out", Shard(index, count))
-    parts = expand_cache_inputs([tmp_path / "out"])
+    parts, _ = expand_cache_inputs([tmp_path / "out"])
     assert [p.name for p in parts] == [f"part-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
     merged = pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in parts])
     assert merged.equals(single)  # bit-identical: shards cut where the single run cuts chunks
@@ -104,7 +104,7 @@ def test_incomplete_and_mixed_shard_directories_are_refused(tmp_path):
     with pytest.raises(InputError, match=r"^.*/out: incomplete: missing shard 1 of 3; rerun those shards"):
         expand_cache_inputs([out])
     run(out, Shard(1, 3))
-    assert len(expand_cache_inputs([out])) == 3
+    assert len(expand_cache_inputs([out])[0]) == 3
     (out / "part-00001-of-00003.done").unlink()
     with pytest.raises(InputError, match="incomplete: no completion marker for shard 1 of 3"):
         expand_cache_inputs([out])

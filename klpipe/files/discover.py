@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,24 +19,32 @@ def is_datasets_dir(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
 
-def expand_inputs(paths: list[str | Path], suffixes: tuple[str, ...]) -> list[Path]:
-    """Files named on the command line, with directories expanded to their files in sorted order.
+def expand_inputs(paths: list[str | Path], suffixes: tuple[str, ...],
+                  skip: Callable[[Path], bool] = lambda path: False) -> tuple[list[Path], list[Path]]:
+    """(files, skipped): the files named, with directories expanded to their files in sorted order.
 
-    A `save_to_disk` directory stays whole: `datasets` reads it as one input.
+    A `save_to_disk` directory stays whole: `datasets` reads it as one input. A file found in a
+    directory for which `skip` is true (an output klpipe wrote there on an earlier run) is left out
+    and listed in `skipped`, so an output written beside its inputs is never read back as an input.
     """
     found: list[Path] = []
+    skipped: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if not path.exists():
             raise InputError(f"{path}: no such file or directory")
         if path.is_dir() and not is_datasets_dir(path):
             children = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(suffixes))
+            ours = [p for p in children if skip(p)]
+            children = [p for p in children if p not in ours]
             if not children:
-                raise InputError(f"{path}: directory holds no {'/'.join(suffixes)} files")
+                only = f" but klpipe's own outputs ({', '.join(p.name for p in ours)}); name a file to read one" if ours else ""
+                raise InputError(f"{path}: directory holds no {'/'.join(suffixes)} files{only}")
             found.extend(children)
+            skipped.extend(ours)
         else:
             found.append(path)
-    return found
+    return found, skipped
 
 
 def output_beside(first_input: str | Path, suffix: str, input_suffixes: tuple[str, ...]) -> Path:
@@ -49,12 +58,22 @@ def output_beside(first_input: str | Path, suffix: str, input_suffixes: tuple[st
     return first_input.parent / f"{name}{suffix}"
 
 
-def refuse_overwriting_inputs(output: Path, inputs: list[Path]) -> None:
-    """An output that is also an input would destroy the input: both stages refuse it, --overwrite or not."""
-    resolved = Path(output).resolve()
-    for path in inputs:
-        if Path(path).resolve() == resolved:
-            raise OutputError(f"{output}: is also an input; pass another --output")
+def refuse_overwriting_inputs(outputs: dict[str, Path | None], inputs: list[Path]) -> None:
+    """Refuse an output that is also an input, or two outputs on one path: either would destroy a file.
+
+    `outputs` maps each output's option (`--report`) to its path; both stages refuse, --overwrite or not.
+    """
+    inputs_resolved = {Path(path).resolve() for path in inputs}
+    taken: dict[Path, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in inputs_resolved:
+            raise OutputError(f"{path}: is also an input; pass another {option}")
+        if resolved in taken:
+            raise OutputError(f"{path}: named by both {taken[resolved]} and {option}; each output needs its own path")
+        taken[resolved] = option
 
 
 def schema_difference(expected: pa.Schema, got: pa.Schema) -> str:

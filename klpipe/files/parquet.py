@@ -21,6 +21,30 @@ def open_parquet(path: str | Path) -> pq.ParquetFile:
 
 
 
+def leaf_index(schema: pa.Schema, name: str) -> int:
+    """The parquet leaf column where top-level field `name` starts (a list is one leaf, a struct one per field).
+
+    Parquet names leaves by dotted paths (`old.logprobs.list.element`), which a column name with a
+    dot in it makes ambiguous; counting leaves in schema order is not.
+    """
+    index = 0
+    for field in schema:
+        if field.name == name:
+            return index
+        index += _leaves(field.type)
+    raise KeyError(name)
+
+
+def _leaves(kind: pa.DataType) -> int:
+    if pa.types.is_struct(kind):
+        return sum(_leaves(kind.field(i).type) for i in range(kind.num_fields))
+    if pa.types.is_map(kind):
+        return _leaves(kind.key_type) + _leaves(kind.item_type)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _leaves(kind.value_type)
+    return 1
+
+
 class RowGroups:
     """Gathers record batches into row groups of about `target_bytes` and hands each to `write`.
 

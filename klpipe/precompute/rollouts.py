@@ -10,7 +10,7 @@ import contextlib
 import gzip
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from klpipe import cache
 from klpipe.arrow import is_list_type
+from klpipe.cache import written_by_klpipe
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
 from klpipe.files.discover import (
@@ -53,6 +54,7 @@ class Rollouts:
     schema: pa.Schema  # without metadata
     mode: str  # TOKEN_IDS, TEXT or CHAT
     columns: ColumnMap  # role -> the user's column name
+    skipped: list[Path] = field(default_factory=list)  # klpipe's own outputs found in input directories
 
     @property
     def num_rows(self) -> int:
@@ -71,7 +73,12 @@ class Chunk:
 
 def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns."""
-    files = [_open_file(p) for p in expand_inputs(paths, INPUT_SUFFIXES)]
+    # A cache (or scored file) written into an input directory by an earlier run is not a rollout.
+    def ours(path: Path) -> bool:
+        return path.name.endswith(PARQUET_SUFFIXES) and written_by_klpipe(path) is not None
+
+    found, skipped = expand_inputs(paths, INPUT_SUFFIXES, skip=ours)
+    files = [_open_file(p) for p in found]
     first = files[0]
     for other in files[1:]:
         if not other.schema.equals(first.schema):
@@ -82,7 +89,7 @@ def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> 
     columns = (columns or ColumnMap()).resolve(first.schema)
     columns.check_present(first.path, first.schema, outputs=(cache.REF_LOGPROBS,))
     mode = _detect_mode(first.path, first.schema, columns)
-    return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns)
+    return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns, skipped=skipped)
 
 
 def _open_file(path: Path) -> RolloutFile:

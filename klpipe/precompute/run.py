@@ -86,11 +86,14 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
 
     started = time.perf_counter()
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))  # schema and mode checks before anything heavy
+    if rollouts.skipped:
+        log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
+            f"{', '.join(str(p) for p in rollouts.skipped)}")
     shard = config.shard
     destination = Path(config.output) if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
     output = shard.part_path(destination) if shard else destination
-    refuse_overwriting_inputs(output, [f.path for f in rollouts.files])
+    refuse_overwriting_inputs({"--output": output}, [f.path for f in rollouts.files])
     if shard and destination.is_file():
         raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
     spec = reference.ModelSpec(

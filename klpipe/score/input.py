@@ -32,11 +32,12 @@ from klpipe.cache import (
     STEP,
     check_compatible,
     read_provenance,
+    written_by_klpipe,
 )
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
 from klpipe.files.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
-from klpipe.files.parquet import open_parquet
+from klpipe.files.parquet import leaf_index, open_parquet
 from klpipe.rows import RowLocator
 from klpipe.score.kl import RowKL
 from klpipe.sharding import is_shard_directory, shard_parts
@@ -52,17 +53,21 @@ class Logprobs:
     reward: np.ndarray  # (rows,) float64
 
 
-def expand_cache_inputs(paths: list[str | Path]) -> list[Path]:
-    """Cache files in scoring order: files as given, directories' files sorted by name, and a sharded
-    run's output directory in shard order once sharding.py has found it complete."""
+def expand_cache_inputs(paths: list[str | Path]) -> tuple[list[Path], list[Path]]:
+    """(caches, skipped) in scoring order: files as given, directories' files sorted by name, and a
+    sharded run's output directory in shard order once sharding.py has found it complete. A scored
+    file that an earlier run wrote into an input directory is skipped, never scored again."""
     found: list[Path] = []
+    skipped: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if is_shard_directory(path):
             found.extend(shard_parts(path))
         else:
-            found.extend(expand_inputs([path], PARQUET_SUFFIXES))
-    return found
+            files, ours = expand_inputs([path], PARQUET_SUFFIXES, skip=lambda p: written_by_klpipe(p) == "scored")
+            found.extend(files)
+            skipped.extend(ours)
+    return found, skipped
 
 
 def open_caches(files: list[Path], columns: ColumnMap) -> pa.Schema:
@@ -112,9 +117,7 @@ def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int,
     """
     metadata = reader.metadata
     groups = [metadata.row_group(g) for g in range(metadata.num_row_groups)]
-    column = next(
-        i for i in range(metadata.num_columns) if reader.schema.column(i).path.split(".")[0] == policy_column
-    )
+    column = leaf_index(reader.schema_arrow, policy_column)
     rows = max(1, metadata.num_rows)
     mean_tokens = max(1.0, sum(g.column(column).num_values for g in groups) / rows)
     mean_bytes = max(1.0, sum(g.total_byte_size for g in groups) / rows)  # uncompressed, every column

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from klpipe import __version__
 from klpipe.arrow import from_numpy, list_array
-from klpipe.cache import STEP
+from klpipe.cache import SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files.atomic import atomic_output, write_json_atomic
@@ -59,7 +59,7 @@ KL_PER_TOKEN = "kl_per_token"  # only with per_token
 SCORED_COLUMNS = (KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD, KL_PER_TOKEN)
 
 # Output schema-metadata key with the settings a scored file was made with.
-SCORE_METADATA_KEY = b"klpipe_score"
+SCORE_METADATA_KEY = SCORED_METADATA_KEY
 
 # Default output name beside the first input: cache.parquet → cache.scored.parquet.
 OUTPUT_SUFFIX = ".scored.parquet"
@@ -92,14 +92,17 @@ def score(config: ScoreConfig) -> ScoreResult:
     started = time.perf_counter()
     if not config.inputs:
         raise InputError("no cache files given")
-    files = expand_cache_inputs(config.inputs)
+    files, skipped = expand_cache_inputs(config.inputs)
     output = Path(config.output) if config.output is not None else default_output(Path(config.inputs[0]))
-    refuse_overwriting_inputs(output, files)
+    refuse_overwriting_inputs(_outputs(config, output), files)
     if config.plot is not None:
         _require_matplotlib(config.plot)
     names = for_caches(config.columns, files)  # role -> the caches' column names
     schema = open_caches(files, names)
     warnings: list[str] = []
+    if skipped:
+        warnings.append(f"skipped {len(skipped)} file(s) that klpipe score wrote into an input directory, so "
+                        f"they are not scored again: {', '.join(str(p) for p in skipped)}")
 
     controller, previous_run = _load_controller(config, warnings)
     if controller.kl_coeff == 0 and config.controller.kind != "fixed":
@@ -158,6 +161,15 @@ def score(config: ScoreConfig) -> ScoreResult:
 
 
 # -- outputs ----------------------------------------------------------------------------------------
+
+
+def _outputs(config: ScoreConfig, output: Path) -> dict[str, Path | None]:
+    """Every file this run writes, by option: none may be an input, and no two the same file.
+
+    The state file is read as well as written, so it is an output here too: as an input cache, or
+    as the report, it would be destroyed.
+    """
+    return {"--output": output, "--report": config.report, "--plot": config.plot, "--state": config.state}
 
 
 def _require_matplotlib(plot_path: Path) -> None:
