@@ -157,6 +157,9 @@ def test_report_summary_and_steps(tmp_path):
         assert step["kl_coeff_before"] == step_rows[0]["kl_coeff"]
         assert step["kl/mean"] == round(statistics.fmean(r["kl"] for r in step_rows), 4)
         assert step["reward_mean_after"] == pytest.approx(statistics.fmean(r["adjusted_reward"] for r in step_rows))
+        assert step["tokens"] == sum(len(r[POLICY_LOGPROBS]) for r in step_rows)
+        assert step["kl_mean"] == pytest.approx(statistics.fmean(r["kl"] for r in step_rows))
+        assert step["kl_penalty_mean"] == pytest.approx(statistics.fmean(r["kl_penalty"] for r in step_rows))
         if i + 1 < len(steps):
             assert step["kl_coeff_after"] == steps[i + 1]["kl_coeff_before"]
     assert steps[-1]["kl_coeff_after"] == summary["kl_coeff_after"]

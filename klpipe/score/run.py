@@ -145,8 +145,7 @@ def score(config: ScoreConfig) -> ScoreResult:
             totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
         )  # fmt: skip
         if config.plot is not None:
-            trajectory = report.trajectory(batches.has_steps, batches.steps, batches.step_kl_means, totals,
-                                           batches.per_row_coeffs)
+            trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
             report.plot(Path(config.plot), trajectory, run_report)
         if config.report is not None:
             write_json_atomic(config.report, run_report)
@@ -234,7 +233,7 @@ def _score_batch(
     kl = estimate.kl
     reward = logprobs.reward
     steps = batch.column(names.name(STEP)) if batches.has_steps else None
-    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1)
+    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1, np.diff(logprobs.offsets))
     penalty = coeffs * kl
     adjusted = reward - penalty
 

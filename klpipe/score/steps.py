@@ -27,6 +27,7 @@ class _OpenStep:
     kls: list[np.ndarray] = field(default_factory=list)
     rewards: list[np.ndarray] = field(default_factory=list)
     negative_k1: int = 0
+    tokens: int = 0  # response tokens
 
 
 class ControllerSteps:
@@ -40,15 +41,17 @@ class ControllerSteps:
         self.kl_coeff_before = controller.kl_coeff  # at the start of the run
         self.open: _OpenStep | None = None
         self.steps: list[dict] = []  # report entries, one per step
-        self.step_kl_means: list[float] = []  # unrounded, for the plot
         self.batch_count = 0
         self.last_label = None
         self.per_row_coeffs: list[np.ndarray] = []  # without steps: the plot's coefficient trajectory
 
     def coefficients(
-        self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray
+        self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray, tokens: np.ndarray
     ) -> np.ndarray:
-        """The coefficient for each row of a record batch, closing the steps that end in it."""
+        """The coefficient for each row of a record batch, closing the steps that end in it.
+
+        `tokens` is each row's count of response tokens.
+        """
         if not self.has_steps:
             return self._per_row(kl)
         n = len(kl)
@@ -67,6 +70,7 @@ class ControllerSteps:
             step.kls.append(kl[start:end])
             step.rewards.append(reward[start:end])
             step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
+            step.tokens += int(np.sum(tokens[start:end]))
             coeffs[start:end] = step.kl_coeff
         return coeffs
 
@@ -98,9 +102,9 @@ class ControllerSteps:
             return
         kls = np.concatenate(step.kls)
         self.controller.observe_batch(kls.tolist())
-        self.step_kl_means.append(float(np.mean(kls)))
         rewards = np.concatenate(step.rewards)
-        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, self.controller))
+        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, step.tokens,
+                                            self.controller))
 
     def finish(self) -> None:
         self._close()
