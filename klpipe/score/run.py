@@ -102,6 +102,7 @@ def score(config: ScoreConfig) -> ScoreResult:
     warnings: list[str] = []
 
     controller, previous_run = _load_controller(config, warnings)
+    batches_before = _batches_before(previous_run, config.state)
     if controller.kl_coeff == 0 and config.controller.kind != "fixed":
         warnings.append(f"the KL coefficient is 0: KL is measured and reported but not penalised, and the "
                         f"{config.controller.kind} controller keeps a coefficient of 0 at 0")
@@ -151,7 +152,8 @@ def score(config: ScoreConfig) -> ScoreResult:
             write_json_atomic(config.report, run_report)
     if config.state is not None:
         state = controller.save_state()
-        state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label}
+        state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
+                             "controller_batches": batches_before + batches.batch_count}
         write_json_atomic(config.state, state)
     return ScoreResult(output=output, report=run_report, warnings=warnings)
 
@@ -210,6 +212,14 @@ def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLContro
         warnings.append(f"{path}: settings changed since the state was saved ({'; '.join(differences)})")
     last_run = state.get("last_run")
     return controller, last_run if isinstance(last_run, dict) else None
+
+
+def _batches_before(previous_run: dict | None, state_path: Path | None) -> int:
+    """Controller batches scored into the state file by earlier runs: where this run's batch counter starts."""
+    count = (previous_run or {}).get("controller_batches", 0)  # absent from states written before it was kept
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise StateError(f"{state_path}: last_run.controller_batches must be a non-negative integer, got {count!r}")
+    return count
 
 
 # -- the stream -------------------------------------------------------------------------------------
