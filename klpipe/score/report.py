@@ -57,7 +57,8 @@ def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, neg
                controller: KLController) -> dict:
     """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since.
 
-    `kl_mean` is `kl/mean` unrounded: the seed's 4 decimals would flatten a small KL to 0 on a dashboard.
+    Holds every value of the step's metrics record (klpipe.score.metrics): `kl_mean` is `kl/mean`
+    unrounded, since the seed's 4 decimals would flatten a small KL to 0 on a dashboard.
     """
     penalty = kl_coeff * kls  # the same arithmetic as the output columns
     adjusted = rewards - penalty

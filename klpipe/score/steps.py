@@ -33,7 +33,8 @@ class _OpenStep:
 class ControllerSteps:
     """Cuts the row stream into controller batches and hands each row its coefficient."""
 
-    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str]):
+    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str],
+                 keep_rows: bool = False):
         self.controller = controller
         self.has_steps = has_steps
         self.previous_last_step = previous_last_step
@@ -43,7 +44,12 @@ class ControllerSteps:
         self.steps: list[dict] = []  # report entries, one per step
         self.batch_count = 0
         self.last_label = None
-        self.per_row_coeffs: list[np.ndarray] = []  # without steps: the plot's coefficient trajectory
+        # Without steps each row is a batch, and these hold its values (8 bytes a row each): the
+        # coefficients for the plot, and with `keep_rows` rewards and token counts for the metrics.
+        self.per_row_coeffs: list[np.ndarray] = []
+        self.keep_rows = keep_rows and not has_steps
+        self.per_row_rewards: list[np.ndarray] = []
+        self.per_row_tokens: list[np.ndarray] = []
 
     def coefficients(
         self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray, tokens: np.ndarray
@@ -53,6 +59,9 @@ class ControllerSteps:
         `tokens` is each row's count of response tokens.
         """
         if not self.has_steps:
+            if self.keep_rows:
+                self.per_row_rewards.append(reward)
+                self.per_row_tokens.append(tokens)
             return self._per_row(kl)
         n = len(kl)
         coeffs = np.empty(n)
