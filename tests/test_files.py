@@ -45,6 +45,25 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
         assert live.exists()
 
 
+def test_a_scratch_directory_is_removed_and_a_killed_runs_is_too(tmp_path):
+    stale = tmp_path / ".scratch.abcd1234.tmp"  # what a kill -9 leaves: a directory with a half-written file
+    stale.mkdir()
+    (stale / "half").write_text("half")
+    live = tmp_path / ".scratch.live1234.tmp"
+    live.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a live run's: left alone
+        with atomic.scratch_directory(tmp_path, "scratch") as scratch:
+            (scratch / "made").write_text("whole")
+            atomic.move_into_place(scratch / "made", tmp_path / "out.txt")
+            assert list(scratch.iterdir()) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".scratch.live1234.tmp", "out.txt"]
+    finally:
+        os.close(held)
+    assert (tmp_path / "out.txt").read_text() == "whole"
+
+
 def test_atomic_output_into_an_unwritable_place_is_an_output_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

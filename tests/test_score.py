@@ -157,6 +157,9 @@ def test_report_summary_and_steps(tmp_path):
         assert step["kl_coeff_before"] == step_rows[0]["kl_coeff"]
         assert step["kl/mean"] == round(statistics.fmean(r["kl"] for r in step_rows), 4)
         assert step["reward_mean_after"] == pytest.approx(statistics.fmean(r["adjusted_reward"] for r in step_rows))
+        assert step["tokens"] == sum(len(r[POLICY_LOGPROBS]) for r in step_rows)
+        assert step["kl_mean"] == pytest.approx(statistics.fmean(r["kl"] for r in step_rows))
+        assert step["kl_penalty_mean"] == pytest.approx(statistics.fmean(r["kl_penalty"] for r in step_rows))
         if i + 1 < len(steps):
             assert step["kl_coeff_after"] == steps[i + 1]["kl_coeff_before"]
     assert steps[-1]["kl_coeff_after"] == summary["kl_coeff_after"]
@@ -192,7 +195,9 @@ def test_day_one_then_day_two_equals_one_run(tmp_path):
 
     assert read(tmp_path / "out1.parquet") + read(tmp_path / "out2.parquet") == read(tmp_path / "whole.parquet")
     split_state, whole_state = json.loads(state.read_text()), json.loads((tmp_path / "whole.json").read_text())
-    assert split_state.pop("last_run")["last_step"] == whole_state.pop("last_run")["last_step"] == 19
+    split_run, whole_run = split_state.pop("last_run"), whole_state.pop("last_run")
+    assert split_run["last_step"] == whole_run["last_step"] == 19
+    assert split_run["controller_batches"] == whole_run["controller_batches"] == 20  # 9 steps on day 1, 11 on day 2
     assert split_state == whole_state
     assert split.warnings == [] and whole.report["summary"]["kl_coeff_after"] == split_state["kl_coeff"]
 
@@ -238,6 +243,18 @@ def test_corrupt_state_file_is_refused(tmp_path):
     state.write_text("{not json")
     with pytest.raises(StateError, match=r"state.json: not a readable controller state file \(Expecting"):
         run(tmp_path, [write_cache(tmp_path / "a.parquet", make_rows(3))], state=state)
+
+
+def test_a_state_with_a_bad_batch_count_is_refused(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(3))
+    state = tmp_path / "state.json"
+    run(tmp_path, [cache], state=state)
+    saved = json.loads(state.read_text())
+    saved["last_run"]["controller_batches"] = -1
+    state.write_text(json.dumps(saved))
+    with pytest.raises(StateError, match=r"state.json: last_run.controller_batches must be a non-negative integer, "
+                                         r"got -1$"):
+        run(tmp_path, [cache], state=state)
 
 
 # -- inputs and outputs -----------------------------------------------------------------------------

@@ -58,6 +58,12 @@ def score_command(
     plot: Annotated[Path | None, typer.Option(
         help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
         envvar=_env("plot"), rich_help_panel=OUTPUT_PANEL)] = SCORE["plot"],
+    tensorboard: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="Write per-step KL, coefficient and reward scalars as TensorBoard events into DIR "
+        "(needs tensorboardX).", envvar=_env("tensorboard"), rich_help_panel=OUTPUT_PANEL)] = SCORE["tensorboard"],
+    metrics_jsonl: Annotated[Path | None, typer.Option(
+        metavar="FILE", help="Write the same per-step metrics as JSON Lines.",
+        envvar=_env("metrics_jsonl"), rich_help_panel=OUTPUT_PANEL)] = SCORE["metrics_jsonl"],
     per_token: Annotated[bool, typer.Option(
         "--per-token", help="Also write each row's per-token KL list (kl_per_token).",
         envvar=_env("per_token"), rich_help_panel=OUTPUT_PANEL)] = SCORE["per_token"],
@@ -125,6 +131,8 @@ def score_command(
 
         klpipe score caches/ --controller proportional --horizon 20000 --plot report.png
 
+        klpipe score day.parquet --state kl_state.json --tensorboard runs/kl
+
         klpipe score day2.parquet --state kl_state.json --reset-state --kl-target 2
 
         klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score --kl-coeff 0
@@ -137,7 +145,8 @@ def score_command(
     from klpipe.score import score
 
     config = ScoreConfig(
-        inputs=caches, output=output, report=report, state=state, plot=plot, per_token=per_token,
+        inputs=caches, output=output, report=report, state=state, plot=plot, tensorboard=tensorboard,
+        metrics_jsonl=metrics_jsonl, per_token=per_token,
         reset_state=reset_state, estimator=estimator, aggregate=aggregate, clamp=clamp,
         controller=ControllerConfig(
             kl_coeff=kl_coeff, kl_target=kl_target, adaptive=adaptive, kl_coeff_min=kl_coeff_min,

@@ -6,6 +6,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,9 +49,7 @@ def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterat
         # mkstemp makes 0600 files; outputs should get the usual umask-derived mode, like open() gives.
         os.fchmod(fd, 0o666 & ~_UMASK)
         yield tmp
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        move_into_place(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
@@ -61,23 +60,56 @@ def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterat
         os.close(fd)  # releases the lock
 
 
+def move_into_place(src: Path, path: Path) -> None:
+    """Rename a finished file on `path`'s filesystem to `path`, durably: its bytes, then the name."""
+    _fsync_file(src)
+    os.replace(src, path)
+    _fsync_dir(path.parent)
+
+
+@contextmanager
+def scratch_directory(directory: str | Path, name: str) -> Iterator[Path]:
+    """Yield a new empty directory `.<name>.<random>.tmp` in `directory`, removed with its contents at the end.
+
+    For writers that name their own files: they write there, and the caller moves the finished file
+    into place with `move_into_place`. Locked like atomic_output's temporary files, so the next
+    scratch directory of the same `name` removes a killed run's and never a live one's.
+    """
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(directory, name)
+        fd, scratch = _locked_tmp(directory, name, is_dir=True)
+    except OSError as exc:
+        raise OutputError(f"{directory}: cannot write here ({exc.strerror or exc})") from None
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.close(fd)  # releases the lock
+
+
 def _tmp_pattern(name: str) -> str:
     # mkstemp's names: prefix, 8 random characters, suffix.
     return f".{glob.escape(name)}.{'?' * 8}.tmp"
 
 
-def _locked_tmp(directory: Path, name: str) -> tuple[int, Path]:
-    """A new temporary file for `name`, locked: (its descriptor, its path)."""
+def _locked_tmp(directory: Path, name: str, is_dir: bool = False) -> tuple[int, Path]:
+    """A new temporary file (or directory) for `name`, locked: (its descriptor, its path)."""
     while True:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        if is_dir:
+            tmp_name = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+            fd = os.open(tmp_name, os.O_RDONLY)  # flock works on a directory's read-only descriptor
+        else:
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
         fcntl.flock(fd, fcntl.LOCK_EX)
         if os.fstat(fd).st_nlink:
             return fd, Path(tmp_name)
-        os.close(fd)  # removed as stale by another run between mkstemp and the lock: make another
+        os.close(fd)  # removed as stale by another run between creation and the lock: make another
 
 
 def _remove_stale_tmp(directory: Path, name: str) -> None:
-    """Remove the temporary files of `name` that no live writer holds: a killed run's."""
+    """Remove the temporary files and scratch directories of `name` that no live writer holds: a killed run's."""
     for stale in directory.glob(_tmp_pattern(name)):
         try:
             fd = os.open(stale, os.O_RDONLY)
@@ -85,7 +117,10 @@ def _remove_stale_tmp(directory: Path, name: str) -> None:
             continue  # gone already
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            stale.unlink(missing_ok=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         except OSError:
             pass  # locked: a live writer's
         finally:

@@ -5,6 +5,7 @@ kl.py          per-token KL estimators and per-row aggregates (numpy)
 controller.py  the KL controllers: window (the seed's rule), proportional, fixed
 steps.py       controller batches: the coefficient each row gets, one update per step
 report.py      the report JSON, the per-step table, warnings, the plot
+metrics.py     per-step metrics as TensorBoard events (tensorboardX, imported only then) and JSON Lines
 run.py         the stage: stream caches through the controller, write outputs and state
 """
 

@@ -23,6 +23,8 @@ class ScoreConfig:
     report: Path | None = None  # report JSON, written atomically
     state: Path | None = None  # controller state JSON: loaded when it exists, saved at the end
     plot: Path | None = None  # three-panel PNG (needs matplotlib)
+    tensorboard: Path | None = None  # directory: one event file per run, a scalar per metric per step (needs tensorboardX)
+    metrics_jsonl: Path | None = None  # the same per-step metrics as JSON Lines, written atomically
     per_token: bool = False  # also write each row's per-token KL list
     reset_state: bool = False  # ignore an existing state file and start from this config
     estimator: Estimator = "k1"  # per-token estimator: k1 | abs | k2 | k3

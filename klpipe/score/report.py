@@ -53,17 +53,24 @@ class RunTotals:
         return np.concatenate(self.row_kls) if self.row_kls else np.zeros(0)
 
 
-def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, negative_k1: int,
+def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, negative_k1: int, tokens: int,
                controller: KLController) -> dict:
-    """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since."""
-    adjusted = rewards - kl_coeff * kls  # the same arithmetic as the output column
-    entry = {"step": label, "rows": len(kls)}
+    """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since.
+
+    Holds every value of the step's metrics record (klpipe.score.metrics): `kl_mean` is `kl/mean`
+    unrounded, since the seed's 4 decimals would flatten a small KL to 0 on a dashboard.
+    """
+    penalty = kl_coeff * kls  # the same arithmetic as the output columns
+    adjusted = rewards - penalty
+    entry = {"step": label, "rows": len(kls), "tokens": tokens}
     entry.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
     entry.update(
         {
+            "kl_mean": float(np.mean(kls)),
             "kl_coeff_before": kl_coeff,
             "kl_coeff_after": controller.kl_coeff,
             "negative_k1_fraction": negative_k1 / len(kls),
+            "kl_penalty_mean": float(np.mean(penalty)),
             "reward_mean_before": float(np.mean(rewards)),
             "reward_mean_after": float(np.mean(adjusted)),
         }
@@ -101,15 +108,14 @@ def build_report(*, inputs: list[Path], output: Path, settings: dict, controller
     }
 
 
-def trajectory(has_steps: bool, steps: list[dict], step_kl_means: list[float], totals: RunTotals,
-               row_coeffs: list[np.ndarray]) -> Trajectory:
+def trajectory(has_steps: bool, steps: list[dict], totals: RunTotals, row_coeffs: list[np.ndarray]) -> Trajectory:
     """The plot's x axis and series: one point per step, or per row when each row is its own batch."""
     if has_steps:
         labels = [s["step"] for s in steps]
         numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in labels)
         return Trajectory(
             x=np.array(labels if numeric else range(len(labels)), dtype=np.float64),
-            kl_mean=np.array(step_kl_means),
+            kl_mean=np.array([s["kl_mean"] for s in steps]),
             kl_coeff=np.array([s["kl_coeff_before"] for s in steps]),
             x_label="step" if numeric else "step (in order)",
         )

@@ -83,11 +83,11 @@ def default_output(first_input: Path) -> Path:
 
 
 def score(config: ScoreConfig) -> ScoreResult:
-    """Score the caches in `config.inputs` and write the output, report, plot and state it asks for.
+    """Score the caches in `config.inputs` and write the output, report, plot, metrics and state it asks for.
 
-    Either everything asked for is written or, on an error, nothing is: the output, report and
-    plot appear atomically, and the state file, written last, is only advanced by a run that
-    finished.
+    Every file appears whole or not at all, and the state file, written last, is only advanced by a
+    run that wrote everything. An error before the output is committed leaves nothing; one while
+    the metrics are written (after it) leaves the state as it was, so a rerun replaces them all.
     """
     started = time.perf_counter()
     if not config.inputs:
@@ -97,6 +97,10 @@ def score(config: ScoreConfig) -> ScoreResult:
     refuse_overwriting_inputs(_outputs(config, output), files)
     if config.plot is not None:
         _require_matplotlib(config.plot)
+    if config.tensorboard is not None:
+        from klpipe.score import metrics  # tensorboardX is imported only when asked for
+
+        metrics.require_tensorboardx(Path(config.tensorboard))
     names = for_caches(config.columns, files)  # role -> the caches' column names
     schema = open_caches(files, names)
     warnings: list[str] = []
@@ -105,6 +109,7 @@ def score(config: ScoreConfig) -> ScoreResult:
                         f"they are not scored again: {', '.join(str(p) for p in skipped)}")
 
     controller, previous_run = _load_controller(config, warnings)
+    batches_before = _batches_before(previous_run, config.state)
     if controller.kl_coeff == 0 and config.controller.kind != "fixed":
         warnings.append(f"the KL coefficient is 0: KL is measured and reported but not penalised, and the "
                         f"{config.controller.kind} controller keeps a coefficient of 0 at 0")
@@ -119,11 +124,14 @@ def score(config: ScoreConfig) -> ScoreResult:
         warnings.append(f"the input already has scored columns ({', '.join(replaced)}); they are replaced")
     out_schema = _output_schema(schema, config, replaced)
 
+    has_steps = names.name(STEP) in schema.names
+    metrics_wanted = config.tensorboard is not None or config.metrics_jsonl is not None
     batches = ControllerSteps(
         controller,
-        has_steps=names.name(STEP) in schema.names,
+        has_steps=has_steps,
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
+        keep_rows=metrics_wanted,
     )
     totals = report.RunTotals()
     with atomic_output(output) as tmp:
@@ -148,14 +156,19 @@ def score(config: ScoreConfig) -> ScoreResult:
             totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
         )  # fmt: skip
         if config.plot is not None:
-            trajectory = report.trajectory(batches.has_steps, batches.steps, batches.step_kl_means, totals,
-                                           batches.per_row_coeffs)
+            trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
             report.plot(Path(config.plot), trajectory, run_report)
         if config.report is not None:
             write_json_atomic(config.report, run_report)
+    if metrics_wanted:
+        # After the output is committed and before the state is: a crash in between reruns the same
+        # continuation, whose event file has the same name and replaces this one.
+        integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
+        _write_metrics(config, batches, totals, batches_before, integer_steps)
     if config.state is not None:
         state = controller.save_state()
-        state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label}
+        state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
+                             "controller_batches": batches_before + batches.batch_count}
         write_json_atomic(config.state, state)
     return ScoreResult(output=output, report=run_report, warnings=warnings)
 
@@ -178,6 +191,29 @@ def _require_matplotlib(plot_path: Path) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise OutputError(f"{plot_path}: --plot needs matplotlib: pip install 'klpipe[plot]'")
+
+
+def _write_metrics(config: ScoreConfig, batches: ControllerSteps, totals: report.RunTotals, batches_before: int,
+                   integer_steps: bool) -> None:
+    """The per-step metrics files. The x axis is the step label of an integer step column, else a count of
+    controller batches that continues from `batches_before`, the count of earlier runs on the same state."""
+    from klpipe.score import metrics
+
+    target = config.controller.kl_target
+    if batches.has_steps:
+        step_metrics = metrics.from_steps(batches.steps, target, None if integer_steps else batches_before)
+    else:
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0)
+
+        step_metrics = metrics.from_rows(
+            totals.all_kls(), joined(batches.per_row_coeffs), batches.controller.kl_coeff,
+            joined(batches.per_row_rewards), joined(batches.per_row_tokens), target, first_batch=batches_before,
+        )  # fmt: skip
+    if config.tensorboard is not None:
+        metrics.write_tensorboard(Path(config.tensorboard), step_metrics)
+    if config.metrics_jsonl is not None:
+        metrics.write_jsonl(Path(config.metrics_jsonl), step_metrics)
 
 
 def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:
@@ -225,6 +261,14 @@ def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLContro
     return controller, last_run if isinstance(last_run, dict) else None
 
 
+def _batches_before(previous_run: dict | None, state_path: Path | None) -> int:
+    """Controller batches scored into the state file by earlier runs: where this run's batch counter starts."""
+    count = (previous_run or {}).get("controller_batches", 0)  # absent from states written before it was kept
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise StateError(f"{state_path}: last_run.controller_batches must be a non-negative integer, got {count!r}")
+    return count
+
+
 # -- the stream -------------------------------------------------------------------------------------
 
 
@@ -246,7 +290,7 @@ def _score_batch(
     kl = estimate.kl
     reward = logprobs.reward
     steps = batch.column(names.name(STEP)) if batches.has_steps else None
-    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1)
+    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1, np.diff(logprobs.offsets))
     penalty = coeffs * kl
     adjusted = reward - penalty
 

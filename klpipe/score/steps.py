@@ -27,12 +27,14 @@ class _OpenStep:
     kls: list[np.ndarray] = field(default_factory=list)
     rewards: list[np.ndarray] = field(default_factory=list)
     negative_k1: int = 0
+    tokens: int = 0  # response tokens
 
 
 class ControllerSteps:
     """Cuts the row stream into controller batches and hands each row its coefficient."""
 
-    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str]):
+    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str],
+                 keep_rows: bool = False):
         self.controller = controller
         self.has_steps = has_steps
         self.previous_last_step = previous_last_step
@@ -40,16 +42,26 @@ class ControllerSteps:
         self.kl_coeff_before = controller.kl_coeff  # at the start of the run
         self.open: _OpenStep | None = None
         self.steps: list[dict] = []  # report entries, one per step
-        self.step_kl_means: list[float] = []  # unrounded, for the plot
         self.batch_count = 0
         self.last_label = None
-        self.per_row_coeffs: list[np.ndarray] = []  # without steps: the plot's coefficient trajectory
+        # Without steps each row is a batch, and these hold its values (8 bytes a row each): the
+        # coefficients for the plot, and with `keep_rows` rewards and token counts for the metrics.
+        self.per_row_coeffs: list[np.ndarray] = []
+        self.keep_rows = keep_rows and not has_steps
+        self.per_row_rewards: list[np.ndarray] = []
+        self.per_row_tokens: list[np.ndarray] = []
 
     def coefficients(
-        self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray
+        self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray, tokens: np.ndarray
     ) -> np.ndarray:
-        """The coefficient for each row of a record batch, closing the steps that end in it."""
+        """The coefficient for each row of a record batch, closing the steps that end in it.
+
+        `tokens` is each row's count of response tokens.
+        """
         if not self.has_steps:
+            if self.keep_rows:
+                self.per_row_rewards.append(reward)
+                self.per_row_tokens.append(tokens)
             return self._per_row(kl)
         n = len(kl)
         coeffs = np.empty(n)
@@ -67,6 +79,7 @@ class ControllerSteps:
             step.kls.append(kl[start:end])
             step.rewards.append(reward[start:end])
             step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
+            step.tokens += int(np.sum(tokens[start:end]))
             coeffs[start:end] = step.kl_coeff
         return coeffs
 
@@ -98,9 +111,9 @@ class ControllerSteps:
             return
         kls = np.concatenate(step.kls)
         self.controller.observe_batch(kls.tolist())
-        self.step_kl_means.append(float(np.mean(kls)))
         rewards = np.concatenate(step.rewards)
-        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, self.controller))
+        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, step.tokens,
+                                            self.controller))
 
     def finish(self) -> None:
         self._close()
