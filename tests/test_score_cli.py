@@ -441,7 +441,7 @@ def test_no_output_option_may_name_an_input_or_another_output(tmp_path):
     # `--report X` with X a cache exited 0 and replaced the cache with a report.
     cache = write_cache(tmp_path / "a.parquet", make_rows(8))
     original = cache.read_bytes()
-    for option in ("--report", "--state", "--plot"):
+    for option in ("--report", "--state", "--plot", "--metrics-jsonl", "--tensorboard"):
         result = invoke(cache, "-o", tmp_path / "out.parquet", option, cache)
         assert result.exit_code == 2, result.stderr
         assert result.stderr == f"Error: {cache}: is also an input; pass another {option}\n"

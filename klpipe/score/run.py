@@ -182,7 +182,8 @@ def _outputs(config: ScoreConfig, output: Path) -> dict[str, Path | None]:
     The state file is read as well as written, so it is an output here too: as an input cache, or
     as the report, it would be destroyed.
     """
-    return {"--output": output, "--report": config.report, "--plot": config.plot, "--state": config.state}
+    return {"--output": output, "--report": config.report, "--plot": config.plot, "--state": config.state,
+            "--metrics-jsonl": config.metrics_jsonl, "--tensorboard": config.tensorboard}
 
 
 def _require_matplotlib(plot_path: Path) -> None:
