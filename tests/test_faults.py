@@ -516,3 +516,44 @@ def test_killed_score_never_half_writes_state(world, scoring, tmp_path, trial):
     rerun = world.runner.run(score_args(scoring.cache, tmp_path))
     assert rerun.returncode == 0, f"{msg}: the rerun failed: {rerun.stderr}"
     assert_only(tmp_path, {"scored.parquet", "report.json", "report.png", "kl_state.json"}, msg)
+    if state == scoring.previous_state:  # killed before the state moved on: the rerun is the same run
+        assert pq.read_table(tmp_path / "scored.parquet").equals(scoring.scored, check_metadata=True), msg
+        assert (tmp_path / "kl_state.json").read_bytes() == scoring.next_state, msg
+
+
+def test_full_disk_tmpfs_score(world, scoring, tmpfs, trial):
+    """klpipe score's outputs on a tmpfs that fills mid-run: one line, nothing that looks complete, the
+    state untouched; once space is freed the rerun equals an uninterrupted run."""
+    seed = trial_seed("enospc-tmpfs-score", trial)
+    rng = random.Random(seed)
+    disk, size = tmpfs
+    probe = disk / "probe"
+    probe.mkdir()
+    (probe / "kl_state.json").write_bytes(scoring.previous_state)
+    done = world.runner.run(score_args(scoring.cache, probe))
+    assert done.returncode == 0, done.stderr
+    needed = sum(p.stat().st_blocks * 512 for p in probe.iterdir())
+    for p in probe.iterdir():
+        p.unlink()
+    probe.rmdir()
+    free = int(needed * rng.uniform(0.02, 0.9)) // 4096 * 4096
+    out = disk / "out"
+    out.mkdir()
+    (out / "kl_state.json").write_bytes(scoring.previous_state)
+    used = sum(p.stat().st_blocks * 512 for p in out.iterdir())
+    filler = disk / "filler"
+    with open(filler, "wb") as fh:  # leaves `free` bytes (tmpfs counts whole pages)
+        fh.write(b"\0" * (size - used - free))
+    msg = f"seed={seed} free={free} of the {needed} the outputs need"
+
+    result = world.runner.run(score_args(scoring.cache, out))
+    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
+    line = one_error_line(result.stderr)
+    assert "No space left on device" in line and f"Error: {out}/" in line, f"{msg}: {line}"
+    assert_only(out, {"kl_state.json"}, msg)  # nothing partial, no temporary file left behind
+    assert (out / "kl_state.json").read_bytes() == scoring.previous_state, msg
+    filler.unlink()  # the operator frees space and reruns the same command
+    rerun = world.runner.run(score_args(scoring.cache, out))
+    assert rerun.returncode == 0, f"{msg}: {rerun.stderr}"
+    assert pq.read_table(out / "scored.parquet").equals(scoring.scored, check_metadata=True), msg
+    assert (out / "kl_state.json").read_bytes() == scoring.next_state, msg

@@ -54,14 +54,33 @@ def test_a_scratch_directory_is_removed_and_a_killed_runs_is_too(tmp_path):
     held = os.open(live, os.O_RDONLY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)  # a live run's: left alone
-        with atomic.scratch_directory(tmp_path, "scratch") as scratch:
+        with atomic.scratch_directory(tmp_path, "scratch") as scratch, atomic.OutputGroup() as outputs:
             (scratch / "made").write_text("whole")
-            atomic.move_into_place(scratch / "made", tmp_path / "out.txt")
+            with outputs.file(tmp_path / "out.txt") as tmp:
+                os.replace(scratch / "made", tmp)
+            outputs.commit()
             assert list(scratch.iterdir()) == []
         assert sorted(p.name for p in tmp_path.iterdir()) == [".scratch.live1234.tmp", "out.txt"]
     finally:
         os.close(held)
     assert (tmp_path / "out.txt").read_text() == "whole"
+
+
+def test_a_group_of_outputs_appears_together_or_not_at_all(tmp_path):
+    with pytest.raises(OutputError, match="out.b: write failed .No space left on device"):
+        with atomic.OutputGroup() as outputs:
+            with outputs.file(tmp_path / "out.a") as tmp:
+                tmp.write_text("a")
+            assert not (tmp_path / "out.a").exists()  # written, not yet in place
+            with outputs.file(tmp_path / "out.b") as tmp:
+                raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []  # out.a never appeared, and no temporary file is left
+    with atomic.OutputGroup() as outputs:
+        for name in ("out.a", "out.b"):
+            with outputs.file(tmp_path / name) as tmp:
+                tmp.write_text(name)
+        outputs.commit()
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["out.a", "out.b"]
 
 
 def test_atomic_output_into_an_unwritable_place_is_an_output_error(tmp_path):

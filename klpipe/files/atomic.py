@@ -25,46 +25,85 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+class OutputGroup:
+    """Files that appear together or not at all: each is written to a temporary file beside it, and
+    `commit` renames every one into place only once all of them are complete.
+
+    A run that fails writing its third output (a full disk, say) then leaves none of the three,
+    where renaming each as it was done would leave the first two looking complete. Used as a context
+    manager: temporary files of a group that never committed are removed when it exits.
+
+    A kill -9 can still leave a temporary file `.<name>.<random>.tmp`. The writer holds a lock on it
+    until the rename, so the next write of the same output tells a dead writer's file from a live
+    one's, and removes the dead ones.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[int, Path, Path]] = []  # (locked descriptor, temporary file, final path)
+
+    def __enter__(self) -> OutputGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd, tmp, _ in self._staged:  # never committed: an error came first
+            _discard(fd, tmp)
+        self._staged = []
+
+    @contextmanager
+    def file(self, path: str | Path, tmp_dir: str | Path | None = None) -> Iterator[Path]:
+        """Yield a temporary path to write `path` to; staged for `commit` if the block succeeds.
+
+        The temporary file lives beside `path` (or in `tmp_dir`, which must be on the same
+        filesystem) so the rename is atomic. A work directory as `tmp_dir` means a kill -9 leaves no
+        stray file beside outputs.
+        """
+        path = Path(path)
+        directory = Path(tmp_dir) if tmp_dir is not None else path.parent
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_tmp(directory, path.name)
+            fd, tmp = _locked_tmp(directory, path.name)
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+        try:
+            # mkstemp makes 0600 files; outputs should get the usual umask-derived mode, like open() gives.
+            os.fchmod(fd, 0o666 & ~_UMASK)
+            yield tmp
+            _fsync_file(tmp)
+        except OSError as exc:
+            _discard(fd, tmp)
+            raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
+        except BaseException:
+            _discard(fd, tmp)
+            raise
+        self._staged.append((fd, tmp, path))
+
+    def commit(self) -> None:
+        """Rename every staged file into place, durably."""
+        staged, self._staged = self._staged, []
+        try:
+            for fd, tmp, path in staged:
+                os.replace(tmp, path)
+                _fsync_dir(path.parent)
+        except OSError as exc:
+            raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
+        finally:
+            for fd, tmp, _ in staged:
+                _discard(fd, tmp)  # releases the lock; the file is gone from `tmp` once renamed
+
+
 @contextmanager
 def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterator[Path]:
-    """Yield a temporary path; rename it to `path` only if the block succeeds.
-
-    The temporary file lives beside `path` (or in `tmp_dir`, which must be on the same
-    filesystem) so the final rename is atomic, and a crash never leaves anything under the
-    final name. A work directory as `tmp_dir` means a kill -9 leaves no stray file beside outputs.
-
-    A kill -9 can still leave the temporary file `.<name>.<random>.tmp` itself. The writer holds a
-    lock on it until the rename, so the next write of the same `path` tells a dead writer's file
-    from a live one's, and removes the dead ones.
-    """
-    path = Path(path)
-    directory = Path(tmp_dir) if tmp_dir is not None else path.parent
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(directory, path.name)
-        fd, tmp = _locked_tmp(directory, path.name)
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot write here ({exc.strerror or exc})") from None
-    try:
-        # mkstemp makes 0600 files; outputs should get the usual umask-derived mode, like open() gives.
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        yield tmp
-        move_into_place(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)  # releases the lock
+    """Yield a temporary path; rename it to `path` only if the block succeeds (an OutputGroup of one)."""
+    with OutputGroup() as group:
+        with group.file(path, tmp_dir) as tmp:
+            yield tmp
+        group.commit()
 
 
-def move_into_place(src: Path, path: Path) -> None:
-    """Rename a finished file on `path`'s filesystem to `path`, durably: its bytes, then the name."""
-    _fsync_file(src)
-    os.replace(src, path)
-    _fsync_dir(path.parent)
+def _discard(fd: int, tmp: Path) -> None:
+    Path(tmp).unlink(missing_ok=True)
+    os.close(fd)  # releases the lock
 
 
 @contextmanager
@@ -72,7 +111,7 @@ def scratch_directory(directory: str | Path, name: str) -> Iterator[Path]:
     """Yield a new empty directory `.<name>.<random>.tmp` in `directory`, removed with its contents at the end.
 
     For writers that name their own files: they write there, and the caller moves the finished file
-    into place with `move_into_place`. Locked like atomic_output's temporary files, so the next
+    into its place (an OutputGroup file). Locked like atomic_output's temporary files, so the next
     scratch directory of the same `name` removes a killed run's and never a live one's.
     """
     directory = Path(directory)

@@ -1,4 +1,10 @@
-"""Parquet readers and writers whose memory does not grow with the file."""
+"""Parquet readers and writers: memory that does not grow with the file, and pages that carry checksums.
+
+Every page klpipe writes carries a CRC-32 (parquet's page checksum), and every reader verifies the
+checksum of each page that has one. A flipped bit in a cache (a failing disk, a bad copy) then stops
+the run with the file's name, where it would otherwise become a wrong logprob, a wrong penalty and
+a wrong policy update without anything crashing.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +22,21 @@ PARQUET_READ_BUFFER = 1 << 20
 
 
 def open_parquet(path: str | Path) -> pq.ParquetFile:
-    """A parquet reader whose memory does not grow with the file: every klpipe reader opens files this way."""
-    return pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_READ_BUFFER)
+    """A parquet reader with bounded memory that verifies page checksums: every klpipe reader opens files this way.
+
+    Pages written without a checksum (by other tools) are read as they are.
+    """
+    return pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_READ_BUFFER, page_checksum_verification=True)
+
+
+def parquet_writer(where, schema: pa.Schema) -> pq.ParquetWriter:
+    """A parquet writer whose pages carry checksums: every klpipe writer writes this way."""
+    return pq.ParquetWriter(where, schema, write_page_checksum=True)
+
+
+def write_table(table: pa.Table, where) -> None:
+    """`pq.write_table`, with page checksums."""
+    pq.write_table(table, where, write_page_checksum=True)
 
 
 

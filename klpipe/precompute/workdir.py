@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
-from klpipe.errors import InputError, OutputError, ProvenanceError
+from klpipe.errors import InputError, OutputError, ProvenanceError, first_line
 from klpipe.files.atomic import atomic_output
-from klpipe.files.parquet import open_parquet
+from klpipe.files.parquet import open_parquet, parquet_writer, write_table
 from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
 
@@ -118,21 +117,20 @@ class WorkDir:
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
         with atomic_output(path) as tmp:
-            pq.write_table(table, tmp)
+            write_table(table, tmp)
 
     def merge_into(self, output: Path) -> None:
         chunks = sorted(self.path.glob("chunk-*.parquet"))
         expected = self.run["rows"][1] - self.run["rows"][0]
         with atomic_output(output, tmp_dir=self.path) as tmp:
             rows = 0
-            with pq.ParquetWriter(tmp, self.output_schema) as writer:
+            with parquet_writer(tmp, self.output_schema) as writer:
                 for path in chunks:
                     # One chunk in memory at a time, and each chunk stays one row group of the cache.
-                    with open_parquet(path) as chunk:
-                        for group in range(chunk.num_row_groups):
-                            table = chunk.read_row_group(group).cast(self.output_schema)
-                            rows += table.num_rows
-                            writer.write_table(table)
+                    for table in _row_groups(path):
+                        table = table.cast(self.output_schema)
+                        rows += table.num_rows
+                        writer.write_table(table)
             if rows != expected:  # a guard against a lost or duplicated chunk, never expected to fire
                 raise OutputError(f"{self.path}: chunks hold {rows} rows, expected {expected}; delete it and rerun")
 
@@ -148,6 +146,18 @@ class WorkDir:
                 self.remove()
         except (OutputError, ProvenanceError):
             pass  # another run's, or another command's: not ours to delete
+
+
+def _row_groups(path: Path):
+    """A checkpoint's row groups, each verified against its page checksums on the way."""
+    try:
+        with open_parquet(path) as chunk:
+            for group in range(chunk.num_row_groups):
+                yield chunk.read_row_group(group)
+    except (OSError, pa.ArrowException) as exc:
+        # A checkpoint damaged on disk since it was written: never merged, recomputed once removed.
+        raise OutputError(f"{path}: a damaged checkpoint ({first_line(exc)}); delete this file and rerun "
+                          "to compute its chunk again") from None
 
 
 class _Locked:

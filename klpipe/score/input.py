@@ -35,7 +35,7 @@ from klpipe.cache import (
     written_by_klpipe,
 )
 from klpipe.columns import ColumnMap
-from klpipe.errors import InputError
+from klpipe.errors import InputError, first_line
 from klpipe.files.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
 from klpipe.files.parquet import leaf_index, open_parquet
 from klpipe.rows import RowLocator
@@ -97,15 +97,23 @@ def open_caches(files: list[Path], columns: ColumnMap) -> pa.Schema:
 
 def read_batches(files: list[Path], batch_tokens: int, batch_bytes: int,
                  columns: ColumnMap) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
-    """(record batch, where its rows come from), across all inputs in order."""
+    """(record batch, where its rows come from), across all inputs in order.
+
+    A page that fails its checksum, or a file that cannot be decoded, stops the run naming the file:
+    nothing computed from it is ever written.
+    """
     policy, id_column = columns.name(POLICY_LOGPROBS), columns.name(ID)
     for path in files:
-        with open_parquet(path) as reader:
-            first_index = 0
-            for batch in reader.iter_batches(batch_size=rows_per_batch(reader, batch_tokens, batch_bytes, policy)):
-                ids = batch.column(id_column) if id_column in batch.schema.names else None
-                yield batch, RowLocator(path, first_index, ids)
-                first_index += batch.num_rows
+        try:
+            with open_parquet(path) as reader:
+                first_index = 0
+                size = rows_per_batch(reader, batch_tokens, batch_bytes, policy)
+                for batch in reader.iter_batches(batch_size=size):
+                    ids = batch.column(id_column) if id_column in batch.schema.names else None
+                    yield batch, RowLocator(path, first_index, ids)
+                    first_index += batch.num_rows
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{path}: corrupt or unreadable ({first_line(exc)}); nothing was written from it") from None
 
 
 def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.abc
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from klpipe.errors import OutputError
-from klpipe.files.atomic import atomic_output, move_into_place, scratch_directory
+from klpipe.files.atomic import OutputGroup, scratch_directory
 
 # Event tags are PREFIX + name; JSONL keys are the names, plus `step`.
 PREFIX = "klpipe/"
@@ -127,9 +128,9 @@ def from_rows(kls: np.ndarray, coeffs: np.ndarray, final_coeff: float, rewards: 
 # -- JSON Lines ---------------------------------------------------------------------------------------
 
 
-def write_jsonl(path: Path, metrics: StepMetrics) -> None:
-    """This run's records, one JSON object a line, at full precision; the file appears whole."""
-    with atomic_output(path) as tmp, open(tmp, "w") as out:
+def write_jsonl(outputs: OutputGroup, path: Path, metrics: StepMetrics) -> None:
+    """This run's records, one JSON object a line, at full precision; the file appears with the run's others."""
+    with outputs.file(path) as tmp, open(tmp, "w") as out:
         out.writelines(json.dumps(record) + "\n" for record in metrics.records())
 
 
@@ -175,7 +176,7 @@ def event_file_name(first_step: int) -> str:
     return EVENT_FILE.format(first_step=first_step)
 
 
-def write_tensorboard(directory: Path, metrics: StepMetrics) -> Path | None:
+def write_tensorboard(outputs: OutputGroup, directory: Path, metrics: StepMetrics) -> Path | None:
     """One scalar per metric per step into DIR/events.out.tfevents.<first step>.klpipe; None when there were no steps.
 
     TensorBoard stores scalars as float32; the JSONL and the report keep float64.
@@ -202,7 +203,8 @@ def write_tensorboard(directory: Path, metrics: StepMetrics) -> Path | None:
             finally:
                 writer.close()
             (written,) = scratch.iterdir()
-            move_into_place(written, path)
+            with outputs.file(path) as tmp:  # appears with the run's other outputs
+                os.replace(written, tmp)
     except OSError as exc:
         raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
     return path

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from klpipe.errors import OutputError
-from klpipe.files.atomic import atomic_output
 from klpipe.score.controller import KLController, KLStats
 
 PERCENTILES = (50, 90, 99)
@@ -212,7 +211,10 @@ def render_table(report: dict, console) -> None:
 
 
 def plot(path: Path, trajectory: Trajectory, report: dict) -> None:
-    """Three panels: batch KL against the target band, the coefficient, and a histogram of row KL."""
+    """Three panels into the PNG `path`: batch KL against the target band, the coefficient, a histogram of row KL.
+
+    The caller makes it appear atomically (score/run.py writes it to a temporary file of its OutputGroup).
+    """
     try:
         import matplotlib
     except ImportError:
@@ -241,7 +243,6 @@ def plot(path: Path, trajectory: Trajectory, report: dict) -> None:
     hist_ax.set(xlabel="per-row KL (nats)", ylabel="rows", title="Per-row KL")
 
     try:
-        with atomic_output(path) as tmp:
-            fig.savefig(tmp, format="png", dpi=110)
+        fig.savefig(path, format="png", dpi=110)
     finally:
         plt.close(fig)

@@ -21,20 +21,19 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from klpipe import __version__
 from klpipe.arrow import from_numpy, list_array
 from klpipe.cache import SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError, StateError
-from klpipe.files.atomic import atomic_output, write_json_atomic
+from klpipe.files.atomic import OutputGroup, write_json_atomic
 from klpipe.files.discover import (
     PARQUET_SUFFIXES,
     output_beside,
     refuse_overwriting_inputs,
 )
-from klpipe.files.parquet import RowGroups
+from klpipe.files.parquet import RowGroups, parquet_writer
 from klpipe.rows import RowLocator
 from klpipe.score import report
 from klpipe.score.config import ScoreConfig
@@ -134,17 +133,21 @@ def score(config: ScoreConfig) -> ScoreResult:
         keep_rows=metrics_wanted,
     )
     totals = report.RunTotals()
-    with atomic_output(output) as tmp:
-        # Three stages overlap: a thread decodes the next record batch, this thread scores, and
-        # another thread encodes the previous row group (parquet and numpy release the GIL).
-        with pq.ParquetWriter(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
-            row_groups = RowGroups(write, config.row_group_bytes)
-            batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
-            with closing(prefetch(batch_stream)) as stream:
-                for batch, rows in stream:
-                    scored = _score_batch(batch, rows, config, batches, totals, replaced, names)
-                    row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
-            row_groups.flush()
+    # The output, report, plot and metrics appear together, once all are written: a run that fails
+    # on any of them (a full disk, say) leaves none. The state, the next run's starting point, is
+    # written after them, so it only ever moves on from a run whose outputs are all in place.
+    with OutputGroup() as outputs:
+        with outputs.file(output) as tmp:
+            # Three stages overlap: a thread decodes the next record batch, this thread scores, and
+            # another thread encodes the previous row group (parquet and numpy release the GIL).
+            with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
+                row_groups = RowGroups(write, config.row_group_bytes)
+                batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
+                with closing(prefetch(batch_stream)) as stream:
+                    for batch, rows in stream:
+                        scored = _score_batch(batch, rows, config, batches, totals, replaced, names)
+                        row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
+                row_groups.flush()
         batches.finish()
         if totals.extreme_count:
             warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats))
@@ -157,14 +160,17 @@ def score(config: ScoreConfig) -> ScoreResult:
         )  # fmt: skip
         if config.plot is not None:
             trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
-            report.plot(Path(config.plot), trajectory, run_report)
+            with outputs.file(config.plot) as tmp:
+                report.plot(tmp, trajectory, run_report)
         if config.report is not None:
-            write_json_atomic(config.report, run_report)
-    if metrics_wanted:
-        # After the output is committed and before the state is: a crash in between reruns the same
-        # continuation, whose event file has the same name and replaces this one.
-        integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
-        _write_metrics(config, batches, totals, batches_before, integer_steps)
+            with outputs.file(config.report) as tmp:
+                tmp.write_text(json.dumps(run_report, indent=2, sort_keys=True) + "\n")
+        if metrics_wanted:
+            # A crash between these files and the state reruns the same continuation, whose event
+            # file has the same name and replaces this one.
+            integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
+            _write_metrics(outputs, config, batches, totals, batches_before, integer_steps)
+        outputs.commit()
     if config.state is not None:
         state = controller.save_state()
         state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
@@ -194,7 +200,7 @@ def _require_matplotlib(plot_path: Path) -> None:
         raise OutputError(f"{plot_path}: --plot needs matplotlib: pip install 'klpipe[plot]'")
 
 
-def _write_metrics(config: ScoreConfig, batches: ControllerSteps, totals: report.RunTotals, batches_before: int,
+def _write_metrics(outputs: OutputGroup, config: ScoreConfig, batches: ControllerSteps, totals: report.RunTotals, batches_before: int,
                    integer_steps: bool) -> None:
     """The per-step metrics files. The x axis is the step label of an integer step column, else a count of
     controller batches that continues from `batches_before`, the count of earlier runs on the same state."""
@@ -212,9 +218,9 @@ def _write_metrics(config: ScoreConfig, batches: ControllerSteps, totals: report
             joined(batches.per_row_rewards), joined(batches.per_row_tokens), target, first_batch=batches_before,
         )  # fmt: skip
     if config.tensorboard is not None:
-        metrics.write_tensorboard(Path(config.tensorboard), step_metrics)
+        metrics.write_tensorboard(outputs, Path(config.tensorboard), step_metrics)
     if config.metrics_jsonl is not None:
-        metrics.write_jsonl(Path(config.metrics_jsonl), step_metrics)
+        metrics.write_jsonl(outputs, Path(config.metrics_jsonl), step_metrics)
 
 
 def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:
