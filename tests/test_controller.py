@@ -411,3 +411,54 @@ def test_window_mean_is_the_builtin_sum_like_the_seed():
     assert controller.kl_coeff == (0.1 * 0.8 if seeds_mean < 0.25 else 0.1)
     if sys.version_info < (3, 12):
         assert controller.kl_coeff == 0.1 * 0.8
+
+
+# -- the rule pinned by figures worked out by hand (no seed needed) ---------------------------------
+
+
+def test_window_rule_worked_example_with_both_clamps():
+    """window 3, target 2 (band 1..3), factors 1.5 / 0.8, clamp [0.01, 1.0], start 0.1; worked by hand."""
+    controller = KLController(ControllerConfig(window=3, kl_target=2.0))
+    steps = [
+        # (batch KLs, penalties at the coefficient in force before the batch, coefficient after, adaptations)
+        ([4.0, 4.0], [0.4, 0.4], 0.1, 0),  # 2 KLs in the history: no decision yet, not even a clamp
+        ([5.0], [0.5], 0.15, 1),  # last 3 = 4, 4, 5: mean 4.33 > 3 → × 1.5
+        ([0.5, 0.5, 0.5], [0.075] * 3, 0.12, 2),  # mean 0.5 < 1 → 0.15 × 0.8
+        ([2.0, 2.0, 2.0], [0.24] * 3, 0.12, 2),  # mean 2, inside the band: unchanged, not counted
+        ([3.0, 3.0, 3.0], [0.36] * 3, 0.12, 2),  # mean 3 is not above 1.5 × target: unchanged
+        ([100.0], [12.0], 0.18, 3),  # last 3 = 3, 3, 100: mean 35.3 → × 1.5
+        ([100.0], [18.0], 0.27, 4),
+        ([100.0], [27.0], 0.405, 5),
+        ([100.0], [40.5], 0.6075, 6),
+        ([100.0], [60.75], 0.91125, 7),
+        ([100.0], [91.125], 1.0, 8),  # 1.366875 clamped to kl_coeff_max
+        ([100.0], [100.0], 1.0, 8),  # 1.5 clamped back to 1.0: no change, not counted
+    ]
+    for kls, penalties, after, adaptations in steps:
+        got, stats = controller.penalise_batch(kls)
+        assert got == pytest.approx(penalties, rel=1e-12)
+        assert controller.kl_coeff == pytest.approx(after, rel=1e-12)
+        assert (stats.adaptation_count, controller.adaptation_count) == (adaptations, adaptations)
+    assert controller.samples_processed == 2 + 1 + 3 + 3 + 3 + 7
+    # Down to the lower clamp: 0.8^20 = 0.0115 is still above 0.01, 0.8^21 = 0.0092 is not.
+    for _ in range(20):
+        controller.penalise_batch([0.0, 0.0, 0.0])
+    assert controller.kl_coeff == pytest.approx(0.8 ** 20, rel=1e-12)
+    controller.penalise_batch([0.0, 0.0, 0.0])
+    assert controller.kl_coeff == 0.01 and controller.adaptation_count == 8 + 21
+    # The seed's stats: over the last 100 KLs (82 so far), with the coefficient and counters.
+    stats = controller.get_stats().to_dict()
+    assert stats["kl/coeff"] == 0.01 and stats["kl/adaptation_count"] == 29
+    assert stats["kl/max"] == 100.0 and stats["kl/min"] == 0.0
+
+
+def test_seed_per_sample_order_by_hand():
+    # penalise_sample records, adapts, then penalises with the coefficient after adapting (the seed's
+    # get_penalty_from_logprobs): window 1, target 2, a KL of 10 moves 0.1 to 0.15 first.
+    controller = KLController(ControllerConfig(window=1, kl_target=2.0))
+    assert controller.penalise_sample(10.0) == pytest.approx(1.5, rel=1e-12)
+    assert controller.penalise_sample(2.0) == pytest.approx(0.3, rel=1e-12)  # in the band: 0.15 stays
+    assert controller.penalise_sample(0.0) == 0.0 and controller.kl_coeff == pytest.approx(0.12, rel=1e-12)
+    # The seed's KL of one response: the mean of policy − ref, clamped at 0.
+    assert controller.get_penalty_from_logprobs([-1.0, -2.0], [-2.0, -5.0]) == (pytest.approx(0.24), 2.0)
+    assert controller.get_penalty_from_logprobs([-3.0], [-1.0])[1] == 0.0

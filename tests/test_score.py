@@ -70,6 +70,36 @@ def test_output_matches_the_seed_with_steps_spanning_batches_and_files(tmp_path)
     assert result.report["summary"]["kl_coeff_after"] == seed.kl_coeff
 
 
+def test_the_readme_worked_example_by_hand(tmp_path):
+    """The worked example of the README's `klpipe score` section, every number derived by hand."""
+    rows = [  # (id, step, policy, ref, reward): per-row KL = mean(policy − ref), clamped at 0
+        ("a", 0, [-1.0, -2.0], [-2.0, -3.0], 1.0),  # (1 + 1) / 2 = 1
+        ("b", 0, [-0.5], [-4.5], 2.0),  # 4
+        ("c", 1, [-1.0], [-1.0], 0.5),  # 0
+        ("d", 1, [-3.0, -1.0], [-1.0, -1.0], 0.0),  # (−2 + 0) / 2 = −1, clamped to 0
+        ("e", 2, [-1.0], [-9.0], 3.0),  # 8
+    ]
+    cache = write_cache(tmp_path / "day.parquet", [
+        {ID: i, STEP: step, POLICY_LOGPROBS: p, REF_LOGPROBS: r, REWARD: w} for i, step, p, r, w in rows])
+    result = run(tmp_path, [cache], controller=ControllerConfig(kl_target=2.0, window=2))
+    # step 0 at 0.1; last 2 KLs (1, 4) average 2.5, inside 1..3: stays 0.1
+    # step 1 at 0.1; last 2 (0, 0) average 0 < 1: × 0.8 = 0.08
+    # step 2 at 0.08; last 2 (0, 8) average 4 > 3: × 1.5 = 0.12
+    assert read(result.output, SCORED) == [
+        {"kl": 1.0, "kl_coeff": 0.1, "kl_penalty": 0.1, "adjusted_reward": 0.9},
+        {"kl": 4.0, "kl_coeff": 0.1, "kl_penalty": 0.4, "adjusted_reward": 1.6},
+        {"kl": 0.0, "kl_coeff": 0.1, "kl_penalty": 0.0, "adjusted_reward": 0.5},
+        {"kl": 0.0, "kl_coeff": 0.1, "kl_penalty": 0.0, "adjusted_reward": 0.0},
+        {"kl": 8.0, "kl_coeff": pytest.approx(0.08), "kl_penalty": pytest.approx(0.64),
+         "adjusted_reward": pytest.approx(2.36)},
+    ]
+    summary = result.report["summary"]
+    assert summary["kl_coeff_after"] == pytest.approx(0.12) and summary["kl/adaptation_count"] == 2
+    assert [(s["step"], s["kl_coeff_before"]) for s in result.report["steps"]] == [
+        (0, 0.1), (1, 0.1), (2, pytest.approx(0.08))]
+    assert summary["kl/mean"] == 2.6 and summary["negative_k1_fraction"] == 0.2  # 13 / 5; row d
+
+
 def test_without_a_step_column_each_row_is_its_own_batch(tmp_path):
     rows = make_rows(30)
     schema = pa.schema([f for f in CACHE_SCHEMA if f.name != STEP])

@@ -20,6 +20,12 @@ from klpipe.files.fingerprint import file_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# The transformers versions klpipe's KV-cache continuation and Gemma 4 handling are tested with:
+# 5.24 renamed `past_key_values` to `cache` and is the first with Gemma 4's KV-shared layer skipping
+# and the cache's mask-size API as klpipe calls them. pyproject.toml's `precompute` extra says the same
+# (tests/test_install.py holds the two together).
+TRANSFORMERS_SUPPORTED = (">=5.24", "<6")
+
 
 @dataclass
 class ModelSpec:
@@ -98,10 +104,25 @@ def load_tokenizer(spec: ModelSpec):
         raise _load_error(spec, "the tokenizer", exc) from None
 
 
+def check_transformers_version(version: str | None = None) -> None:
+    """Refuse a transformers outside TRANSFORMERS_SUPPORTED: its cache internals may differ silently."""
+    from packaging.specifiers import SpecifierSet
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    wanted = ",".join(TRANSFORMERS_SUPPORTED)
+    if version not in SpecifierSet(wanted, prereleases=True):
+        raise ModelError(f"klpipe precompute is tested with transformers {wanted} and found {version}; "
+                         f"pip install 'transformers{wanted}'")
+
+
 def load_config(spec: ModelSpec):
     """The model config alone: cheap, so inputs are validated before gigabytes of weights load."""
     from transformers import AutoConfig
 
+    check_transformers_version()
     _check_exists(spec)
     try:
         return AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))

@@ -113,7 +113,11 @@ def _open_file(path: Path) -> RolloutFile:
 
 def _datasets_table(path: Path) -> pa.Table:
     """A memory-mapped Arrow table for JSON Lines or `save_to_disk` input, through `datasets`."""
-    import datasets  # heavy; only JSON Lines and save_to_disk inputs need it
+    try:
+        import datasets  # heavy; only JSON Lines and save_to_disk inputs need it
+    except ImportError:
+        raise InputError(f"{path}: reading JSON Lines and save_to_disk inputs needs the datasets package: "
+                         "pip install 'klpipe[precompute]'") from None
 
     datasets.disable_progress_bars()
     # Its parse errors are logged as well as raised; klpipe reports each failure in one line of its own.

@@ -82,6 +82,7 @@ def default_output(inputs: list[Path], shard: Shard | None = None) -> Path:
 
 def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks."""
+    _require_model_extra()
     from klpipe import model as reference  # torch lives behind this import
 
     started = time.perf_counter()
@@ -139,6 +140,16 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _require_model_extra() -> None:
+    """torch and transformers come with the `precompute` extra: scoring hosts install without them."""
+    import importlib.util
+
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelError(f"klpipe precompute needs {' and '.join(missing)}, which klpipe score does not: "
+                         "pip install 'klpipe[precompute]' (on a GPU machine, your CUDA build of torch first)")
 
 
 def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows) -> cache.Provenance:
