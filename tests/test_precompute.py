@@ -276,6 +276,30 @@ def test_changed_weights_are_never_reused(tmp_path, monkeypatch):
     assert_matches_oracle(AutoModelForCausalLM.from_pretrained(model_dir).eval(), redone)
 
 
+def test_a_resume_with_other_settings_is_refused_naming_each(tmp_path, monkeypatch):
+    from klpipe.precompute.workdir import WorkDir
+
+    real_write = WorkDir.write_chunk
+
+    def crash_at_the_third(self, tokenized, logprobs):
+        if tokenized.chunk.index == 2:
+            raise RuntimeError("simulated crash")
+        real_write(self, tokenized, logprobs)
+
+    with monkeypatch.context() as crashing:
+        crashing.setattr(WorkDir, "write_chunk", crash_at_the_third)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            run(tmp_path, model=TINY_LLAMA, chunk_rows=8, max_tokens_per_batch=100)
+    made = json.loads((tmp_path / "out.parquet.partial" / "run.json").read_text())["provenance"]
+    assert made["device"] == "cpu" and made["max_tokens_per_batch"] == 100 and made["chunk_rows"] == 8
+    assert made["prefix_sharing"] == "auto" and set(made["versions"]) == {"torch", "transformers"}
+    with pytest.raises(ProvenanceError, match=r"holds work from a different run \(prefix_sharing 'auto' → 'off'; "
+                                              r"max_tokens_per_batch 100 → 200\); rerun the original command"):
+        run(tmp_path, model=TINY_LLAMA, chunk_rows=8, max_tokens_per_batch=200, prefix_sharing="off")
+    resumed = run(tmp_path, model=TINY_LLAMA, chunk_rows=8, max_tokens_per_batch=100)
+    assert resumed.resumed_chunks == 2
+
+
 def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
     # The run must close its reader itself, not leave it to the garbage collector: here the test
     # keeps a reference to the stream (as a debugger, or a traceback elsewhere, would), and an
