@@ -18,6 +18,16 @@ Builds:
   ``<eos>`` row is scaled further so sampled responses end at varied lengths;
 * ``tiny-llama/``: a random ``LlamaForCausalLM`` sharing the tokenizer, as a
   plain architecture with no softcap;
+* ``tiny-gemma4-mm/``: a random ``Gemma4ForConditionalGeneration`` in the hub
+  checkpoints' layout: the same text config as tiny-gemma4 but with a tied LM
+  head (``tie_word_embeddings=True``, so no ``lm_head.weight`` is stored and
+  the text weights live under ``model.language_model.*``), plus small but real
+  vision and audio towers holding over a third of the parameters, so that
+  loading only the text decoder and head visibly saves memory. A tied head
+  cannot be scaled apart from the embedding, so the embedding gets
+  ``EMBED_SCALE`` as in tiny-gemma4 and the final norm's weight the remaining
+  ``HEAD_SCALE / EMBED_SCALE``: raw logits are then those of a head scaled by
+  ``HEAD_SCALE``, with a similar share beyond the cap;
 * ``rollouts.parquet``: GRPO-style rollouts sampled from a *policy* that is a
   noise-perturbed copy of tiny-gemma4, so that tiny-gemma4 acts as the
   reference model and the policy-vs-reference KL is clearly non-zero.
@@ -51,8 +61,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma4AudioConfig,
+    Gemma4Config,
     Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
     Gemma4TextConfig,
+    Gemma4VisionConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -62,6 +76,7 @@ from transformers.utils import logging as hf_logging
 OUT_DIR = Path(__file__).resolve().parent
 GEMMA_DIR = OUT_DIR / "tiny-gemma4"
 LLAMA_DIR = OUT_DIR / "tiny-llama"
+GEMMA_MM_DIR = OUT_DIR / "tiny-gemma4-mm"
 ROLLOUTS_PATH = OUT_DIR / "rollouts.parquet"
 CONVERSATIONAL_PATH = OUT_DIR / "conversational.parquet"
 
@@ -94,6 +109,7 @@ SAMPLES_PER_GROUP = 4
 SEED_TOKENIZER_SHUFFLE = 0
 SEED_GEMMA = 1234
 SEED_LLAMA = 4321
+SEED_GEMMA_MM = 1235
 SEED_POLICY_NOISE = 777
 SEED_SAMPLING = 2024
 SEED_REWARD = 99
@@ -267,7 +283,7 @@ def check_tokenizer(model_dir: Path) -> None:
     assert ids[0] == BOS and ids[1] != BOS, ids  # the template's own <bos>, once
 
 
-def gemma_config() -> Gemma4TextConfig:
+def gemma_config(tie_word_embeddings: bool = False) -> Gemma4TextConfig:
     # Non-shared layers (0..3) must hold both attention types, since each
     # KV-shared layer reuses the cache of the last earlier layer of its type.
     layer_types = [
@@ -292,12 +308,43 @@ def gemma_config() -> Gemma4TextConfig:
         final_logit_softcapping=SOFTCAP,
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=VOCAB_SIZE,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=512,
         layer_types=layer_types,
         pad_token_id=PAD,
         eos_token_id=EOS,
         bos_token_id=BOS,
+    )
+
+
+def gemma_mm_config() -> Gemma4Config:
+    """tiny-gemma4's text config with a tied head, and towers sized so model.safetensors stays under 2 MB."""
+    vision = Gemma4VisionConfig(
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=24,
+        patch_size=4,
+        position_embedding_size=64,
+        pooling_kernel_size=2,
+    )
+    audio = Gemma4AudioConfig(
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        # The subsampling projection assumes as many mel bins as channels[0] (128 in the real model).
+        subsampling_conv_channels=[16, 8],
+        output_proj_dims=64,
+    )
+    # The image/audio placeholder ids stay at their defaults, beyond the 512-token vocabulary: no text
+    # token is ever taken for one, so the full model's text-only forward is the text decoder's.
+    return Gemma4Config(
+        text_config=gemma_config(tie_word_embeddings=True).to_dict(),
+        vision_config=vision.to_dict(),
+        audio_config=audio.to_dict(),
+        tie_word_embeddings=True,
     )
 
 
@@ -347,12 +394,58 @@ def build_gemma() -> Gemma4ForCausalLM:
     return model
 
 
+def build_gemma_mm() -> Gemma4ForConditionalGeneration:
+    torch.manual_seed(SEED_GEMMA_MM)
+    model = Gemma4ForConditionalGeneration(gemma_mm_config()).eval()
+    text = model.model.language_model
+    assert model.lm_head.weight is text.embed_tokens.weight, "expected a tied head"
+    with torch.no_grad():
+        text.embed_tokens.weight.mul_(EMBED_SCALE)
+        # Logits are (final norm) @ W.T: scaling the norm scales the head without touching the embedding.
+        text.norm.weight.mul_(HEAD_SCALE / EMBED_SCALE)
+    return model
+
+
+@torch.no_grad()
+def check_gemma_mm(out_dir: Path, probe_ids: torch.Tensor) -> None:
+    """The multimodal checkpoint is what the hub ships: tied head, text under model.language_model, towers that run."""
+    from safetensors import safe_open
+
+    with safe_open(out_dir / "model.safetensors", framework="pt") as fh:
+        keys = set(fh.keys())
+    assert "lm_head.weight" not in keys, "a tied head must not be stored"
+    assert "model.language_model.embed_tokens.weight" in keys
+    towers = [k for k in keys if not k.startswith("model.language_model.")]
+    assert any(k.startswith("model.vision_tower.") for k in towers) and any(k.startswith("model.audio_tower.") for k in towers)
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight, "head not tied after reload"
+    # The full model's text-only forward is its text decoder's plus the tied, softcapped head.
+    hidden = model.model.language_model(input_ids=probe_ids).last_hidden_state
+    expected = SOFTCAP * torch.tanh(hidden @ model.lm_head.weight.T / SOFTCAP)
+    torch.testing.assert_close(model(input_ids=probe_ids).logits, expected, rtol=0, atol=1e-4)
+
+    # Real towers: a 16x16 image (4x4 patches of 4x4 pixels, pooled 2x2 into 4 soft tokens), and 32 frames of
+    # 16 mel bins (two stride-2 convolutions: 8 soft tokens).
+    gen = torch.Generator().manual_seed(0)
+    vision = model.config.vision_config
+    side = 16 // vision.patch_size
+    pixels = torch.rand(1, side * side, 3 * vision.patch_size**2, generator=gen)
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), dim=-1).reshape(1, -1, 2)
+    image = model.model.get_image_features(pixels, grid).pooler_output
+    assert tuple(torch.cat(image).shape) == (side * side // vision.pooling_kernel_size**2, 64), [t.shape for t in image]
+    mel = model.config.audio_config.subsampling_conv_channels[0]
+    audio = model.model.get_audio_features(torch.randn(1, 32, mel, generator=gen), torch.ones(1, 32, dtype=torch.bool))
+    assert tuple(audio.pooler_output.shape) == (1, 8, 64), audio.pooler_output.shape
+    assert torch.isfinite(torch.cat(image)).all() and torch.isfinite(audio.pooler_output).all()
+
+
 def build_llama() -> LlamaForCausalLM:
     torch.manual_seed(SEED_LLAMA)
     return LlamaForCausalLM(llama_config()).eval()
 
 
-def head_logits_over_cap(model: Gemma4ForCausalLM, ids: torch.Tensor) -> float:
+def head_logits_over_cap(model: Gemma4ForCausalLM | Gemma4ForConditionalGeneration, ids: torch.Tensor) -> float:
     """Fraction of raw (pre-softcap) head logits with |z| > SOFTCAP."""
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
@@ -544,6 +637,14 @@ def main() -> None:
     conversational, worst_diff = build_conversational(tokenizer, gemma, policy)
     write_conversational(conversational)
 
+    # Last, and from its own seed: nothing above depends on it.
+    gemma_mm = build_gemma_mm()
+    mm_over_cap = head_logits_over_cap(gemma_mm, probe)
+    save_and_verify(gemma_mm, tokenizer, GEMMA_MM_DIR, probe)
+    check_gemma_mm(GEMMA_MM_DIR, probe)
+    text_params = sum(p.numel() for p in gemma_mm.model.language_model.parameters())
+    all_params = sum(p.numel() for p in gemma_mm.parameters())
+
     lengths = [len(r["response_ids"]) for r in rows]
     n_eos = sum(r["response_ids"][-1] == EOS for r in rows)
     round_trip = sum(
@@ -552,6 +653,8 @@ def main() -> None:
     mean_kl = kl_terms.mean().item()
 
     print(f"head logits with |z| > {SOFTCAP:g}: {over_cap:.1%}")
+    print(f"tiny-gemma4-mm: head logits with |z| > {SOFTCAP:g}: {mm_over_cap:.1%}; "
+          f"towers hold {1 - text_params / all_params:.0%} of {all_params} parameters")
     print(f"prompt lengths (tokens incl. <bos>): {prompt_lens}")
     print(f"response lengths: {lengths}")
     print(f"responses ending in <eos>: {n_eos}/{len(rows)}")
