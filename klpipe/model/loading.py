@@ -134,6 +134,28 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def rope_length_limit(config) -> int | None:
+    """The position count past which the model's RoPE changes its frequencies, or None.
+
+    transformers' dynamic and long RoPE pick their frequencies from the largest position id in the
+    whole batch: a row past the limit changes every other row's logprobs, and a row below it
+    computed beside one past it gets frequencies its own forward would not. Dynamic RoPE grows past
+    max_position_embeddings (no valid row goes there; only a pad's position could), long RoPE past
+    original_max_position_embeddings.
+    """
+    config = text_config(config)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = bool(parameters) and all(isinstance(v, dict) for v in parameters.values())
+    limits = []
+    for entry in (parameters.values() if per_layer_type else [parameters]):
+        kind = str(entry.get("rope_type", "default"))
+        if kind == "longrope":
+            limits.append(int(entry.get("original_max_position_embeddings") or config.max_position_embeddings))
+        elif "dynamic" in kind:
+            limits.append(int(config.max_position_embeddings))
+    return min(limits) if limits else None
+
+
 def vocab_and_context(config) -> tuple[int, int | None]:
     text = text_config(config)
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
