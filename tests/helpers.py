@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_data"
 TINY_GEMMA = SAMPLE / "tiny-gemma4"
 TINY_LLAMA = SAMPLE / "tiny-llama"
+TINY_GEMMA_MM = SAMPLE / "tiny-gemma4-mm"  # the hub layout: Gemma4ForConditionalGeneration, towers, tied head
 ROLLOUTS = SAMPLE / "rollouts.parquet"
 CONVERSATIONAL = SAMPLE / "conversational.parquet"  # TRL prompt-completion messages
 # The in-process controller klpipe's semantics come from. It is not part of this repository: where
