@@ -58,6 +58,7 @@ class Provenance:
     device: str | None = None  # "cpu" or "cuda": kernels differ in their last bits
     prefix_sharing: str | None = None  # the --prefix-sharing mode asked for
     max_tokens_per_batch: int | None = None  # the token budget in force: it decides which rows share a pass
+    max_cache_mib: int | None = None  # the prefix tree's cache budget in force: it decides its waves
     chunk_rows: int | None = None  # rows per chunk: the window in which rows are batched and shared
     versions: dict = field(default_factory=dict)  # {"torch": ..., "transformers": ...}
 

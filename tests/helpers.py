@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_data"
 TINY_GEMMA = SAMPLE / "tiny-gemma4"
 TINY_LLAMA = SAMPLE / "tiny-llama"
+TINY_GEMMA_MM = SAMPLE / "tiny-gemma4-mm"  # the hub layout: Gemma4ForConditionalGeneration, towers, tied head
 ROLLOUTS = SAMPLE / "rollouts.parquet"
 CONVERSATIONAL = SAMPLE / "conversational.parquet"  # TRL prompt-completion messages
 # The in-process controller klpipe's semantics come from. It is not part of this repository: where
@@ -274,3 +275,48 @@ def tokenized_chunk(rows) -> TokenizedChunk:
     n = len(rows)
     chunk = Chunk(0, pa.table({"x": list(range(n))}), np.zeros(n, np.int64), np.arange(n))
     return TokenizedChunk(chunk, chunk.table, prompts, prompt_offsets, responses, response_offsets)
+
+
+# -- agent-shaped rollouts --------------------------------------------------------------------------
+
+
+def agent_rollouts(path: Path, tasks: int = 6, group: int = 4, turns: int = 3, seed: int = 0,
+                   system_tokens: int = 60) -> Path:
+    """Rollouts an agent trainer dumps, as token ids: a long system prompt in every row, GRPO groups of
+    `group` responses per task, and trajectories stored a row per turn (each prompt the whole history).
+
+    Random ids of the tiny models' vocabulary, with random policy logprobs and rewards: for the paths
+    through the prefix tree, where the numbers matter only against the oracle.
+    """
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(3, 512, n).tolist()
+
+    system = [2] + ids(system_tokens - 1)
+    rows = []
+    for task in range(tasks):
+        prompt = system + ids(int(rng.integers(4, 30)))
+        for g in range(group):
+            rows.append({"id": f"t{task}-g{g}", "step": task // 2, "prompt_ids": prompt,
+                         "response_ids": ids(int(rng.integers(0, 24)))})
+        history = system + ids(int(rng.integers(4, 12)))
+        for turn in range(turns):  # a trajectory: turn k + 1's prompt is turn k's prompt and response and more
+            response = ids(int(rng.integers(1, 16)))
+            rows.append({"id": f"t{task}-turn{turn}", "step": task // 2, "prompt_ids": history,
+                         "response_ids": response})
+            history = history + response + ids(int(rng.integers(2, 8)))
+    for row in rows:
+        row["policy_logprobs"] = (-rng.exponential(2.0, len(row["response_ids"]))).astype(np.float32).tolist()
+        row["reward"] = float(rng.random())
+    schema = pa.schema([("id", pa.string()), ("step", pa.int64()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("response_ids", pa.list_(pa.int32())), ("policy_logprobs", pa.list_(pa.float32())),
+                        ("reward", pa.float64())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def per_row_tokens(table: pa.Table) -> int:
+    """What running every row whole feeds: its prompt and its response less the last token."""
+    return sum(len(p) + len(r) - 1 for p, r in zip(table.column("prompt_ids").to_pylist(),
+                                                   table.column("response_ids").to_pylist()) if r)

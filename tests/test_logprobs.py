@@ -1,14 +1,14 @@
-"""Prefix sharing against the naive fp32 oracle: a prompt run once must give every row of its group
-the logprobs that a full forward of that row alone gives, to 1e-4, on the tiny Llama and on the tiny
+"""The prefix tree against the naive fp32 oracle: every prefix computed once must give every row the
+logprobs that a full forward of that row alone gives, to 1e-4, on the tiny Llama and on the tiny
 Gemma 4 (softcap, sliding window of 8 and full attention, KV-shared layers, per-layer inputs)."""
 
 import numpy as np
 import pytest
 
-from klpipe.model.loading import ModelSpec
-from klpipe.model.reference import ReferenceModel
-from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
-from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs, tokenized_chunk
+from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.precompute import prefix_tree
+from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs
 
 TOLERANCE = 1e-4
 WINDOW = 8  # the tiny Gemma's sliding window; the Llama has none, the shapes serve both
@@ -23,29 +23,36 @@ def reference(request):
     return model
 
 
-def grpo_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Groups of rows sharing a prompt, shuffled so that no group is contiguous."""
+def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """An agent's day in one chunk, shuffled: every case the tree must get right."""
     rng = np.random.default_rng(seed)
-    groups = {
-        # prompt length: response lengths
-        5 * WINDOW + 3: [0, 1, 2, 3 * WINDOW, 40],  # a long prompt; responses of 0 and 1 tokens, and very different lengths
-        3: [7, 1, 25],  # a prompt shorter than the window; responses crossing it
-        WINDOW - 1: [9, 9],  # same lengths, different tokens
-        12: [6],  # a group of one
-        2 * WINDOW + 1: [WINDOW + 1, 0],
-    }
+
+    def tokens(n):
+        return rng.integers(0, vocab, n)
+
+    system = tokens(9 * WINDOW + 3)  # one system prompt, longer than the window, in every row but one
     rows = []
-    for prompt_len, response_lens in groups.items():
-        prompt = rng.integers(0, vocab, prompt_len)
-        rows += [(prompt, rng.integers(0, vocab, n)) for n in response_lens]
+    for task_len, responses in ((3, [0, 1, 2, 3 * WINDOW]), (WINDOW + 5, [7, 7, 40]), (1, [9])):
+        task = np.concatenate([system, tokens(task_len)])
+        rows += [(task, tokens(n)) for n in responses]  # GRPO groups; responses of 0 and 1 tokens
+    rows.append((system.copy(), tokens(5)))  # a row whose prompt is the bare system prompt
+    short = system[:WINDOW + 2]
+    rows.append((short, tokens(4)))  # a prompt that is a strict prefix of every other prompt
+    turn = (np.concatenate([system, tokens(6)]), tokens(2 * WINDOW))
+    for _ in range(3):  # a trajectory stored a row per turn: each prompt holds the whole history
+        rows.append(turn)
+        turn = (np.concatenate([*turn, tokens(4)]), tokens(WINDOW + 1))
+    rows.append(rows[0])  # duplicates
+    rows.append(rows[-2])
+    rows.append((tokens(11), tokens(6)))  # shares nothing
     order = rng.permutation(len(rows))
     return [rows[i] for i in order]
 
 
-def worst_error(reference, rows, results) -> float:
+def worst_error(reference, rows, results, temperature=1.0) -> float:
     worst = 0.0
     for (prompt, response), values in zip(rows, results):
-        expected = oracle_logprobs(reference.model, prompt, response)
+        expected = oracle_logprobs(reference.model, prompt, response, temperature)
         assert values.dtype == np.float32 and values.shape == expected.shape
         if len(expected):
             worst = max(worst, float(np.max(np.abs(values - expected))))
@@ -53,62 +60,106 @@ def worst_error(reference, rows, results) -> float:
 
 
 @pytest.mark.parametrize("sharing", ["on", "auto"])
-@pytest.mark.parametrize("max_tokens", [16, 96, 100_000], ids=["prompts-over-budget", "mixed", "one-batch"])
-def test_shared_prompts_match_oracle(reference, sharing, max_tokens):
-    rows = grpo_rows(reference.vocab_size)
-    prefills = []
-    score_shared = reference.score_shared
-
-    def recording(prompts, *args, **kwargs):
-        prefills.append(sorted(len(p) for p in prompts))
-        return score_shared(prompts, *args, **kwargs)
-
-    reference.score_shared = recording
-    try:
-        stats = ForwardStats()
-        results = chunk_logprobs(reference, tokenized_chunk(rows), max_tokens, 1.0, sharing, stats)
-    finally:
-        del reference.score_shared
+@pytest.mark.parametrize("max_tokens, max_cache", [(24, 40), (96, 10**9), (100_000, 10**9)],
+                         ids=["tiny-budgets", "mixed", "one-pass"])
+def test_the_tree_matches_the_oracle(reference, sharing, max_tokens, max_cache):
+    rows = agent_rows(reference.vocab_size)
+    stats = ForwardStats()
+    results = chunk_logprobs(reference, rows, max_tokens, 1.0, sharing, stats, max_cache_tokens=max_cache)
     assert worst_error(reference, rows, results) <= TOLERANCE
-    # Each prompt ran once.
-    prompt_lengths = sorted(length for batch in prefills for length in batch)
-    # A group of one gets a prefill of its own under "on", and under "auto" where the prefill skips layers.
-    alone_prefilled = sharing == "on" or reference.prefill_skips_layers
-    expected = [3, WINDOW - 1, 2 * WINDOW + 1, 5 * WINDOW + 3] + ([12] if alone_prefilled else [])
-    assert prompt_lengths == sorted(expected)
-    if max_tokens == 100_000:
-        assert len(prefills) == 1  # groups with four different prompt lengths in one left-padded batch
-    if max_tokens == 16:
-        assert all(len(batch) == 1 for batch in prefills if batch[0] > 16)  # a prompt over the budget runs alone
-    reused = (5 - 1) * (5 * WINDOW + 3) + (3 - 1) * 3 + (2 - 1) * (WINDOW - 1) + (2 - 1) * (2 * WINDOW + 1)
-    assert stats.prompt_tokens_reused == reused
-    assert stats.shared_rows == len(rows) - (not alone_prefilled)
+    # What was fed: each distinct prefix once (and the one unrelated row whole), far less than per row.
+    per_row = sum(len(p) + len(r) - 1 for p, r in rows if len(r))
+    assert stats.per_row_tokens == per_row
+    distinct = len({tuple(np.concatenate([p, r[:-1]])[:k]) for p, r in rows if len(r)
+                    for k in range(1, len(p) + len(r))})
+    assert distinct <= stats.fed_tokens < per_row / 3
+    with_response = sum(len(r) > 0 for _, r in rows)
+    if sharing == "on" or reference.prefill_skips_layers:  # Gemma 4: auto runs every row through the tree
+        assert stats.tree_rows == with_response
+    else:  # the row that shares nothing, and the one whose prompt is 10 tokens anyone shares, run whole
+        assert with_response - 3 <= stats.tree_rows < with_response
 
 
-def test_shared_and_per_row_paths_agree_with_temperature(reference):
-    rows = grpo_rows(reference.vocab_size, seed=1)
-    shared = chunk_logprobs(reference, tokenized_chunk(rows), 100_000, 1.5, "on", ForwardStats())
-    per_row = chunk_logprobs(reference, tokenized_chunk(rows), 100_000, 1.5, "off", ForwardStats())
-    for (prompt, response), a, b in zip(rows, shared, per_row):
-        expected = oracle_logprobs(reference.model, prompt, response, temperature=1.5)
-        if len(expected):
-            assert np.max(np.abs(a - expected)) <= TOLERANCE
-            assert np.max(np.abs(b - expected)) <= TOLERANCE
+def test_the_tree_and_the_per_row_path_agree_with_temperature(reference):
+    rows = agent_rows(reference.vocab_size, seed=1)
+    tree = chunk_logprobs(reference, rows, 100_000, 1.5, "on", ForwardStats())
+    per_row = chunk_logprobs(reference, rows, 100_000, 1.5, "off", ForwardStats())
+    assert worst_error(reference, rows, tree, temperature=1.5) <= TOLERANCE
+    assert worst_error(reference, rows, per_row, temperature=1.5) <= TOLERANCE
 
 
-def test_probe_accepts_both_tiny_models(reference):
-    assert reference.check_prefix_sharing() is None
+def test_shuffled_rows_give_the_same_numbers(reference):
+    rows = agent_rows(reference.vocab_size, seed=2)
+    order = np.random.default_rng(5).permutation(len(rows))
+    first = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats())
+    shuffled = chunk_logprobs(reference, [rows[i] for i in order], 96, 1.0, "on", ForwardStats())
+    for i, j in enumerate(order):
+        np.testing.assert_allclose(shuffled[i], first[j], atol=TOLERANCE, rtol=0)
 
 
-def test_only_gemma_prefill_skips_layers(reference):
-    # Gemma 4's KV-shared layers run on the prompt's last position alone; a Llama has no such layers.
+def test_the_probe_accepts_both_tiny_models(reference):
+    assert check_tree(reference) is None
+
+
+def test_only_gemma_prefill_skips_layers_and_the_tree_uses_it(reference, monkeypatch):
     is_gemma = type(reference.model).__name__.startswith("Gemma4")
     assert reference.prefill_skips_layers == is_gemma
+    kept = []
+    real = reference.body.forward
+
+    def forward(*args, **kwargs):
+        kept.append(kwargs.get("logits_to_keep"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference.body, "forward", forward)
+    rows = agent_rows(reference.vocab_size)
+    results = chunk_logprobs(reference, rows, 96, 1.0, "auto", ForwardStats())
+    assert worst_error(reference, rows, results) <= TOLERANCE
+    # Gemma 4 runs the nodes that need only their last output (the system prompt, tasks, a unique
+    # row's prompt) with logits_to_keep=1, its KV-shared layers on that position alone.
+    assert (1 in kept) == is_gemma
 
 
-def test_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, monkeypatch):
+def test_the_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, monkeypatch):
     # Both tiny models accept unknown keyword arguments and drop them: a cache passed under a name
-    # the model does not know is silently ignored, the responses then run without their prompt.
+    # the model does not know is silently ignored, and a node then runs without its context.
     monkeypatch.setattr(reference, "cache_argument", "not_a_cache_argument")
-    problem = reference.check_prefix_sharing()
-    assert problem is not None and problem.startswith("continuing a prompt's KV cache changes the logprobs")
+    assert check_tree(reference) == ("RuntimeError: the model's forward wrote no keys or values into the cache "
+                                     "it was given")
+
+
+def test_rows_without_a_response_and_a_chunk_of_one(reference):
+    rows = [(np.array([2, 5, 6]), np.array([], dtype=np.int64)), (np.array([2, 9]), np.array([4]))]
+    for sharing in ("on", "auto", "off"):
+        out = chunk_logprobs(reference, rows, 64, 1.0, sharing, ForwardStats())
+        assert out[0].shape == (0,) and out[1].shape == (1,)
+        assert worst_error(reference, rows, out) <= TOLERANCE
+
+
+def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatch):
+    from klpipe.model import tree as tree_module
+
+    rows = agent_rows(reference.vocab_size)
+    budget = 64  # tokens: below the system prompt's 75, so every subtree is too big as a whole
+    peak = []
+    real = tree_module._run_pass
+
+    def run_pass(reference, tree, step, kinds, kept, *args):
+        real(reference, tree, step, kinds, kept, *args)
+        peak.append(sum(int(tree.end[n] - tree.start[n]) for n in kept))
+
+    monkeypatch.setattr(tree_module, "_run_pass", run_pass)
+    results = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats(), max_cache_tokens=budget)
+    assert worst_error(reference, rows, results) <= TOLERANCE
+    system = 9 * WINDOW + 3
+    assert max(peak) <= system + budget  # the one node longer than the budget, plus at most the budget
+    assert prefix_tree.HELD_POSITIONS_PER_TOKEN == 8
+
+
+def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch):
+    from klpipe.model import tree as tree_module
+
+    # Queries placed three slots later than they are: the causal (and sliding) masks shift.
+    monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
+    problem = check_tree(reference)
+    assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")

@@ -22,7 +22,9 @@ from tests.helpers import (
     ROLLOUTS,
     TINY_GEMMA,
     TINY_LLAMA,
+    agent_rollouts,
     oracle_logprobs,
+    per_row_tokens,
 )
 
 TOLERANCE = 1e-4
@@ -347,35 +349,23 @@ def test_work_dir_from_another_column_mapping_is_named():
     assert _run_difference(previous, current) == "columns {'reward': 'score'} → {}"
 
 
-def reused_prompt_tokens(table: pa.Table, chunk_rows: int) -> int:
-    """Prompt tokens a chunk need not recompute: every row after the first with the same prompt ids."""
-    prompts = table.column("prompt_ids").to_pylist()
-    total = 0
-    for start in range(0, len(prompts), chunk_rows):
-        seen = set()
-        for prompt in prompts[start:start + chunk_rows]:
-            if tuple(prompt) in seen:
-                total += len(prompt)
-            seen.add(tuple(prompt))
-    return total
-
-
 @pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
-def test_prefix_sharing_modes_match_oracle_and_count_what_they_saved(tmp_path, models, model_dir):
-    source = pq.read_table(ROLLOUTS)
-    # The sample has groups of 4 rows sharing a prompt: chunks of 6 rows split every other group.
-    expected_reused = reused_prompt_tokens(source, 6)
-    assert 0 < expected_reused < sum(len(p) for p in source.column("prompt_ids").to_pylist())
+def test_prefix_sharing_modes_match_oracle_and_count_what_they_fed(tmp_path, models, model_dir):
+    source = pq.read_table(agent_rollouts(tmp_path / "agent.parquet"))
+    # Chunks of 13 rows split groups and trajectories: a tree is one chunk's, and each chunk runs the
+    # system prompt once.
     outputs = {}
     for sharing in ("on", "auto", "off"):
-        summary = run(tmp_path, model=model_dir, name=f"{sharing}.parquet", chunk_rows=6, prefix_sharing=sharing)
+        summary = run(tmp_path, inputs=[tmp_path / "agent.parquet"], model=model_dir, name=f"{sharing}.parquet",
+                      chunk_rows=13, prefix_sharing=sharing)
         outputs[sharing] = pq.read_table(summary.output)
         assert_matches_oracle(models[model_dir], outputs[sharing])
         assert summary.prefix_sharing == sharing
-        assert summary.forward.prompt_tokens == sum(len(p) for p in source.column("prompt_ids").to_pylist())
-        assert summary.forward.prompt_tokens_reused == (0 if sharing == "off" else expected_reused)
-    # Every row of the sample repeats its prompt somewhere in its chunk, except where a chunk boundary
-    # leaves one alone: auto and on differ only in those rows' path, both within the oracle's tolerance.
+        assert summary.forward.per_row_tokens == per_row_tokens(source)
+        if sharing == "off":
+            assert summary.forward.fed_tokens == per_row_tokens(source) and summary.forward.tree_rows == 0
+        else:  # every chunk's system prompt and shared histories once
+            assert summary.forward.fed_tokens < per_row_tokens(source) / 2 and summary.forward.tree_rows > 0
     assert outputs["on"].drop_columns(["ref_logprobs"]).equals(outputs["off"].drop_columns(["ref_logprobs"]))
 
 
@@ -384,13 +374,13 @@ def test_prefix_sharing_modes_match_oracle_and_count_what_they_saved(tmp_path, m
 
 @pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
 def test_conversational_rollouts_are_rendered_with_the_chat_template(tmp_path, models, model_dir):
-    # The default --prefix-sharing auto: a group's rows render to identical prompt ids, so they share
-    # the prompt (on Gemma 4 every row goes through the prefill); chunks of 5 split groups of 4.
+    # The default --prefix-sharing auto: a group's rows render to identical prompt ids (on Gemma 4 every
+    # row goes through the prefix tree); chunks of 5 split groups of 4.
     summary = run(tmp_path, inputs=[CONVERSATIONAL], model=model_dir, chunk_rows=5, max_tokens_per_batch=200)
     table = pq.read_table(summary.output)
     source = pq.read_table(CONVERSATIONAL)
     assert summary.prefix_sharing == "auto"
-    assert summary.forward.prompt_tokens_reused == reused_prompt_tokens(table, 5) > 0
+    assert summary.forward.per_row_tokens == per_row_tokens(table)
     assert table.column_names == source.column_names + ["prompt_ids", "response_ids", "ref_logprobs"]
     assert table.select(source.column_names).equals(source.replace_schema_metadata(None))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -453,8 +443,8 @@ def test_column_mapping_reads_and_writes_the_users_names(tmp_path, models):
     back = table.rename_columns(source.column_names + ["ref_logprobs"])
     assert_matches_oracle(models[TINY_LLAMA], back)
     assert cache.read_provenance(mapped.output).columns == columns
-    # Prefix sharing (auto) grouped the rows by the mapped prompt ids, as it groups unmapped ones.
-    assert mapped.forward.prompt_tokens_reused == reused_prompt_tokens(back, 7) > 0
+    # The rows were read from the mapped id columns: what they feed is counted from those.
+    assert mapped.forward.per_row_tokens == per_row_tokens(back)
 
     # klpipe score reads the mapping the cache recorded: no --column needed, the user's names kept.
     plain = tmp_path / "plain.parquet"

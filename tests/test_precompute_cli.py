@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 import shutil
 
 import pyarrow as pa
@@ -9,7 +10,15 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from klpipe.cli import app
-from tests.helpers import CONVERSATIONAL, ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
+from tests.helpers import (
+    CONVERSATIONAL,
+    ROLLOUTS,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    agent_rollouts,
+    per_row_tokens,
+    run_cli,
+)
 
 runner = CliRunner()
 
@@ -303,18 +312,18 @@ def test_inputs_with_different_columns(tmp_path):
 
 
 def test_prefix_sharing_option_environment_and_summary(tmp_path):
-    prompts = pq.read_table(ROLLOUTS).column("prompt_ids").to_pylist()
-    # One chunk holds all 48 rows: each of the 12 prompts runs once for its 4 rows.
-    distinct = {tuple(p) for p in prompts}
-    reused = sum(len(p) for p in prompts) - sum(len(p) for p in distinct)
-    share = reused / sum(len(p) for p in prompts)
-    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")
+    agent = agent_rollouts(tmp_path / "agent.parquet")
+    per_row = per_row_tokens(pq.read_table(agent))
+    result = precompute("-m", TINY_LLAMA, agent, "-o", tmp_path / "auto.parquet", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    assert f"{reused:,} prompt tokens not recomputed ({share:.0%} of prompt tokens)" in result.stderr
-    result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "off.parquet", "--device", "cpu",
+    fed = int(re.search(r"fed ([\d,]+) tokens where running each row whole feeds ([\d,]+) \(([\d.]+)x fewer\)",
+                        result.stderr).group(1).replace(",", ""))
+    assert f"where running each row whole feeds {per_row:,} ({per_row / fed:.1f}x fewer)" in result.stderr
+    assert fed < per_row / 2  # the system prompt and the histories once per chunk
+    result = precompute("-m", TINY_LLAMA, agent, "-o", tmp_path / "off.parquet", "--device", "cpu",
                         env={"KLPIPE_PREFIX_SHARING": "off"})
     assert result.exit_code == 0, result.output
-    assert "0 prompt tokens not recomputed (0% of prompt tokens)" in result.stderr
+    assert f"fed {per_row:,} tokens where running each row whole feeds {per_row:,} (1.0x fewer)" in result.stderr
 
 
 def test_prefix_sharing_bad_value(tmp_path):
@@ -323,17 +332,17 @@ def test_prefix_sharing_bad_value(tmp_path):
 
 
 def test_a_model_that_cannot_share_falls_back_under_auto_and_fails_under_on(tmp_path, monkeypatch):
-    from klpipe.model.reference import ReferenceModel
+    from klpipe.precompute import run as precompute_run
 
-    monkeypatch.setattr(ReferenceModel, "check_prefix_sharing", lambda self: "the probe disagreed")
+    monkeypatch.setattr(precompute_run, "check_tree", lambda model: "the probe disagreed")
     result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    assert "prefix sharing off: LlamaForCausalLM cannot share prompts exactly (the probe disagreed)" in result.stderr
-    assert "0 prompt tokens not recomputed" in result.stderr
+    assert "prefix sharing off: LlamaForCausalLM cannot share prefixes exactly (the probe disagreed)" in result.stderr
+    assert "(1.0x fewer)" in result.stderr
     result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--device", "cpu",
                         "--prefix-sharing", "on")
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("Error: --prefix-sharing on: LlamaForCausalLM cannot share prompts exactly "
+    assert result.stderr.strip() == ("Error: --prefix-sharing on: LlamaForCausalLM cannot share prefixes exactly "
                                      "(the probe disagreed)")
     assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.parquet.partial").exists()
 

@@ -100,3 +100,30 @@ def test_gemma_softcap_is_active_and_honoured():
     # Dropping the softcap must be caught by the oracle comparison: guard against a vacuous test.
     reference.head.softcap = None
     assert max_error(reference, rows) > 0.1
+
+
+def test_the_hub_multimodal_layout_loads_its_text_model_alone():
+    """The hub's Gemma 4 checkpoints are Gemma4ForConditionalGeneration (text_config, vision and audio
+    towers, a tied head): klpipe loads the text decoder and head alone, with the same logprobs as the
+    whole model's own forward, less memory, and the KV-shared layers' shortcut."""
+    from transformers import AutoModelForCausalLM
+
+    from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
+    from tests.helpers import TINY_GEMMA_MM
+
+    reference = ReferenceModel.load(ModelSpec(str(TINY_GEMMA_MM), dtype="float32", device="cpu"))
+    whole = AutoModelForCausalLM.from_pretrained(TINY_GEMMA_MM).eval()
+    assert type(whole).__name__ == "Gemma4ForConditionalGeneration"
+    assert type(reference.model).__name__ == "Gemma4ForCausalLM" and reference.prefill_skips_layers
+    assert reference.model.get_output_embeddings().weight is reference.model.get_input_embeddings().weight
+
+    def parameter_bytes(model):
+        unique = {id(p): p for p in model.parameters()}.values()
+        return sum(p.numel() * p.element_size() for p in unique)
+
+    assert parameter_bytes(reference.model) < 0.7 * parameter_bytes(whole)  # no towers
+    rows = random_rows(reference.vocab_size, 8, seed=3)
+    rows += [(rows[0][0], r) for _, r in random_rows(reference.vocab_size, 3, seed=4)]  # a shared prompt
+    for results in (reference.score_batch(rows), chunk_logprobs(reference, rows, 4096, 1.0, "auto", ForwardStats())):
+        for (prompt, response), values in zip(rows, results):
+            assert np.max(np.abs(values - oracle(whole, prompt, response))) <= TOLERANCE

@@ -14,7 +14,7 @@ from klpipe.model.loading import local_device
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score.input import expand_cache_inputs
 from klpipe.sharding import Shard, is_complete, marker_path, parse_part_name, resolve_shard
-from tests.helpers import ROLLOUTS, TINY_LLAMA
+from tests.helpers import ROLLOUTS, TINY_LLAMA, agent_rollouts
 
 
 @given(st.integers(0, 5000), st.integers(1, 64), st.integers(1, 300))
@@ -58,8 +58,9 @@ def test_bad_shard_settings():
 
 
 def run(output, shard=None, inputs=(ROLLOUTS,), **kwargs):
+    kwargs.setdefault("chunk_rows", 5)
     config = PrecomputeConfig(inputs=list(inputs), output=output, model=str(TINY_LLAMA), device="cpu",
-                              progress="none", chunk_rows=5, shard=shard, **kwargs)
+                              progress="none", shard=shard, **kwargs)
     return precompute(config, log=lambda m: None)
 
 
@@ -68,6 +69,17 @@ def single(tmp_path_factory):
     path = tmp_path_factory.mktemp("single") / "cached.parquet"
     run(path)
     return pq.read_table(path).replace_schema_metadata(None)
+
+
+def test_sharded_parts_through_the_prefix_tree_concatenate_to_the_single_process_output(tmp_path):
+    agent = agent_rollouts(tmp_path / "agent.parquet")
+    whole = run(tmp_path / "single.parquet", inputs=[agent], chunk_rows=13)
+    assert whole.forward.fed_tokens < whole.forward.per_row_tokens / 2  # the tree did the work
+    for index in range(3):
+        run(tmp_path / "out", Shard(index, 3), inputs=[agent], chunk_rows=13)
+    parts, _ = expand_cache_inputs([tmp_path / "out"])
+    merged = pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in parts])
+    assert merged.equals(pq.read_table(whole.output).replace_schema_metadata(None))
 
 
 @pytest.mark.parametrize("count", [2, 3])

@@ -51,7 +51,12 @@ def precompute_command(
         envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["trust_remote_code"],
     max_tokens_per_batch: Annotated[int | None, typer.Option(
         help="Padded tokens per forward pass. Default: 2048 on CPU, 65536 on CUDA.",
-        envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["max_tokens_per_batch"],
+        envvar="KLPIPE_MAX_TOKENS_PER_BATCH", rich_help_panel=BATCH_PANEL,
+        show_default=False)] = PRECOMPUTE["max_tokens_per_batch"],
+    max_cache_mib: Annotated[int | None, typer.Option(
+        help="Keys and values the prefix tree keeps alive at once, MiB. Default: 2048 on CPU, a quarter of "
+             "the GPU's memory on CUDA.",
+        envvar="KLPIPE_MAX_CACHE_MIB", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["max_cache_mib"],
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
         envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["chunk_rows"],
@@ -60,8 +65,9 @@ def precompute_command(
              "OUTPUT.partial/ beside a local output; KLPIPE_CACHE_DIR/work for an output on a store.",
         metavar="DIR", envvar="KLPIPE_WORK_DIR", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["work_dir"],
     prefix_sharing: Annotated[str, typer.Option(
-        help="auto | on | off. auto: rows of a chunk with identical prompt_ids run the prompt once and "
-             "continue from its KV cache; off: every row runs its whole prompt.",
+        help="auto | on | off. auto: every prefix the rows of a chunk share (a system prompt, a GRPO group's "
+             "prompt, a multi-turn history) runs once, and rows continue from its keys and values; "
+             "on: every row through that prefix tree; off: every row runs whole.",
         envvar="KLPIPE_PREFIX_SHARING", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["prefix_sharing"],
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an output, or discard a work directory, that a different run made.",
@@ -112,7 +118,8 @@ def precompute_command(
     shard = resolve_shard(shard_index, num_shards)
     config = PrecomputeConfig(
         inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
-        temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, chunk_rows=chunk_rows,
+        temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, max_cache_mib=max_cache_mib,
+        chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing, work_dir=work_dir,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column),
@@ -128,14 +135,14 @@ def precompute_command(
     _stderr(
         f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
         f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
-        f"padding efficiency {summary.padding_efficiency:.1%}, {_reused(summary.forward)}, peak memory {memory}"
+        f"padding efficiency {summary.padding_efficiency:.1%}, {_fed(summary.forward)}, peak memory {memory}"
         + (f"; resumed {resumed}" if summary.resumed_chunks else "")
     )
 
 
-def _reused(forward) -> str:
-    share = forward.prompt_tokens_reused / forward.prompt_tokens if forward.prompt_tokens else 0.0
-    return f"{forward.prompt_tokens_reused:,} prompt tokens not recomputed ({share:.0%} of prompt tokens)"
+def _fed(forward) -> str:
+    return (f"fed {forward.fed_tokens:,} tokens where running each row whole feeds {forward.per_row_tokens:,} "
+            f"({forward.fewer:.1f}x fewer)")
 
 
 def _stderr(message: str) -> None:

@@ -3,8 +3,8 @@
 loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
 head.py       the LM head on selected hidden states, in blocks, fp32 logsumexp
 reference.py  ReferenceModel: rows in, response-token logprobs out
-shared.py     rows that share a prompt continue its KV cache
-probes.py     load-time checks of the fast paths against the model's own forward
+tree.py       a chunk's prefix tree: every distinct prefix once, continuing its ancestors' keys and values
+probes.py     load-time check of the chunked head against the model's own logits
 """
 
 from klpipe.model.loading import (

@@ -44,22 +44,29 @@ class LMHead:
             self.rows = max(1, min(CPU_LOGITS_MAX // self.vocab_size,
                                    max(CPU_LOGITS_CACHED // self.vocab_size, 256)))
 
-    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """log p(targets[i] | hidden[i]) as float32 on the CPU: (N, H), (N,) → (N,).
+    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(targets[i] | hidden[rows[i]]) as float32 on the CPU: (N, H), (M,), rows (M,) → (M,).
 
-        The naive equivalent, which this never materialises for all rows at once:
+        `rows` defaults to 0..N-1 (one target per hidden state). Several targets may read one hidden
+        state: where rows of a chunk part ways, one position predicts a different token for each, and
+        its logsumexp is computed once. The naive equivalent, which this never materialises for all
+        rows at once:
 
             logits = model.lm_head(hidden).float()              # (N, V)
             logits = softcap · tanh(logits / softcap) / temperature
-            torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+            torch.log_softmax(logits, -1)[rows, targets]
         """
         weight = self.weight
         hidden = hidden.to(weight.device)
         targets = targets.to(weight.device)
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], self.rows):
-            stop = start + self.rows
-            logits = F.linear(hidden[start:stop], weight, self.bias).float()  # (n, V), fp32 from here
+        rows = torch.arange(hidden.shape[0], device=weight.device) if rows is None else rows.to(weight.device)
+        out = torch.empty(targets.shape[0], dtype=torch.float32, device=weight.device)
+        order = torch.argsort(rows, stable=True)  # targets grouped by the block of hidden states they read
+        bounds = torch.searchsorted(rows[order], torch.arange(0, hidden.shape[0] + self.rows, self.rows,
+                                                              device=weight.device)).tolist()
+        for block, start in enumerate(range(0, hidden.shape[0], self.rows)):
+            logits = F.linear(hidden[start:start + self.rows], weight, self.bias).float()  # (n, V), fp32 from here
             # In place: a (n, V) block is the largest tensor klpipe makes; no need for four of them.
             if self.logit_multiplier != 1.0:
                 logits.mul_(self.logit_multiplier)
@@ -67,6 +74,7 @@ class LMHead:
                 logits.div_(self.softcap).tanh_().mul_(self.softcap)
             if temperature != 1.0:
                 logits.div_(temperature)
-            picked = logits.gather(1, targets[start:stop, None])[:, 0]
-            out[start:stop] = picked - torch.logsumexp(logits, dim=-1)
+            wanted = order[bounds[block]:bounds[block + 1]]  # (m,) the targets that read this block
+            local = rows[wanted] - start
+            out[wanted] = logits[local, targets[wanted]] - torch.logsumexp(logits, dim=-1)[local]
         return out.cpu()

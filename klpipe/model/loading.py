@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,28 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def rope_length_limit(config) -> int | None:
+    """The position count past which the model's RoPE changes its frequencies, or None.
+
+    transformers' dynamic and long RoPE pick their frequencies from the largest position id in the
+    whole batch: a row past the limit changes every other row's logprobs, and a row below it
+    computed beside one past it gets frequencies its own forward would not. Dynamic RoPE grows past
+    max_position_embeddings (no valid row goes there; only a pad's position could), long RoPE past
+    original_max_position_embeddings.
+    """
+    config = text_config(config)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = bool(parameters) and all(isinstance(v, dict) for v in parameters.values())
+    limits = []
+    for entry in (parameters.values() if per_layer_type else [parameters]):
+        kind = str(entry.get("rope_type", "default"))
+        if kind == "longrope":
+            limits.append(int(entry.get("original_max_position_embeddings") or config.max_position_embeddings))
+        elif "dynamic" in kind:
+            limits.append(int(config.max_position_embeddings))
+    return min(limits) if limits else None
+
+
 def vocab_and_context(config) -> tuple[int, int | None]:
     text = text_config(config)
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
@@ -172,8 +195,14 @@ def weights_fingerprint(spec: ModelSpec, config) -> str | None:
 
 
 def load_model(spec: ModelSpec):
-    """(model, input device, dtype): the causal LM of `spec` in eval mode, gradients off, on its device."""
-    from transformers import AutoModelForCausalLM
+    """(model, input device, dtype): the causal LM of `spec` in eval mode, gradients off, on its device.
+
+    A multimodal checkpoint (the hub's Gemma 4: `...ForConditionalGeneration` with a `text_config`)
+    loads as its text decoder and head alone (see `text_only`): the vision and audio towers are
+    never read, and the text model's own forward (Gemma 4's skips its KV-shared layers for positions
+    nobody needs) is the one that runs.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # Our own progress and summary lines are the log; transformers' bars would garble cron logs,
@@ -184,15 +213,19 @@ def load_model(spec: ModelSpec):
     device, device_map = resolve_device(spec.device)
     dtype = resolve_dtype(spec.dtype, device)
     _check_exists(spec)
+    common = dict(dtype=dtype, device_map=device_map, output_loading_info=True,
+                  use_safetensors=True,  # never unpickle .bin weights
+                  **_source_kwargs(spec))
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            spec.name,
-            dtype=dtype,
-            device_map=device_map,
-            use_safetensors=True,  # never unpickle .bin weights
-            output_loading_info=True,
-            **_source_kwargs(spec),
-        )
+        config = AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
+        plan = text_only(config)
+        if plan is None:
+            model, info = AutoModelForCausalLM.from_pretrained(spec.name, config=config, **common)
+        else:
+            model, info = plan.causal_class.from_pretrained(spec.name, config=plan.text_config,
+                                                            key_mapping=plan.key_mapping, **common)
+            # The towers' weights match no parameter of the text model: left unread on purpose.
+            info["unexpected_keys"] = set(info.get("unexpected_keys") or ()) - plan.skipped
     except (OSError, ValueError, KeyError) as exc:
         raise _load_error(spec, "the model", exc) from None
     _check_loading_info(spec.name, type(model).__name__, info)
@@ -201,6 +234,61 @@ def load_model(spec: ModelSpec):
     model.eval()
     model.requires_grad_(False)
     return model, device, dtype
+
+
+@dataclass
+class TextOnly:
+    """How to load the text decoder and head of a multimodal checkpoint as a causal LM of its own."""
+
+    causal_class: type  # the causal LM class of the text config (Gemma4ForCausalLM)
+    text_config: object  # a copy of the checkpoint's text config, tied as the full model ties its head
+    key_mapping: dict  # checkpoint key prefix -> the causal LM's (`model.language_model.` -> `model.`)
+    skipped: set  # the checkpoint's keys outside the decoder and head: towers and their projectors
+
+
+def text_only(config) -> TextOnly | None:
+    """The plan to load a `...ForConditionalGeneration` checkpoint's text part alone; None for any other.
+
+    Where the full model keeps its decoder and head is read off an instance on the meta device (no
+    memory), as is where the causal class keeps them; `key_mapping` renames the one to the other,
+    and transformers reads a checkpoint tensor only once its renamed key is a parameter, so the
+    towers' tensors are never read.
+    """
+    import copy
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    text = text_config(config)
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if text is config or not architecture.endswith("ForConditionalGeneration"):
+        return None
+    full_class = getattr(transformers, architecture, None)
+    causal_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
+    if full_class is None or causal_class is None:
+        return None
+    text = copy.deepcopy(text)
+    with torch.device("meta"):
+        full = full_class._from_config(config)
+    full_decoder, full_head = _module_path(full, full.get_decoder()), _module_path(full, full.get_output_embeddings())
+    text.tie_word_embeddings = full.get_output_embeddings().weight is full.get_input_embeddings().weight
+    kept = (full_decoder + ".", full_head + ".")
+    skipped = {key for key in full.state_dict() if not key.startswith(kept)}
+    del full
+    with torch.device("meta"):
+        causal = causal_class._from_config(text)
+    causal_decoder = _module_path(causal, causal.get_decoder())
+    causal_head = _module_path(causal, causal.get_output_embeddings())
+    del causal
+    mapping = {}
+    for source, target in ((full_decoder, causal_decoder), (full_head, causal_head)):
+        if source != target:
+            mapping["^" + re.escape(source) + r"\."] = target + "."
+    return TextOnly(causal_class, text, mapping, skipped)
+
+
+def _module_path(root, module) -> str:
+    return next(name for name, sub in root.named_modules() if sub is module)
 
 
 def _check_exists(spec: ModelSpec) -> None:

@@ -2,7 +2,7 @@
 
 The model body runs once per batch, the hidden states at response positions are gathered, and
 the model's own LM head (head.py) is applied to them in blocks. Rows run whole here, one per
-batch row (`score_batch`), or continue shared prompts from a KV cache (`score_shared`, shared.py).
+batch row (`score_batch`); rows that share prefixes run through a prefix tree (tree.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import loading, probes, shared
+from klpipe.model import loading, probes
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 
@@ -40,6 +40,8 @@ class ReferenceModel:
         # 35 layers and ~69% of the body's FLOPs skipped for every prompt token but the last.
         self.prefill_skips_layers = (self.accepts_logits_to_keep
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
+        self.rope_length_limit = loading.rope_length_limit(config)
+        self._kv_bytes_per_token: int | None = None
 
     @classmethod
     def load(cls, spec: ModelSpec) -> ReferenceModel:
@@ -56,8 +58,14 @@ class ReferenceModel:
     def check_head(self) -> None:
         probes.check_head(self)
 
-    def check_prefix_sharing(self) -> str | None:
-        return probes.check_prefix_sharing(self)
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values a token holds across the layers that store them (measured once)."""
+        if self._kv_bytes_per_token is None:
+            from klpipe.model.tree import kv_bytes_per_token
+
+            self._kv_bytes_per_token = kv_bytes_per_token(self)
+        return self._kv_bytes_per_token
 
     @torch.inference_mode()
     def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0) -> list[np.ndarray]:
@@ -78,12 +86,6 @@ class ReferenceModel:
 
         # Position prompt_len - 1 + i predicts response token i.
         return self.targets_logprobs(hidden, [len(p) - 1 for p, _ in rows], [r for _, r in rows], temperature)
-
-    @torch.inference_mode()
-    def score_shared(self, prompts: list[np.ndarray], responses: list[np.ndarray], prompt_of: np.ndarray,
-                     passes: list[np.ndarray], temperature: float = 1.0) -> list[np.ndarray]:
-        """log p(response tokens) for rows that continue shared prompts, each prompt run once (shared.py)."""
-        return shared.score_shared(self, prompts, responses, prompt_of, passes, temperature)
 
     def targets_logprobs(self, hidden: torch.Tensor, starts: list[int], targets: list[np.ndarray],
                          temperature: float) -> list[np.ndarray]:

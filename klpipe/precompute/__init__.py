@@ -3,8 +3,9 @@
 rollouts.py   read rollouts in fixed-size chunks (parquet, JSON Lines, save_to_disk)
 chat.py       TRL conversational rows rendered with the chat template
 tokenize.py   a chunk into flat token ids, every row checked against the model
-batching.py   token-budget batches and shared-prompt groups (pure index arithmetic)
-logprobs.py   a chunk's rows through the reference model (klpipe.model)
+batching.py   token-budget batches (pure index arithmetic)
+prefix_tree.py the chunk's prefix tree and the passes that run it (pure)
+logprobs.py   a chunk's rows through the reference model (klpipe.model): tree or per row; the probe
 workdir.py    the work directory: run.json, the lock, chunk checkpoints, the merge
 run.py        the stage: chunks → logprobs → checkpoints → the cache, with resume
 

@@ -33,6 +33,7 @@ class PrecomputeConfig:
     device: str = "auto"
     temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
     max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
+    max_cache_mib: int | None = None  # keys and values the prefix tree keeps alive at once; None: by device
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
     prefix_sharing: str = "auto"  # auto | on | off: run a prompt once for the rows that share it (SHARING_MODES)
     trust_remote_code: bool = False
@@ -50,6 +51,8 @@ class PrecomputeConfig:
             raise InputError("--chunk-rows must be at least 1")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
             raise InputError("--max-tokens-per-batch must be at least 1")
+        if self.max_cache_mib is not None and self.max_cache_mib < 0:
+            raise InputError("--max-cache-mib must not be negative")
         if self.prefix_sharing not in SHARING_MODES:
             raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
         if self.progress not in PROGRESS_MODES:

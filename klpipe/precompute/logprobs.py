@@ -1,15 +1,16 @@
-"""A chunk of tokenized rows in, reference logprobs out: which rows share a prompt, and how they are batched.
+"""A chunk of tokenized rows in, reference logprobs out: which rows share which prefixes, and how they run.
 
-GRPO samples every prompt G times, and agent prompts are often longer than the responses, so most
-of what a per-row forward pass computes is the same prompt again. Rows of a chunk whose prompt
-token ids are identical are grouped; each group's prompt runs once (a prefill) and its responses
-continue from that KV cache (`ReferenceModel.score_shared`). Rows whose prompt appears once in the
-chunk gain nothing from that and take the per-row path (`ReferenceModel.score_batch`), except on
-models whose prefill skips layers for all but the last prompt position (Gemma 4's KV-shared
-layers), where the prefill path is cheaper for every row.
+GRPO samples every prompt G times, agent rollouts open every row with the same system prompt, and
+multi-turn trajectories stored a row per turn repeat the whole history in every turn's prompt: most
+of what a per-row forward pass computes is the same prefix again. The rows of a chunk form a prefix
+tree (prefix_tree.py); each distinct prefix worth sharing runs once and the rows continue from its
+keys and values (model/tree.py). Rows that share nothing worth a pass take the per-row path
+(`ReferenceModel.score_batch`, the causal kernel with no mask), except on models whose prefill skips
+layers for positions nobody needs (Gemma 4's KV-shared layers), where the tree is cheaper for every
+row: a prompt runs as a node of its own, its KV-shared layers on its last position alone.
 
 Both paths give the same logprobs up to float rounding, and the plan depends only on the chunk's
-rows, so a resumed or sharded run reproduces an uninterrupted one bit for bit.
+rows and the budgets, so a resumed or sharded run reproduces an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from klpipe.precompute.batching import (
-    group_by_prompt,
-    padding_efficiency,
-    plan_batches,
-    plan_shared,
-)
+from klpipe.precompute import prefix_tree
+from klpipe.precompute.batching import padding_efficiency, plan_batches
 
 
 @dataclass
@@ -32,76 +29,178 @@ class ForwardStats:
     """What the model was fed, summed over chunks."""
 
     fed_tokens: int = 0  # tokens fed to the model, padding excluded
-    padded_tokens: int = 0  # tokens fed to the model, padding included
-    prompt_tokens: int = 0  # prompt tokens of every row, as a per-row pass would feed them
-    prompt_tokens_reused: int = 0  # of those, not recomputed: a shared prompt's second, third, ... row
-    shared_rows: int = 0  # rows that continued a shared prompt
+    padded_tokens: int = 0  # tokens fed to the model, padding (and a context's end fed again) included
+    per_row_tokens: int = 0  # what running every row on its own would feed: its prompt and response less one
+    tree_rows: int = 0  # rows computed through the prefix tree
 
     @property
     def padding_efficiency(self) -> float:
         return self.fed_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
+    @property
+    def fewer(self) -> float:
+        """How many times fewer tokens were fed than a per-row pass feeds."""
+        return self.per_row_tokens / self.fed_tokens if self.fed_tokens else 1.0
 
-def chunk_logprobs(model, chunk, max_tokens: int, temperature: float, sharing: str, stats: ForwardStats,
-                   check_stop: Callable[[], None] = lambda: None) -> list[np.ndarray]:
-    """Reference logprobs of every row of a tokenized chunk, in the chunk's row order.
 
-    `check_stop` runs after every forward pass, so a preempted run abandons the chunk quickly.
+def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
+                   sharing: str, stats: ForwardStats, check_stop: Callable[[], None] = lambda: None,
+                   max_cache_tokens: int = 1 << 62) -> list[np.ndarray]:
+    """Reference logprobs of every (prompt ids, response ids) row of a chunk, in the chunk's row order.
+
+    `sharing`: "off" runs every row on its own; "on" runs every row through the prefix tree;
+    "auto" runs through the tree the rows that share a prefix worth it (every row, where the
+    model's prefill skips layers). `max_cache_tokens` bounds the keys and values the tree keeps
+    alive at once, in tokens. `check_stop` runs after every forward pass, so a preempted run
+    abandons the chunk quickly.
     """
-    prompt_len = chunk.prompt_lengths()
-    response_len = chunk.response_lengths()
-    stats.prompt_tokens += int(prompt_len.sum())
-    results: list[np.ndarray | None] = [None] * chunk.num_rows
-    group_of_row, first_row = group_by_prompt(chunk.prompt_ids, chunk.prompt_offsets)
+    results = [np.zeros(len(response), dtype=np.float32) for _, response in rows]
+    # The last response token is only ever a target, never fed; a row without a response needs nothing.
+    fed = [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
+    stats.per_row_tokens += sum(len(f) for f in fed)
+    wanted = np.flatnonzero([len(r) > 0 for _, r in rows])
+    limit = model.rope_length_limit  # a RoPE whose frequencies change past it, for the whole batch
+    long = np.array([limit is not None and len(fed[i]) > limit for i in wanted], dtype=bool)
+    alone = wanted[long]  # past the limit, a row runs whole with rows like it, never sharing a prefix
+    candidates = wanted[~long]
     if sharing == "off":
-        shared = np.zeros(chunk.num_rows, dtype=bool)
-    elif sharing == "on":
-        shared = np.ones(chunk.num_rows, dtype=bool)
-    elif model.prefill_skips_layers:  # auto: even a prompt seen once is cheaper through the prefill
-        shared = np.ones(chunk.num_rows, dtype=bool)
-    else:  # auto: a prompt seen once gains nothing from a prefill of its own
-        shared = np.bincount(group_of_row)[group_of_row] > 1
-
-    alone = np.flatnonzero(~shared)
-    fed = np.maximum(prompt_len[alone] + response_len[alone] - 1, 0)  # the last token is never fed
-    batches = plan_batches(fed, max_tokens)
-    for batch in batches:
-        rows = alone[batch]
-        for i, values in zip(rows, model.score_batch([chunk.row(i) for i in rows], temperature)):
-            results[i] = values
-        check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
-    _count(stats, fed, batches)
-
-    if shared.any():
-        rows = np.flatnonzero(shared)
-        groups, group_of_shared = np.unique(group_of_row[rows], return_inverse=True)
-        prompts = [chunk.row(i)[0] for i in first_row[groups]]  # (groups,) one prompt each
-        prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-        for batch in plan_shared(prompt_lengths, response_len[rows], group_of_shared, max_tokens):
-            # score_shared indexes prompts and rows within the batch.
-            local = np.empty(len(prompts), dtype=np.int64)
-            local[batch.groups] = np.arange(len(batch.groups))
-            where = np.empty(len(rows), dtype=np.int64)
-            where[batch.rows] = np.arange(len(batch.rows))
-            responses = [chunk.row(i)[1] for i in rows[batch.rows]]
-            logprobs = model.score_shared([prompts[g] for g in batch.groups], responses,
-                                          local[group_of_shared[batch.rows]], [where[p] for p in batch.passes],
-                                          temperature)
-            for i, values in zip(rows[batch.rows], logprobs):
-                results[i] = values
-            # A prefill of left-padded prompts, then passes of right-padded fed response tokens.
-            _count(stats, prompt_lengths, [batch.groups])
-            _count(stats, np.maximum(response_len[rows] - 1, 0), batch.passes)
-            check_stop()
-        # Every row after the first of its group continued the prompt instead of recomputing it.
-        counts = np.bincount(group_of_shared)
-        stats.prompt_tokens_reused += int(((counts - 1) * prompt_lengths).sum())
-        stats.shared_rows += len(rows)
+        alone, candidates = wanted, candidates[:0]
+    if len(candidates):
+        candidates, shared_nothing = _worth_a_tree(model, rows, fed, candidates, sharing)
+        alone = np.sort(np.concatenate([alone, shared_nothing]))
+        if len(candidates):
+            _run_tree(model, rows, fed, candidates, max_tokens, max_cache_tokens, temperature, stats, check_stop,
+                      results)
+    _run_alone(model, rows, fed, alone, long_rows=set(wanted[long].tolist()), max_tokens=max_tokens,
+               temperature=temperature, stats=stats, check_stop=check_stop, results=results)
     return results
 
 
-def _count(stats: ForwardStats, lengths: np.ndarray, batches: list[np.ndarray]) -> None:
-    """Add what `batches` (indices into `lengths`) fed the model, padding excluded and included."""
-    real, padded = padding_efficiency(lengths, batches)
-    stats.fed_tokens += real
-    stats.padded_tokens += padded
+def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rows for the tree, rows to run whole): under "auto", on a model that skips no layers, a row that
+    shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
+    if sharing != "auto" or model.prefill_skips_layers:
+        return candidates, candidates[:0]
+    tree = _pruned_tree(rows, fed, candidates)
+    kids = tree.children()
+    ending = np.bincount(tree.end_node, minlength=tree.num_nodes)
+    shares = np.array([tree.parent[n] != prefix_tree.ROOT or bool(kids[n]) or ending[n] > 1
+                       for n in tree.end_node.tolist()], dtype=bool)
+    return candidates[shares], candidates[~shares]
+
+
+def _pruned_tree(rows, fed, chosen: np.ndarray):
+    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+    tree = prefix_tree.build_tree([fed[i] for i in chosen])
+    return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses)
+
+
+def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
+              temperature: float, stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
+    from klpipe.model.tree import Wanted, score_tree  # torch lives behind this import
+
+    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+    tree = _pruned_tree(rows, fed, chosen)
+    if model.prefill_skips_layers:
+        tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest)
+    need = prefix_tree.needs(tree, first)
+    passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
+                                     split_by_need=model.prefill_skips_layers)
+    logprobs = score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]), temperature, check_stop)
+    for i, values in zip(chosen.tolist(), logprobs):
+        results[i] = values
+    for step in passes:
+        own = tree.end[step.nodes] - tree.start[step.nodes]
+        stats.fed_tokens += int(own.sum())
+        stats.padded_tokens += len(own) * int(own.max())
+    stats.tree_rows += len(chosen)
+
+
+def _run_alone(model, rows, fed, alone: np.ndarray, long_rows: set, max_tokens: int, temperature: float,
+               stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
+    """Rows run whole, batched by length; rows past a length-dependent RoPE's limit only with each other."""
+    if not len(alone):
+        return
+    lengths = np.array([len(fed[i]) for i in alone], dtype=np.int64)
+    past = np.array([i in long_rows for i in alone.tolist()], dtype=bool)
+    for group in (np.flatnonzero(~past), np.flatnonzero(past)):
+        if not len(group):
+            continue
+        batches = plan_batches(lengths[group], max_tokens)
+        for batch in batches:
+            chosen = alone[group[batch]]
+            for i, values in zip(chosen.tolist(), model.score_batch([rows[i] for i in chosen], temperature)):
+                results[i] = values
+            check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
+        real, padded = padding_efficiency(lengths[group], batches)
+        stats.fed_tokens += real
+        stats.padded_tokens += padded
+
+
+# -- the load-time probe ----------------------------------------------------------------------------
+
+# The probe's shared system prompt: longer than the model's sliding window (so a window that a
+# context shifted would show), at least this long, and never longer than PROBE_MAX_PREFIX.
+PROBE_MIN_PREFIX = 40
+PROBE_MAX_PREFIX = 1024
+
+
+def check_tree(model) -> str | None:
+    """None if the prefix tree reproduces the per-row path on a probe; otherwise why not.
+
+    The probe is a three-level tree and more: a system prompt longer than the model's sliding
+    window in every row, two tasks after it, responses of length 0, 1 and several, a row whose
+    prompt is the bare system prompt, a second turn whose prompt holds the first turn's prompt and
+    response, duplicates, and a row that shares nothing. Tiny budgets make several passes, contexts
+    of different lengths in one pass, nodes that feed the end of their context again, and waves
+    that drop keys and values while their rows still need others.
+    """
+    from klpipe.model.loading import text_config
+
+    config = text_config(model.model.config)
+    window = getattr(config, "sliding_window", None) or 0
+    limit = getattr(config, "max_position_embeddings", None) or 4096
+    prefix = int(min(max(window + 8, PROBE_MIN_PREFIX), PROBE_MAX_PREFIX, limit // 4))
+    rng = np.random.default_rng(1)
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(0, model.vocab_size, n)
+
+    system, task_a, task_b = tokens(prefix), tokens(13), tokens(5)
+    turn_one = np.concatenate([system, task_a]), tokens(7)
+    rows = [
+        turn_one,
+        (turn_one[0], tokens(1)),
+        (turn_one[0], tokens(0)),
+        (np.concatenate([system, task_b]), tokens(6)),
+        (np.concatenate([system, task_b]), tokens(9)),
+        (system, tokens(4)),  # the bare system prompt
+        (np.concatenate([*turn_one, tokens(6)]), tokens(5)),  # turn two: turn one's prompt + response + more
+        turn_one,  # a duplicate
+        (tokens(9), tokens(3)),  # shares nothing
+    ]
+    fed = [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
+    chosen = np.array([i for i, (_, r) in enumerate(rows) if len(r)])
+    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+    tree = prefix_tree.build_tree([fed[i] for i in chosen])
+    tree = prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=0)  # keep every level
+    got = [np.zeros(len(r), dtype=np.float32) for _, r in rows]
+    try:
+        if model.prefill_skips_layers:
+            tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=1)
+        from klpipe.model.tree import Wanted, score_tree
+
+        need = prefix_tree.needs(tree, first)
+        passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens=prefix // 2 + 24,
+                                         max_cache_tokens=prefix + 16, split_by_need=model.prefill_skips_layers)
+        for i, values in zip(chosen, score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]))):
+            got[i] = values
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
+        from klpipe.errors import first_line
+
+        return f"{type(exc).__name__}: {first_line(exc)}"
+    expected = model.score_batch(rows)
+    gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
+    if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:
+        return f"continuing a prefix's keys and values changes the logprobs (max |Δ logprob| = {gap:.3g})"
+    return None

@@ -26,7 +26,7 @@ from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
+from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
@@ -71,6 +71,15 @@ class PrecomputeSummary:
 def default_max_tokens(device: str) -> int:
     # CPU: measured fastest on 2 cores (make bench): larger batches spill activations out of cache.
     return 65536 if device.startswith("cuda") else 2048
+
+
+def default_max_cache_mib(device: str) -> int:
+    """The prefix tree's cache budget: 2 GiB on CPU, a quarter of the GPU's memory on CUDA."""
+    if not device.startswith("cuda"):
+        return 2048
+    import torch
+
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory // 4 >> 20
 
 
 def default_output(inputs: list[Location], shard: Shard | None = None) -> Location:
@@ -179,6 +188,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         device=device.split(":")[0],
         prefix_sharing=config.prefix_sharing,
         max_tokens_per_batch=config.max_tokens_per_batch or default_max_tokens(device),
+        max_cache_mib=config.max_cache_mib if config.max_cache_mib is not None else default_max_cache_mib(device),
         chunk_rows=config.chunk_rows,
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
     )
@@ -211,7 +221,8 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
 def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done and checkpoint each one in the work directory."""
-    max_tokens = work.provenance.max_tokens_per_batch  # the budget recorded in run.json
+    max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
+    max_cache_tokens = (work.provenance.max_cache_mib << 20) // model.kv_bytes_per_token
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
@@ -222,8 +233,9 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
         # error or a stop, closing the stream stops that thread now, not when the stream is collected.
         with closing(prefetch(map(tokenize, chunks))) as stream:
             for tokenized in stream:
-                logprobs = chunk_logprobs(model, tokenized, max_tokens, config.temperature, summary.prefix_sharing,
-                                          summary.forward, stop.check)
+                pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
+                logprobs = chunk_logprobs(model, pairs, max_tokens, config.temperature, summary.prefix_sharing,
+                                          summary.forward, stop.check, max_cache_tokens)
                 work.write_chunk(tokenized, logprobs)
                 response_tokens = int(tokenized.response_lengths().sum())
                 summary.rows += tokenized.num_rows
@@ -236,14 +248,14 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
 
 
 def _sharing_mode(model, asked: str, log) -> str:
-    """The prefix-sharing mode to run with: `asked`, unless the model cannot continue a KV cache exactly."""
+    """The prefix-sharing mode to run with: `asked`, unless the model cannot continue keys and values exactly."""
     if asked == "off":
         return "off"
-    problem = model.check_prefix_sharing()
+    problem = check_tree(model)
     if problem is None:
         return asked
     name = type(model.model).__name__
     if asked == "on":
-        raise ModelError(f"--prefix-sharing on: {name} cannot share prompts exactly ({problem})")
-    log(f"prefix sharing off: {name} cannot share prompts exactly ({problem})")
+        raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
+    log(f"prefix sharing off: {name} cannot share prefixes exactly ({problem})")
     return "off"

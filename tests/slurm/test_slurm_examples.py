@@ -55,6 +55,8 @@ def job_env(slurm: Cluster, tmp_path: Path, **settings) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",  # two tasks share the node's two CPUs
         "KLPIPE_CHUNK_ROWS": str(CHUNK_ROWS),
+        # Every row through the prefix tree, which must reproduce one process bit for bit as well.
+        "KLPIPE_PREFIX_SHARING": "on",
         "KLPIPE_MODEL": str(TINY_LLAMA),
         "CACHE_DIR": str(tmp_path / "cached"),
         "SCORE_DIR": str(tmp_path / "scored"),
@@ -111,7 +113,8 @@ def reference(rollouts: Path, directory: Path, **settings) -> Path:
     directory.mkdir()
     with one_torch_thread():
         precompute(PrecomputeConfig(inputs=[rollouts], output=directory / "cached.parquet", model=str(TINY_LLAMA),
-                                    device="cpu", progress="none", **settings), log=lambda m: None)
+                                    device="cpu", progress="none", prefix_sharing="on", **settings),
+                   log=lambda m: None)
     score(ScoreConfig(inputs=[directory / "cached.parquet"], output=directory / "scored.parquet",
                       report=directory / "report.json", state=directory / "kl_state.json"))
     return directory
