@@ -195,7 +195,7 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
     concatenated = pa.concat_tables([without_metadata(read_table(s3_server, bucket, f"parts/{n}.parquet")) for n in names])
     assert concatenated.equals(without_metadata(pq.read_table(tmp_path / "single.parquet")))
     scored = subprocess.run(["bash", str(EXAMPLES / "score-after.sbatch")], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, check=False)
     assert scored.returncode == 0, scored.stderr
     local = klpipe(s3_server, "score", tmp_path / "single.parquet", "-o", tmp_path / "scored.parquet")
     assert local.returncode == 0, local.stderr
@@ -231,19 +231,19 @@ def _error_cases(server, bucket: str) -> dict[str, tuple[dict, list[str], str]]:
         "missing key": ({}, [f"s3://{bucket}/caches/day9.parquet", out],
                         f"Error: s3://{bucket}/caches/day9.parquet: no such file or directory"),
         "unknown access key": ({"AWS_ACCESS_KEY_ID": "AKIAKLPIPEUNKNOWN000"}, [cache, out],
-                               f"Error: {cache}: the store does not accept these credentials: the access key is "
-                               "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)"),
+                               (f"Error: {cache}: the store does not accept these credentials: the access key is "
+                                "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)")),
         "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, [cache, out],
-                         f"Error: {cache}: the store does not accept these credentials: the secret key does not "
-                         "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"),
+                         (f"Error: {cache}: the store does not accept these credentials: the secret key does not "
+                          "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")),
         "access denied": ({"user": "denied"}, [cache, out],
                           f"Error: {cache}: access denied: these credentials may not do this here"),
         "unreachable endpoint": ({"AWS_ENDPOINT_URL": unreachable}, [cache, out],
-                                 f"Error: {cache}: cannot reach the store at {unreachable} (check AWS_ENDPOINT_URL "
-                                 "and the network)"),
+                                 (f"Error: {cache}: cannot reach the store at {unreachable} (check AWS_ENDPOINT_URL "
+                                  "and the network)")),
         "output bucket missing": ({}, [cache, "s3://klpipe-no-such-bucket/result.parquet"],
-                                  "Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
-                                  "'klpipe-no-such-bucket'"),
+                                  ("Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
+                                   "'klpipe-no-such-bucket'")),
         "output denied": ({"user": "reader"}, [cache, out],
                           f"Error: {out}: access denied: these credentials may not do this here"),
     }
