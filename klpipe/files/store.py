@@ -421,6 +421,9 @@ def _resolve(root: str) -> tuple[pafs.FileSystem, str]:
         return pafs.FileSystem.from_uri(root)
     except OSError as exc:  # pyarrow knows the scheme but cannot set it up (S3 resolving a bucket's region)
         raise store_error(StorePath(root, _rest=""), exc) from None
+    except pa.ArrowNotImplementedError as exc:  # a pyarrow built without this filesystem (S3, GCS, HDFS)
+        raise InputError(f"{root}: this pyarrow cannot open such URIs ({first_line(exc)}); pyarrow's wheels "
+                         "from PyPI can") from None
     except pa.ArrowInvalid as exc:  # a scheme pyarrow does not know
         if "Unrecognized filesystem type" not in str(exc):
             raise InputError(f"{root}: not a store URI pyarrow understands ({first_line(exc)})") from None

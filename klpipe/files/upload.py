@@ -7,7 +7,8 @@ a good one. So klpipe writes every output to a local file first (the work direct
 $TMPDIR), and only a complete file is uploaded, by a child process that closes the stream only
 after every byte is written and counted. On any error, or a signal, the child exits without
 closing (`os._exit`), and an upload that is never completed never becomes an object; the parent
-kills the child (SIGKILL) when it is interrupted itself. A kill -9 of either leaves at most an
+kills the child (SIGKILL) when it is interrupted itself. (A parent that exits at once, on a second
+SIGTERM, leaves the child to finish: what it sends is a whole file.) A kill -9 of either leaves at most an
 incomplete multipart upload: invisible, and removed by a bucket lifecycle rule
 (AbortIncompleteMultipartUpload) where the bucket has one.
 
@@ -79,12 +80,17 @@ def publish(files: list[tuple[Path, StorePath]]) -> None:
         raise
     done = set()
     for line in stdout.splitlines():
-        report = json.loads(line)
+        try:
+            report = json.loads(line)
+        except ValueError:
+            report = None
+        if not isinstance(report, dict):
+            continue  # not the child's own report: a library's chatter
         if "failed" in report:
             raise store_error(location(report["failed"]), report["error"])
         done.add(report["done"])
     if child.returncode != 0 or len(done) != len(files):
-        first = next(destination for _, destination in files if destination.uri not in done)
+        first = next((destination for _, destination in files if destination.uri not in done), files[-1][1])
         why = first_line(stderr) if stderr.strip() else f"the uploader exited with {child.returncode}"
         raise OutputError(f"{first}: upload failed ({why})")
 
