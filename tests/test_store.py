@@ -64,6 +64,8 @@ def test_a_prefix_is_a_directory_and_a_pattern_names_its_matches(aws, bucket):
     assert [p.uri for p in expand(f"s3://{bucket}/caches/*/day-?.parquet")] == [f"s3://{bucket}/caches/old/day-0.parquet"]
     with pytest.raises(InputError, match=rf"^s3://{bucket}/caches/none-\*.parquet: no file matches"):
         expand(f"s3://{bucket}/caches/none-*.parquet")
+    with pytest.raises(InputError, match=r"a pattern cannot be in the bucket"):
+        expand("s3://klpipe-*/caches/day-1.parquet")
 
 
 def test_a_store_object_is_fingerprinted_by_its_etag_size_and_mtime(aws, bucket):

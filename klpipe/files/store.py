@@ -249,8 +249,10 @@ def expand(raw: str | os.PathLike | StorePath) -> list[Location]:
     path = location(raw)
     if not is_glob(path):
         return [path]
-    parts = path.uri.split("/")
+    parts = path.uri.split("/")  # scheme:, "", bucket, key components...
     fixed = next(i for i, part in enumerate(parts) if _GLOB_CHARACTERS.search(part))
+    if fixed < 3:
+        raise InputError(f"{path}: a pattern cannot be in the bucket (or host) name; list the buckets one by one")
     base = location("/".join(parts[:fixed]))
     pattern = parts[fixed:]
     if not base.exists():
@@ -340,7 +342,7 @@ def local_copy(path: Location) -> Path:
 # -- errors -------------------------------------------------------------------------------------------
 
 
-def missing(path: StorePath) -> KlpipeErrorType:
+def missing(path: StorePath) -> StoreOrInputError:
     """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
     root = location(path._root)
     try:
@@ -352,7 +354,7 @@ def missing(path: StorePath) -> KlpipeErrorType:
     return InputError(f"{path}: no such file or directory")
 
 
-KlpipeErrorType = Union[InputError, StoreError]  # noqa: UP007
+StoreOrInputError = Union[InputError, StoreError]  # noqa: UP007
 
 
 # AWS SDK error names (in pyarrow's messages) → what to tell the user.
@@ -390,7 +392,7 @@ def store_error(path: StorePath, exc: BaseException | str) -> StoreError:
     return StoreError(f"{path}: store error ({text.strip()})")
 
 
-def store_failure(path, exc: BaseException) -> KlpipeErrorType | None:
+def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
     """For an error met while reading `path`: the error to raise when the store itself failed (not the
     file's contents), else None, and the caller says what is wrong with the file."""
     if not is_remote(path):
