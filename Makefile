@@ -53,13 +53,14 @@ test-slurm: install
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
 	$(BIN)/python -m pytest -q --durations=0 tests/slurm
 
-# TRL is a contender in bench_grpo.py, never a klpipe dependency: installed here for the bench only.
+# TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency: installed here for the bench only.
 TRL_PIN ?= trl==1.16.*
 
 bench: install
 	$(BIN)/python -c "import trl" 2>/dev/null || $(BIN)/python -m pip install -q '$(TRL_PIN)'
 	$(BIN)/python benchmarks/bench_precompute.py
 	$(BIN)/python benchmarks/bench_grpo.py
+	$(BIN)/python benchmarks/bench_agent.py
 	$(BIN)/python benchmarks/bench_score.py
 	$(BIN)/python benchmarks/bench_memory.py
 

@@ -1,6 +1,6 @@
-"""GPU benchmark: klpipe precompute on a random model of Gemma 4 E2B's text shape, prefix sharing on and off.
+"""GPU benchmark: klpipe precompute on a random model of Gemma 4 E2B's text shape, the prefix tree on and off.
 
-    python benchmarks/bench_gpu.py                   # ~2M tokens of GRPO-shaped rows; under 5 minutes on one H200
+    python benchmarks/bench_gpu.py                   # ~2M tokens of agent-shaped rows; under 5 minutes on one H200
     python benchmarks/bench_gpu.py --tokens 200000   # a quick look
 
 The model has E2B's text shape as transformers' Gemma 4 conversion script defines it: hidden 1536,
@@ -9,8 +9,9 @@ the last 20 layers sharing KV, double-wide MLPs in those, vocabulary 262,144 wit
 final-logit softcap 30. Its weights are random (nothing is downloaded), in bfloat16, saved once
 under build/bench/gpu/ and loaded by `klpipe precompute` like any local checkpoint.
 
-Rows are GRPO-shaped: groups of 8 sharing a prompt of 512-2048 tokens, responses of 32-1024 tokens
-(log-uniform), about --tokens tokens counted per row (prompt + response). Each mode runs
+Rows are agent-shaped: a 1,500-token system prompt in every row, then GRPO groups of 8 sharing a
+task of 128-1024 tokens, responses of 32-1024 tokens (log-uniform), about --tokens tokens counted per
+row (prompt + response). Each mode runs
 `klpipe.precompute` end to end (read, validate, forward, write), model loading excluded, and prints
 response tokens/s, tokens fed/s, peak GPU memory, and the share of the GPU's bf16 dense peak that
 the model FLOPs reached over the whole run (2 x the linear weights each token fed really passes
@@ -74,13 +75,14 @@ def build_rollouts(tokens: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = WORK / f"rollouts-{tokens}.parquet"
+    path = WORK / f"agent-{tokens}.parquet"
     if path.exists():
         return path
     rng = np.random.default_rng(0)
+    system = rng.integers(0, VOCAB, 1500)
     prompts, responses, total = [], [], 0
     while total < tokens:
-        prompt = rng.integers(0, VOCAB, int(rng.integers(512, 2049)))
+        prompt = np.concatenate([system, rng.integers(0, VOCAB, int(rng.integers(128, 1025)))])
         for _ in range(GROUP_SIZE):
             response = rng.integers(0, VOCAB, int(np.exp(rng.uniform(np.log(32), np.log(1024)))))
             prompts.append(prompt)
@@ -128,16 +130,14 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
                                           prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
     cost = flops_per_token()
     forward = summary.forward
-    # A shared prompt is prefilled with logits_to_keep=1: its tokens skip the KV-shared layers (all
-    # but the last position, left out here). Every other token fed runs the whole body. Attention
-    # scores (QK^T and AV) are left out too: a lower bound on the work done, and so on the share.
-    prefilled = forward.prompt_tokens - forward.prompt_tokens_reused if forward.shared_rows else 0
-    flops = (cost["early"] * forward.fed_tokens + cost["shared"] * (forward.fed_tokens - prefilled)
+    # Nodes that need only their last output run the KV-shared layers on that position alone
+    # (logits_to_keep=1): their other tokens pass the early layers only. Attention scores (QK^T and
+    # AV) are left out: a lower bound on the work done, and so on the share.
+    flops = (cost["early"] * forward.fed_tokens + cost["shared"] * (forward.fed_tokens - forward.early_only_tokens)
              + cost["head"] * summary.tokens)
     return {
         "sharing": sharing, "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
-        "fed": summary.forward.fed_tokens, "padded": summary.forward.padded_tokens,
-        "reused": summary.forward.prompt_tokens_reused,
+        "fed": forward.fed_tokens, "padded": forward.padded_tokens, "per_row": forward.per_row_tokens,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "mfu": flops / summary.seconds / (peak_tflops * 1e12),
         "first_rows": pq.read_table(out).column("ref_logprobs").slice(0, 16).to_pylist(),
@@ -171,10 +171,10 @@ def main() -> None:
                                                                           results[1]["first_rows"]) if len(a))
     print()
     print(f"{'prefix sharing':<16}{'seconds':>9}{'resp tok/s':>12}{'fed tok/s':>12}{'tokens fed':>13}"
-          f"{'prompt tok reused':>19}{'peak GPU GiB':>14}{'bf16 peak':>11}")
+          f"{'per-row tokens':>16}{'peak GPU GiB':>14}{'bf16 peak':>11}")
     for r in results:
         print(f"{r['sharing']:<16}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
-              f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['reused']:>19,}{r['peak_gib']:>14.1f}"
+              f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['per_row']:>16,}{r['peak_gib']:>14.1f}"
               f"{r['mfu']:>11.1%}")
     print(f"\nauto / off throughput: {results[1]['seconds'] / results[0]['seconds']:.2f}x; "
           f"max |auto - off| over the first 16 rows' logprobs: {gap:.3g} (bf16)")

@@ -35,13 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
+import contenders  # benchmarks/contenders.py: the floor and TRL, shared with bench_agent.py
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "bench" / "grpo"
 MODEL_DIR = WORK / "llama-8k"
 VOCAB = 8192
 GROUP_SIZE = 8
 CHECKED_ROWS = 16  # rows whose logprobs every contender must agree on
-TRL_BATCH = 8
 
 
 def rollouts_path(groups: int) -> Path:
@@ -84,21 +85,6 @@ def build_inputs(groups: int, seed: int = 0) -> None:
         path.with_suffix(".tmp").rename(path)
 
 
-def load_rows(groups: int):
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(rollouts_path(groups))
-    return table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
-
-
-def load_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_grad_enabled(False)
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-
-
 def run_klpipe(groups: int, sharing: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoConfig, AutoTokenizer
@@ -124,64 +110,11 @@ def run_klpipe(groups: int, sharing: str) -> dict:
             "checked": checked}
 
 
-def run_floor(groups: int) -> dict:
-    import torch
-
-    model = load_model()
-    prompts, responses = load_rows(groups)
-    body, head = model.model, model.lm_head
-    checked, fed = [], 0
-    started = time.perf_counter()
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids = torch.tensor([p + r[:-1]])
-        fed += ids.shape[1]
-        hidden = body(input_ids=ids).last_hidden_state[0, len(p) - 1:]  # response positions only
-        logits = head(hidden).float()
-        values = logits.gather(1, torch.tensor(r)[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        if i < CHECKED_ROWS:
-            checked.append(values.tolist())
-    return {"seconds": time.perf_counter() - started, "fed_tokens": fed, "padded_tokens": fed, "checked": checked}
-
-
-def run_trl(groups: int) -> dict:
-    """GRPOTrainer's reference pass, as trl 1.16 runs it for one generation batch."""
-    import torch
-    from trl.trainer.utils import add_fused_lm_head
-
-    model = load_model()
-    add_fused_lm_head(model)
-    prompts, responses = load_rows(groups)
-    # GRPOTrainer pads the generation batch once: prompts on the left, completions on the right.
-    prompt_len, completion_len = max(map(len, prompts)), max(map(len, responses))
-    n = len(prompts)
-    input_ids = torch.zeros(n, prompt_len + completion_len, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, prompt_len - len(p):prompt_len] = torch.tensor(p)
-        input_ids[i, prompt_len:prompt_len + len(r)] = torch.tensor(r)
-        attention_mask[i, prompt_len - len(p):prompt_len + len(r)] = 1
-    logits_to_keep = completion_len
-    all_logps = []
-    started = time.perf_counter()
-    for start in range(0, n, TRL_BATCH):  # _get_per_token_logps_and_entropies, batch_size 8
-        ids, mask = input_ids[start:start + TRL_BATCH], attention_mask[start:start + TRL_BATCH]
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
-        with torch.no_grad():
-            outputs = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        all_logps.append(outputs.log_probs[:, -logits_to_keep:])
-    seconds = time.perf_counter() - started
-    logps = torch.cat(all_logps)
-    checked = [logps[i, :len(responses[i])].tolist() for i in range(min(CHECKED_ROWS, n))]
-    padded = n * (prompt_len + completion_len)
-    return {"seconds": seconds, "fed_tokens": int(attention_mask.sum()), "padded_tokens": padded, "checked": checked}
-
-
 CONTENDERS = {
     "klpipe": lambda groups: run_klpipe(groups, "auto"),
     "klpipe-off": lambda groups: run_klpipe(groups, "off"),
-    "floor": run_floor,
-    "trl": run_trl,
+    "floor": lambda groups: contenders.run_floor(MODEL_DIR, rollouts_path(groups), CHECKED_ROWS),
+    "trl": lambda groups: contenders.run_trl(MODEL_DIR, rollouts_path(groups), CHECKED_ROWS),
 }
 LABELS = {
     "klpipe": "(a) klpipe",
@@ -211,7 +144,7 @@ def main() -> None:
         return child(args.child, args.groups)
 
     build_inputs(args.groups)
-    prompts, responses = load_rows(args.groups)
+    prompts, responses = contenders.load_rows(rollouts_path(args.groups))
     response_tokens = sum(map(len, responses))
     print(f"{len(prompts)} rows in {args.groups} groups of {GROUP_SIZE}: prompts 256-768 tokens, responses 16-256 "
           f"(log-uniform), {response_tokens:,} response tokens; Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, "

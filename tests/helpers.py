@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -320,3 +321,24 @@ def per_row_tokens(table: pa.Table) -> int:
     """What running every row whole feeds: its prompt and its response less the last token."""
     return sum(len(p) + len(r) - 1 for p, r in zip(table.column("prompt_ids").to_pylist(),
                                                    table.column("response_ids").to_pylist()) if r)
+
+
+@contextmanager
+def crash_at_chunk(monkeypatch, index: int = 2):
+    """Within the block, a precompute run dies (RuntimeError) as it writes chunk `index`: the chunks before it
+    stay in the work directory, as after a kill."""
+    import pytest
+
+    from klpipe.precompute.workdir import WorkDir
+
+    real_write = WorkDir.write_chunk
+
+    def write_chunk(self, tokenized, logprobs):
+        if tokenized.chunk.index == index:
+            raise RuntimeError("simulated crash")
+        real_write(self, tokenized, logprobs)
+
+    with monkeypatch.context() as crashing:
+        crashing.setattr(WorkDir, "write_chunk", write_chunk)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            yield

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from klpipe.cli import app
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.helpers import ROLLOUTS, TINY_LLAMA
+from tests.helpers import ROLLOUTS, TINY_LLAMA, crash_at_chunk
 
 runner = CliRunner()
 
@@ -72,7 +72,6 @@ def test_a_flipped_byte_in_a_cache_stops_score_and_writes_nothing(cache, tmp_pat
 def test_a_damaged_checkpoint_is_never_merged(tmp_path, monkeypatch):
     """A chunk file corrupted on disk between a crash and the resume: named, never merged; removed, recomputed."""
     from klpipe.errors import OutputError
-    from klpipe.precompute.workdir import WorkDir
 
     def run(name):
         config = PrecomputeConfig(inputs=[ROLLOUTS], output=tmp_path / name, model=str(TINY_LLAMA), device="cpu",
@@ -80,17 +79,8 @@ def test_a_damaged_checkpoint_is_never_merged(tmp_path, monkeypatch):
         return precompute(config, log=lambda message: None)
 
     expected = pq.read_table(run("expected.parquet").output)
-    real_write = WorkDir.write_chunk
-
-    def crash_at_the_third(self, tokenized, logprobs):
-        if tokenized.chunk.index == 2:
-            raise RuntimeError("simulated crash")
-        real_write(self, tokenized, logprobs)
-
-    with monkeypatch.context() as crashing:
-        crashing.setattr(WorkDir, "write_chunk", crash_at_the_third)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run("cached.parquet")
+    with crash_at_chunk(monkeypatch, 2):
+        run("cached.parquet")
     chunk = tmp_path / "cached.parquet.partial" / "chunk-00000001.parquet"
     position = page_payload_positions(chunk, "ref_logprobs")[-1]
     data = bytearray(chunk.read_bytes())

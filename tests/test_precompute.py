@@ -23,6 +23,7 @@ from tests.helpers import (
     TINY_GEMMA,
     TINY_LLAMA,
     agent_rollouts,
+    crash_at_chunk,
     oracle_logprobs,
     per_row_tokens,
 )
@@ -202,25 +203,12 @@ def test_rerun_of_finished_output_is_a_noop_and_different_run_refuses(tmp_path):
 def test_crash_then_rerun_resumes_and_gives_identical_output(tmp_path, monkeypatch):
     full = pq.read_table(run(tmp_path, name="full.parquet", chunk_rows=8).output)
 
-    from klpipe.precompute.workdir import WorkDir
-
-    real_write = WorkDir.write_chunk
-    written = []
-
-    def crash_after_two(self, tokenized, logprobs):
-        if len(written) == 2:
-            raise RuntimeError("simulated crash")
-        real_write(self, tokenized, logprobs)
-        written.append(tokenized.chunk.index)
-
-    monkeypatch.setattr(WorkDir, "write_chunk", crash_after_two)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with crash_at_chunk(monkeypatch, 2):
         run(tmp_path, name="resumed.parquet", chunk_rows=8)
     assert not (tmp_path / "resumed.parquet").exists()
     work = tmp_path / "resumed.parquet.partial"
     assert sorted(p.name for p in work.glob("chunk-*.parquet")) == ["chunk-00000000.parquet", "chunk-00000001.parquet"]
 
-    monkeypatch.setattr(WorkDir, "write_chunk", real_write)
     resumed = run(tmp_path, name="resumed.parquet", chunk_rows=8)
     assert resumed.resumed_chunks == 2 and resumed.resumed_rows == 16
     assert resumed.rows == full.num_rows - 16  # only the unfinished rows were scored again
@@ -248,19 +236,8 @@ def test_changed_weights_are_never_reused(tmp_path, monkeypatch):
     last_layer = "model.layers.1.mlp.down_proj.weight"
     old = pq.read_table(run(tmp_path, model=model_dir, name="done.parquet", chunk_rows=8).output)
 
-    from klpipe.precompute.workdir import WorkDir
-
-    real_write = WorkDir.write_chunk
-
-    def crash_after_two(self, tokenized, logprobs):
-        if tokenized.chunk.index == 2:
-            raise RuntimeError("simulated crash")
-        real_write(self, tokenized, logprobs)
-
-    with monkeypatch.context() as crashing:
-        crashing.setattr(WorkDir, "write_chunk", crash_after_two)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run(tmp_path, model=model_dir, name="partial.parquet", chunk_rows=8)
+    with crash_at_chunk(monkeypatch, 2):
+        run(tmp_path, model=model_dir, name="partial.parquet", chunk_rows=8)
     assert len(list((tmp_path / "partial.parquet.partial").glob("chunk-*.parquet"))) == 2
 
     change_one_weight(model_dir, last_layer)
@@ -279,19 +256,8 @@ def test_changed_weights_are_never_reused(tmp_path, monkeypatch):
 
 
 def test_a_resume_with_other_settings_is_refused_naming_each(tmp_path, monkeypatch):
-    from klpipe.precompute.workdir import WorkDir
-
-    real_write = WorkDir.write_chunk
-
-    def crash_at_the_third(self, tokenized, logprobs):
-        if tokenized.chunk.index == 2:
-            raise RuntimeError("simulated crash")
-        real_write(self, tokenized, logprobs)
-
-    with monkeypatch.context() as crashing:
-        crashing.setattr(WorkDir, "write_chunk", crash_at_the_third)
-        with pytest.raises(RuntimeError, match="simulated crash"):
-            run(tmp_path, model=TINY_LLAMA, chunk_rows=8, max_tokens_per_batch=100)
+    with crash_at_chunk(monkeypatch, 2):
+        run(tmp_path, model=TINY_LLAMA, chunk_rows=8, max_tokens_per_batch=100)
     made = json.loads((tmp_path / "out.parquet.partial" / "run.json").read_text())["provenance"]
     assert made["device"] == "cpu" and made["max_tokens_per_batch"] == 100 and made["chunk_rows"] == 8
     assert made["prefix_sharing"] == "auto" and set(made["versions"]) == {"torch", "transformers"}

@@ -32,6 +32,7 @@ class ForwardStats:
     padded_tokens: int = 0  # tokens fed to the model, padding (and a context's end fed again) included
     per_row_tokens: int = 0  # what running every row on its own would feed: its prompt and response less one
     tree_rows: int = 0  # rows computed through the prefix tree
+    early_only_tokens: int = 0  # of the fed tokens, those whose layers past the KV-shared point were skipped
 
     @property
     def padding_efficiency(self) -> float:
@@ -113,6 +114,8 @@ def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_t
         own = tree.end[step.nodes] - tree.start[step.nodes]
         stats.fed_tokens += int(own.sum())
         stats.padded_tokens += len(own) * int(own.max())
+        if step.only_last and model.prefill_skips_layers:  # all but each row's last position
+            stats.early_only_tokens += int(own.sum()) - len(own)
     stats.tree_rows += len(chosen)
 
 

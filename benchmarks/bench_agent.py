@@ -1,0 +1,234 @@
+"""Benchmark the prefix tree on agent-shaped rollouts: a long system prompt in every row, multi-turn histories.
+
+    python benchmarks/bench_agent.py                    # both shapes (what `make bench` runs)
+    python benchmarks/bench_agent.py --shape system     # one shape
+    python benchmarks/bench_agent.py --only klpipe off  # some contenders
+
+Shapes (random ids, fixed seeds):
+  system      a 1,000-token system prompt in every row, then a task of 64-256 tokens, G = 8 responses
+              of 16-256 tokens (log-uniform) per task
+  multi-turn  a 500-token system prompt; each task (100-200 tokens) has 4 trajectories of 4 turns,
+              stored a row per turn: turn k's prompt is turn k-1's prompt + response + a tool result
+              (responses and tool results of 32-128 tokens)
+Model: a random Llama-style model (8 layers x 256, FFN 1024, vocabulary 8,192; Gemma 4 E2B's
+body-to-head FLOPs ratio), fp32 on CPU, as in bench_grpo.py.
+
+Contenders, each in its own process on the same file:
+  (a) klpipe       `klpipe.precompute` end to end, --prefix-sharing auto (the default)
+  (b) klpipe main  klpipe as it was before the prefix tree (commit BEFORE_TREE, exported from git into
+                   build/bench/klpipe-before-tree and imported from there): identical prompts shared
+  (c) off          klpipe --prefix-sharing off: every row runs whole
+  (d) floor        the per-row minimal-work floor: each row alone, no padding, the head on response
+                   positions only
+  (e) TRL          TRL's GRPO reference pass (trl 1.16, add_fused_lm_head, batches of 8 in input order;
+                   `pip install trl`, for the benchmark only)
+
+Every process pays a start-up (imports, model load) of several seconds on this machine, which caps
+any whole-process ratio on data of a few tens of seconds. So each contender also runs on a one-row
+file, and its steady-state time is its whole time less that start-up; both are printed, and the
+ratios are of steady-state times. Logprobs of the first rows are checked across contenders.
+Targets, steady state: (a) >= 8x (c) on `system`, (a) >= 4x (c) on `multi-turn`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import contenders  # benchmarks/contenders.py: the floor and TRL, shared with bench_grpo.py
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "bench" / "agent"
+MODEL_DIR = WORK / "llama-8k"
+BEFORE_TREE = "2e43c16"  # the last commit before the prefix tree: whole prompts shared, nothing more
+BEFORE_DIR = ROOT / "build" / "bench" / "klpipe-before-tree"
+VOCAB = 8192
+CHECKED_ROWS = 12
+
+
+# -- the data ---------------------------------------------------------------------------------------
+
+
+def system_shape(rng) -> list[tuple[list[int], list[int]]]:
+    system = rng.integers(0, VOCAB, 1000).tolist()
+    rows = []
+    for _ in range(12):
+        prompt = system + rng.integers(0, VOCAB, int(rng.integers(64, 257))).tolist()
+        for _ in range(8):
+            rows.append((prompt, rng.integers(0, VOCAB, int(np.exp(rng.uniform(np.log(16), np.log(256))))).tolist()))
+    return rows
+
+
+def multi_turn_shape(rng) -> list[tuple[list[int], list[int]]]:
+    system = rng.integers(0, VOCAB, 500).tolist()
+    rows = []
+    for _ in range(6):
+        task = system + rng.integers(0, VOCAB, int(rng.integers(100, 201))).tolist()
+        for _ in range(4):  # trajectories of one task
+            history = task
+            for _ in range(4):  # turns, a row each
+                response = rng.integers(0, VOCAB, int(rng.integers(32, 129))).tolist()
+                rows.append((history, response))
+                history = history + response + rng.integers(0, VOCAB, int(rng.integers(32, 129))).tolist()
+    return rows
+
+
+SHAPES = {"system": system_shape, "multi-turn": multi_turn_shape}
+
+
+def data_path(shape: str, one_row: bool = False) -> Path:
+    return WORK / f"{shape}{'-one-row' if one_row else ''}.parquet"
+
+
+def build_inputs(shapes: list[str]) -> None:
+    """The model, the rollouts and klpipe before the tree, made once (delete build/bench to rebuild)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not (MODEL_DIR / "model.safetensors").exists():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                             tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(MODEL_DIR, safe_serialization=True)
+        AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
+    for shape in shapes:
+        if not data_path(shape).exists():
+            rows = SHAPES[shape](np.random.default_rng(1))
+            for path, chosen in ((data_path(shape), rows), (data_path(shape, one_row=True), rows[:1])):
+                table = pa.table({
+                    "id": [f"r{i}" for i in range(len(chosen))],
+                    "prompt_ids": pa.array([p for p, _ in chosen], pa.list_(pa.int32())),
+                    "response_ids": pa.array([r for _, r in chosen], pa.list_(pa.int32())),
+                })
+                pq.write_table(table, path)
+    if not (BEFORE_DIR / "klpipe").is_dir():
+        BEFORE_DIR.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", BEFORE_TREE, "klpipe"], cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(BEFORE_DIR)], input=archive.stdout, check=True)
+
+
+# -- the contenders (each runs in a child process) --------------------------------------------------
+
+
+def run_klpipe(path: Path, sharing: str) -> dict:
+    import pyarrow.parquet as pq
+
+    import klpipe
+    from klpipe.precompute import PrecomputeConfig, precompute
+
+    out = WORK / f"out-{os.getpid()}.parquet"
+    started = time.perf_counter()
+    try:
+        summary = precompute(PrecomputeConfig(inputs=[path], output=out, model=str(MODEL_DIR), device="cpu",
+                                              dtype="float32", overwrite=True, progress="none",
+                                              prefix_sharing=sharing), log=lambda m: None)
+        seconds = time.perf_counter() - started - summary.load_seconds
+        checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
+    finally:
+        out.unlink(missing_ok=True)
+    forward = summary.forward
+    return {"seconds": seconds, "fed_tokens": forward.fed_tokens, "padded_tokens": forward.padded_tokens,
+            "checked": checked, "klpipe": str(Path(klpipe.__file__).parent.relative_to(ROOT))}
+
+
+CONTENDERS = {
+    "klpipe": ("(a) klpipe", lambda path: run_klpipe(path, "auto")),
+    "main": ("(b) klpipe before the tree", lambda path: run_klpipe(path, "auto")),
+    "off": ("(c) klpipe --prefix-sharing off", lambda path: run_klpipe(path, "off")),
+    "floor": ("(d) per-row minimal-work floor", lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS)),
+    "trl": ("(e) TRL GRPO reference pass", lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS)),
+}
+
+
+def child(name: str, path: Path) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    result = CONTENDERS[name][1](path)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(name: str, path: Path) -> tuple[float, dict]:
+    """(whole-process wall seconds, the child's result)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if name == "main":  # klpipe before the tree, imported ahead of the installed one
+        env["PYTHONPATH"] = os.pathsep.join([str(BEFORE_DIR), env.get("PYTHONPATH", "")])
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--child", name, "--path", str(path)],
+                         capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - started
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return wall, json.loads(line[0][7:])
+
+
+def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
+    prompts, responses = contenders.load_rows(data_path(shape))
+    per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    print(f"\n== {shape}: {len(prompts)} rows, {sum(map(len, responses)):,} response tokens, "
+          f"{per_row:,} tokens fed running each row whole", flush=True)
+    best: dict[str, dict] = {}
+    for round_ in range(repeat):  # rounds of every contender in turn; each keeps its fastest
+        for name in names:
+            startup, _ = run_child(name, data_path(shape, one_row=True))
+            whole, result = run_child(name, data_path(shape))
+            result.update(whole=whole, startup=startup, steady=whole - startup)
+            print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s, "
+                  f"steady {whole - startup:.1f}s, in-process {result['seconds']:.1f}s", flush=True)
+            if name == "main":
+                assert result["klpipe"] == "build/bench/klpipe-before-tree/klpipe", result["klpipe"]
+            if name not in best or result["steady"] < best[name]["steady"]:
+                best[name] = result
+    reference = best.get("floor") or next(iter(best.values()))
+    for name, result in best.items():
+        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
+        assert gap < 1e-3, f"{name} disagrees with {next(k for k, v in best.items() if v is reference)} by {gap:.3g}"
+    print(f"\n{'contender':<34}{'whole s':>9}{'start-up s':>11}{'steady s':>10}{'tokens fed':>12}"
+          f"{'padded':>11}{'peak RSS MiB':>14}")
+    for name, r in best.items():
+        print(f"{CONTENDERS[name][0]:<34}{r['whole']:>9.1f}{r['startup']:>11.1f}{r['steady']:>10.1f}"
+              f"{r['fed_tokens']:>12,}{r['padded_tokens']:>11,}{r['peak_rss_mib']:>14,.0f}")
+    a = best.get("klpipe")
+    if a:
+        print()
+        for other in names:
+            if other != "klpipe" and other in best:
+                o = best[other]
+                print(f"(a) vs {CONTENDERS[other][0][:3]}: steady {o['steady'] / a['steady']:.2f}x, "
+                      f"whole process {o['whole'] / a['whole']:.2f}x, tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x")
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
+    parser.add_argument("--child", choices=list(CONTENDERS))
+    parser.add_argument("--path", type=Path)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.path)
+    build_inputs(args.shape)
+    print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {os.cpu_count()} threads; each contender "
+          f"in its own process, fastest of {args.repeat} round(s)")
+    for shape in args.shape:
+        bench_shape(shape, args.only or list(CONTENDERS), args.repeat)
+
+
+if __name__ == "__main__":
+    main()
