@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-faults test-slurm bench sample-data clean
+.PHONY: install demo test test-faults test-slurm test-s3 bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ test: install
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
+
+# Both stages with inputs and outputs on S3: a moto S3 server (installed by the test extra) that the
+# tests start on 127.0.0.1 and stop again. About two minutes on 2 CPU cores.
+test-s3: install
+	$(BIN)/python -m pytest -q --durations=5 tests/s3
 
 # The examples under a real one-node Slurm cluster that tests/slurm starts on 127.0.0.1 and stops
 # again. Installs Debian's slurm-wlm and munge first when they are missing (needs root, as in CI).

@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from klpipe.errors import InputError, ProvenanceError, first_line
+from klpipe.files.parquet import read_schema
+from klpipe.files.store import Location, store_failure
 
 # Rollout columns (input to precompute).
 ID = "id"
@@ -109,12 +110,12 @@ def schema_with_provenance(schema: pa.Schema, provenance: Provenance) -> pa.Sche
     return schema.with_metadata(metadata)
 
 
-def read_provenance(path: str | Path) -> Provenance | None:
+def read_provenance(path: str | Path | Location) -> Provenance | None:
     """The provenance of a cache file, or None when klpipe did not write it."""
     try:
-        metadata = pq.read_schema(path).metadata or {}
+        metadata = read_schema(path).metadata or {}
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
+        raise store_failure(path, exc) or InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
     raw = metadata.get(METADATA_KEY)
     if raw is None:
         return None
@@ -124,10 +125,10 @@ def read_provenance(path: str | Path) -> Provenance | None:
         raise InputError(f"{path}: corrupt klpipe provenance metadata ({exc})") from None
 
 
-def written_by_klpipe(path: str | Path) -> str | None:
+def written_by_klpipe(path: str | Path | Location) -> str | None:
     """"scored" for a file klpipe score wrote, "cache" for one klpipe precompute wrote, else None."""
     try:
-        metadata = pq.read_schema(path).metadata or {}
+        metadata = read_schema(path).metadata or {}
     except (OSError, pa.ArrowException):
         return None  # not readable as parquet: reading it as an input says what is wrong
     if SCORED_METADATA_KEY in metadata:

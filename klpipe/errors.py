@@ -33,6 +33,10 @@ class OutputError(KlpipeError):
     """An output cannot be written (disk full, permissions, another run holds it)."""
 
 
+class StoreError(KlpipeError):
+    """A store (S3 or another) is missing the bucket, refuses the credentials or the request, or cannot be reached."""
+
+
 class Preempted(KlpipeError):
     """Stopped by SIGTERM or SIGUSR1 after flushing finished work; rerun the same command to resume."""
 

@@ -8,6 +8,8 @@ A sharded run writes `part-<i>-of-<n>.parquet` into the output directory, then a
 `part-<i>-of-<n>.done` marker holding the part's row count and provenance. This module alone
 names parts, parses their names, writes markers and decides whether a part is complete (as
 datatrove's executor owns its completion markers); `klpipe score DIR` asks it for the parts.
+The output directory may be a prefix on a store (s3://bucket/parts/): parts and markers are then
+objects, each uploaded whole, the marker after its part.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from klpipe.cache import Provenance, check_compatible, read_provenance
 from klpipe.errors import InputError, ProvenanceError
 from klpipe.files.atomic import write_json_atomic
 from klpipe.files.parquet import open_parquet
+from klpipe.files.store import Location
 
 PART_PATTERN = re.compile(r"^part-(\d+)-of-(\d+)\.parquet$")
 PART_SUFFIX = ".parquet"
@@ -47,7 +50,7 @@ class Shard:
     def part_name(self) -> str:
         return f"part-{self.index:05d}-of-{self.count:05d}{PART_SUFFIX}"
 
-    def part_path(self, output_dir: Path) -> Path:
+    def part_path(self, output_dir: Location) -> Location:
         return output_dir / self.part_name()
 
 
@@ -92,28 +95,28 @@ def parse_part_name(name: str) -> Shard | None:
     return Shard(int(match.group(1)), int(match.group(2))) if match else None
 
 
-def marker_path(part: Path) -> Path:
+def marker_path(part: Location) -> Location:
     """`part-<i>-of-<n>.done` beside `part-<i>-of-<n>.parquet`."""
     return part.with_name(part.name.removesuffix(PART_SUFFIX) + MARKER_SUFFIX)
 
 
-def mark_complete(part: Path, rows: int, provenance: Provenance, tmp_dir: Path) -> None:
+def mark_complete(part: Location, rows: int, provenance: Provenance, tmp_dir: Path | None) -> None:
     """Record that `part` is whole and holds `rows` rows; written atomically, its temporary file in `tmp_dir`."""
     write_json_atomic(marker_path(part), {"rows": rows, "provenance": json.loads(provenance.to_json())},
                       tmp_dir=tmp_dir)
 
 
-def unmark(part: Path) -> None:
+def unmark(part: Location) -> None:
     """A part being rewritten is not complete until it is marked again."""
     marker_path(part).unlink(missing_ok=True)
 
 
-def is_complete(part: Path) -> bool:
+def is_complete(part: Location) -> bool:
     """The part exists and its marker records the rows it holds (a stale or foreign marker does not count)."""
     return _completion(part) == "complete"
 
 
-def _completion(part: Path) -> str:
+def _completion(part: Location) -> str:
     """complete | unmarked (no marker, or no part) | mismatched (a marker that does not describe the part)."""
     marker = marker_path(part)
     if not (marker.is_file() and part.is_file()):
@@ -127,11 +130,11 @@ def _completion(part: Path) -> str:
     return "complete" if recorded == holds else "mismatched"
 
 
-def is_shard_directory(path: Path) -> bool:
+def is_shard_directory(path: Location) -> bool:
     return path.is_dir() and any(parse_part_name(p.name) for p in path.iterdir())
 
 
-def shard_parts(directory: Path) -> list[Path]:
+def shard_parts(directory: Location) -> list[Location]:
     """The parts of a sharded run's output directory in shard order, refused unless complete and consistent.
 
     Scoring a directory with a missing or unfinished shard, or shards of different runs (shard

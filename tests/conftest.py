@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # No test may reach the hub: every model is a tiny one under sample_data/ (tests/helpers.py).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -12,3 +14,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _cache = tempfile.mkdtemp(prefix="klpipe-test-cache-")
 os.environ["KLPIPE_CACHE_DIR"] = _cache
 atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto's) on 127.0.0.1, for the whole session; stopped by its pid."""
+    from tests.moto_server import S3Server
+
+    server = S3Server.start(tmp_path_factory.mktemp("moto") / "moto.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server):
+    """A new, empty bucket on the test server."""
+    import uuid
+
+    return s3_server.bucket(f"klpipe-{uuid.uuid4().hex[:12]}")

@@ -119,6 +119,33 @@ def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypat
     assert pq.read_table(out).num_rows == 48 and not work.exists()
 
 
+def test_work_dir_moves_the_checkpoints_of_a_local_output(tmp_path, monkeypatch):
+    """--work-dir (KLPIPE_WORK_DIR): the chunks go there, named by the output and a hash of its path; the
+    output is still written beside itself, so a work directory on another filesystem costs no copy."""
+    from klpipe.precompute.workdir import WorkDir
+
+    def killed_while_merging(self, output):
+        raise KeyboardInterrupt
+
+    out, scratch = tmp_path / "out" / "cached.parquet", tmp_path / "scratch"
+    with monkeypatch.context() as patch:
+        patch.setattr(WorkDir, "merge_into", killed_while_merging)
+        first = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8", env={"KLPIPE_WORK_DIR": str(scratch)})
+        assert first.exit_code == 130
+    (work,) = scratch.iterdir()
+    assert re.fullmatch(r"cached\.parquet\.[0-9a-f]{12}\.partial", work.name)
+    assert len(list(work.glob("chunk-*.parquet"))) == 6 and not out.parent.exists()
+    rerun = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8", "--work-dir", scratch)
+    assert rerun.exit_code == 0, rerun.output
+    assert rerun.stderr.splitlines()[0] == f"resuming: 6 of 6 chunks already done in {work}"
+    assert pq.read_table(out).num_rows == 48
+    assert list(scratch.iterdir()) == [] and [p.name for p in out.parent.iterdir()] == ["cached.parquet"]
+    refused = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--work-dir", "s3://bucket/work")
+    assert refused.exit_code == 2
+    assert refused.stderr.strip() == ("Error: --work-dir s3://bucket/work: the work directory holds the checkpoints "
+                                      "a rerun resumes from and must be on local disk")
+
+
 def test_missing_columns(tmp_path):
     path = write(tmp_path, "in.parquet", {"id": ["a"], "prompt_ids": [[2, 5]]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -24,14 +23,16 @@ PRECOMPUTE = defaults(PrecomputeConfig)
 @app.command("precompute", no_args_is_help=True)
 @handle_errors
 def precompute_command(
-    inputs: Annotated[list[Path], typer.Argument(
-        help="Rollout files (parquet, JSON Lines), `save_to_disk` directories, or directories of files.",
+    inputs: Annotated[list[str], typer.Argument(
+        help="Rollout files (parquet, JSON Lines), `save_to_disk` directories, or directories of files; local "
+             "paths or URIs (`s3://bucket/prefix/`, `s3://bucket/day-*.parquet`).",
         envvar="KLPIPE_INPUTS", show_default=False)],
     model: Annotated[str, typer.Option(
         "--model", "-m", help="Reference model: a hub id or a local directory (never fetched from the network).",
         envvar="KLPIPE_MODEL", rich_help_panel=MODEL_PANEL, show_default=False)],
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="Cache to write. Default: INPUT.cached.parquet beside a single input.",
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", help="Cache to write, a local path or a URI (s3://...). "
+        "Default: INPUT.cached.parquet beside a single input.", metavar="PATH",
         envvar="KLPIPE_OUTPUT", rich_help_panel=OUTPUT_PANEL, show_default=False)] = PRECOMPUTE["output"],
     revision: Annotated[str | None, typer.Option(
         help="Hub revision (branch, tag or commit) of the model.",
@@ -59,6 +60,10 @@ def precompute_command(
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
         envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["chunk_rows"],
+    work_dir: Annotated[str | None, typer.Option(
+        help="Local directory for the work directories (chunk checkpoints a rerun resumes from). Default: "
+             "OUTPUT.partial/ beside a local output; KLPIPE_CACHE_DIR/work for an output on a store.",
+        metavar="DIR", envvar="KLPIPE_WORK_DIR", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["work_dir"],
     prefix_sharing: Annotated[str, typer.Option(
         help="auto | on | off. auto: every prefix the rows of a chunk share (a system prompt, a GRPO group's "
              "prompt, a multi-turn history) runs once, and rows continue from its keys and values; "
@@ -103,6 +108,8 @@ def precompute_command(
         klpipe precompute -m ./ref dump/ -o cached.parquet --column response_ids=completion_ids --column reward=score
 
         sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
+
+        AWS_PROFILE=rl klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42.cached.parquet
     """
     from klpipe.columns import parse_columns
     from klpipe.precompute import precompute
@@ -113,7 +120,7 @@ def precompute_command(
         inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, max_cache_mib=max_cache_mib,
         chunk_rows=chunk_rows,
-        prefix_sharing=prefix_sharing,
+        prefix_sharing=prefix_sharing, work_dir=work_dir,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column),
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -48,28 +47,30 @@ def _env(option: str) -> str:
 @app.command("score")
 @handle_errors
 def score_command(
-    caches: Annotated[list[Path], typer.Argument(
-        help="Cache parquet files, or directories of them, scored in the order given.", envvar=_env("caches"))],
-    output: Annotated[Path | None, typer.Option(
+    caches: Annotated[list[str], typer.Argument(
+        help="Cache parquet files, or directories of them, scored in the order given; local paths or URIs "
+             "(`s3://bucket/parts/`, `s3://bucket/day-*.parquet`).", envvar=_env("caches"))],
+    output: Annotated[str | None, typer.Option(
         "--output", "-o", help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.",
-        envvar=_env("output"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output"],
-    report: Annotated[Path | None, typer.Option(
-        help="Write the report JSON here.", envvar=_env("report"), rich_help_panel=OUTPUT_PANEL)] = SCORE["report"],
-    plot: Annotated[Path | None, typer.Option(
+        metavar="PATH", envvar=_env("output"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output"],
+    report: Annotated[str | None, typer.Option(
+        help="Write the report JSON here.", metavar="PATH", envvar=_env("report"),
+        rich_help_panel=OUTPUT_PANEL)] = SCORE["report"],
+    plot: Annotated[str | None, typer.Option(
         help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
-        envvar=_env("plot"), rich_help_panel=OUTPUT_PANEL)] = SCORE["plot"],
-    tensorboard: Annotated[Path | None, typer.Option(
+        metavar="PATH", envvar=_env("plot"), rich_help_panel=OUTPUT_PANEL)] = SCORE["plot"],
+    tensorboard: Annotated[str | None, typer.Option(
         metavar="DIR", help="Write per-step KL, coefficient and reward scalars as TensorBoard events into DIR "
         "(needs tensorboardX).", envvar=_env("tensorboard"), rich_help_panel=OUTPUT_PANEL)] = SCORE["tensorboard"],
-    metrics_jsonl: Annotated[Path | None, typer.Option(
+    metrics_jsonl: Annotated[str | None, typer.Option(
         metavar="FILE", help="Write the same per-step metrics as JSON Lines.",
         envvar=_env("metrics_jsonl"), rich_help_panel=OUTPUT_PANEL)] = SCORE["metrics_jsonl"],
     per_token: Annotated[bool, typer.Option(
         "--per-token", help="Also write each row's per-token KL list (kl_per_token).",
         envvar=_env("per_token"), rich_help_panel=OUTPUT_PANEL)] = SCORE["per_token"],
-    state: Annotated[Path | None, typer.Option(
+    state: Annotated[str | None, typer.Option(
         help="Controller state JSON: continued from when it exists, saved at the end.",
-        envvar=_env("state"), rich_help_panel=STATE_PANEL)] = SCORE["state"],
+        metavar="PATH", envvar=_env("state"), rich_help_panel=STATE_PANEL)] = SCORE["state"],
     reset_state: Annotated[bool, typer.Option(
         "--reset-state", help="Ignore an existing --state file and start the controller from these options.",
         envvar=_env("reset_state"), rich_help_panel=STATE_PANEL)] = SCORE["reset_state"],
@@ -136,6 +137,8 @@ def score_command(
         klpipe score day2.parquet --state kl_state.json --reset-state --kl-target 2
 
         klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score --kl-coeff 0
+
+        klpipe score s3://caches/day42/ -o s3://scored/day42.parquet --state s3://scored/kl_state.json
     """
     from rich.console import Console
 

@@ -1,4 +1,9 @@
-"""Outputs that appear whole or not at all: a temporary file beside the output, renamed into place."""
+"""Outputs that appear whole or not at all: a temporary file beside the output, renamed into place.
+
+An output on a store (files/store.py) is written to a local temporary file the same way, in the
+work directory or $TMPDIR, and uploaded at commit by upload.py, which never lets half an object
+appear under its name.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from klpipe.errors import OutputError
+from klpipe.files.store import Location, is_remote, staging_dir
 
 
 def _read_umask() -> int:
@@ -39,7 +45,7 @@ class OutputGroup:
     """
 
     def __init__(self) -> None:
-        self._staged: list[tuple[int, Path, Path]] = []  # (locked descriptor, temporary file, final path)
+        self._staged: list[tuple[int, Path, Location]] = []  # (locked descriptor, temporary file, final path)
 
     def __enter__(self) -> OutputGroup:
         return self
@@ -50,17 +56,19 @@ class OutputGroup:
         self._staged = []
 
     @contextmanager
-    def file(self, path: str | Path, tmp_dir: str | Path | None = None) -> Iterator[Path]:
+    def file(self, path: str | Path | Location, tmp_dir: str | Path | None = None) -> Iterator[Path]:
         """Yield a temporary path to write `path` to; staged for `commit` if the block succeeds.
 
         The temporary file lives beside `path` (or in `tmp_dir`, which must be on the same
         filesystem) so the rename is atomic. A work directory as `tmp_dir` means a kill -9 leaves no
-        stray file beside outputs.
+        stray file beside outputs. For an output on a store it lives in `tmp_dir` or $TMPDIR, on
+        local disk, until the commit uploads it.
         """
-        path = Path(path)
-        directory = Path(tmp_dir) if tmp_dir is not None else path.parent
+        path = path if is_remote(path) else Path(path)
+        directory = Path(tmp_dir) if tmp_dir is not None else staging_dir() if is_remote(path) else path.parent
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not is_remote(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_tmp(directory, path.name)
             fd, tmp = _locked_tmp(directory, path.name)
         except OSError as exc:
@@ -79,21 +87,34 @@ class OutputGroup:
         self._staged.append((fd, tmp, path))
 
     def commit(self) -> None:
-        """Rename every staged file into place, durably."""
+        """Rename every staged file into place, durably; upload those bound for a store, first.
+
+        Uploads go first because they are slow and can fail (the network, permissions); the local
+        renames after them are quick. Each object appears whole, but unlike a rename, not all at
+        once: a failure after the first upload leaves the earlier ones in place.
+        """
         staged, self._staged = self._staged, []
         try:
-            for fd, tmp, path in staged:
-                os.replace(tmp, path)
-                _fsync_dir(path.parent)
-        except OSError as exc:
-            raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
+            remote = [(tmp, path) for _, tmp, path in staged if is_remote(path)]
+            if remote:
+                from klpipe.files.upload import publish
+
+                publish(remote)  # raises an error naming the URI that failed
+            for _, tmp, path in staged:
+                if is_remote(path):
+                    continue
+                try:
+                    os.replace(tmp, path)
+                    _fsync_dir(path.parent)
+                except OSError as exc:
+                    raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
         finally:
             for fd, tmp, _ in staged:
                 _discard(fd, tmp)  # releases the lock; the file is gone from `tmp` once renamed
 
 
 @contextmanager
-def atomic_output(path: str | Path, tmp_dir: str | Path | None = None) -> Iterator[Path]:
+def atomic_output(path: str | Path | Location, tmp_dir: str | Path | None = None) -> Iterator[Path]:
     """Yield a temporary path; rename it to `path` only if the block succeeds (an OutputGroup of one)."""
     with OutputGroup() as group:
         with group.file(path, tmp_dir) as tmp:
@@ -107,14 +128,15 @@ def _discard(fd: int, tmp: Path) -> None:
 
 
 @contextmanager
-def scratch_directory(directory: str | Path, name: str) -> Iterator[Path]:
+def scratch_directory(directory: str | Path | Location, name: str) -> Iterator[Path]:
     """Yield a new empty directory `.<name>.<random>.tmp` in `directory`, removed with its contents at the end.
 
     For writers that name their own files: they write there, and the caller moves the finished file
     into its place (an OutputGroup file). Locked like atomic_output's temporary files, so the next
-    scratch directory of the same `name` removes a killed run's and never a live one's.
+    scratch directory of the same `name` removes a killed run's and never a live one's. For a
+    directory on a store, it is made in $TMPDIR, where that OutputGroup file is staged too.
     """
-    directory = Path(directory)
+    directory = staging_dir() if is_remote(directory) else Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(directory, name)
@@ -166,7 +188,7 @@ def _remove_stale_tmp(directory: Path, name: str) -> None:
             os.close(fd)
 
 
-def write_json_atomic(path: str | Path, data: object, tmp_dir: str | Path | None = None) -> None:
+def write_json_atomic(path: str | Path | Location, data: object, tmp_dir: str | Path | None = None) -> None:
     with atomic_output(path, tmp_dir=tmp_dir) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 

@@ -7,6 +7,13 @@ rerun would be slow, so a digest is remembered on this machine, keyed by the fil
 inode, size, and modification and change times: rewriting a file changes them, and even a `touch -d`
 that puts the modification time back moves the change time, which no user can set. A file in the
 Hugging Face cache is a link to a blob named by the hash of its content, which costs nothing.
+
+An object on a store (files/store.py) is fingerprinted by what the store already says about it:
+its ETag, size and modification time, from one HEAD request and without reading it. An S3 ETag
+changes whenever the object is written again (it is the MD5 of its bytes, of its parts' MD5s for a
+multipart upload, or random under SSE-KMS), and the modification time does too. Where a store
+gives no ETag, every byte is hashed, as for a local file, and not remembered (nothing on this
+machine tells that the object is unchanged).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import os
 import re
 import tempfile
 from pathlib import Path
+
+from klpipe.files.store import Location, StorePath, is_remote
 
 CACHE_ENV = "KLPIPE_CACHE_DIR"  # where klpipe keeps what it remembers (digests); default ~/.cache/klpipe
 READ_BYTES = 1 << 22
@@ -52,8 +61,11 @@ def file_digest(path: str | Path) -> str:
     return digest
 
 
-def fingerprint(path: Path) -> dict:
-    """Name, size and a sha256 over every byte of a file, or of every file of a directory (`save_to_disk`)."""
+def fingerprint(path: Location) -> dict:
+    """Name, size and a sha256 over every byte of a file, or of every file of a directory (`save_to_disk`);
+    for an object on a store, name, size, ETag and modification time (store_fingerprint)."""
+    if is_remote(path):
+        return store_fingerprint(path)
     path = Path(path)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     digest = hashlib.sha256()
@@ -63,6 +75,47 @@ def fingerprint(path: Path) -> dict:
         size += file_size
         name = file.relative_to(path) if path.is_dir() else file.name
         digest.update(f"{name}:{file_size}:{file_digest(file)}\n".encode())
+    return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
+
+
+def store_fingerprint(path: StorePath) -> dict:
+    """`{name, size, etag, mtime}` of an object on a store, from its metadata; of a directory, an etag made
+    of every object's. `{name, size, sha256}` where the store gives no ETag."""
+    files = path.walk_files() if path.is_dir() else [path]
+    lines = []
+    size = 0
+    latest = ""
+    for file in files:
+        meta = file.object_metadata()
+        etag = meta.get("ETag")
+        file_size = int(meta.get("Content-Length", file.stat().st_size))
+        if etag is None:
+            return _hash_store_files(path, files)
+        mtime = meta.get("Last-Modified") or str(file.stat().st_mtime)
+        name = file.uri[len(path.uri) + 1:] if file is not path else file.name
+        lines.append(f"{name}:{file_size}:{etag}:{mtime}\n")
+        size += file_size
+        latest = max(latest, mtime)
+    if files == [path]:
+        return {"name": path.name, "size": size, "etag": etag, "mtime": latest}
+    return {"name": path.name, "size": size, "etag": "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest(),
+            "mtime": latest}
+
+
+def _hash_store_files(path: StorePath, files: list[StorePath]) -> dict:
+    """Name, size and a sha256 over every byte, read from the store: for stores that give no ETag."""
+    digest = hashlib.sha256()
+    size = 0
+    for file in files:
+        content = hashlib.sha256()
+        file_size = 0
+        with file.open_input_file() as stream:
+            while chunk := stream.read(READ_BYTES):
+                content.update(chunk)
+                file_size += len(chunk)
+        size += file_size
+        name = file.uri[len(path.uri) + 1:] if file is not path else file.name
+        digest.update(f"{name}:{file_size}:sha256:{content.hexdigest()}\n".encode())
     return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
 
 

@@ -13,20 +13,36 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from klpipe.files.store import Location, is_remote
+
 # pyarrow's reader defaults hold far more than the batch they hand out: `pre_buffer=True` caches
 # the column chunks of every row group it is asked for and keeps them as the batches go by (reading
 # a whole file that way held memory in proportion to the file), and `buffer_size=0` reads each
 # column chunk whole (a row group of wide rows can be gigabytes). Off, and buffered reads of 1 MiB:
 # a reader holds about a page per column plus the batch it hands out, whatever the file's size.
 PARQUET_READ_BUFFER = 1 << 20
+# On a store every buffered read is a request (an S3 ranged GET, tens of milliseconds before the
+# first byte): larger reads there, still a few MiB per column.
+STORE_READ_BUFFER = 8 << 20
 
 
-def open_parquet(path: str | Path) -> pq.ParquetFile:
+def open_parquet(path: str | Path | Location) -> pq.ParquetFile:
     """A parquet reader with bounded memory that verifies page checksums: every klpipe reader opens files this way.
 
-    Pages written without a checksum (by other tools) are read as they are.
+    Pages written without a checksum (by other tools) are read as they are. A file on a store is
+    read in ranges through its filesystem, never downloaded whole.
     """
+    if is_remote(path):
+        return pq.ParquetFile(path.fs_path, filesystem=path.filesystem, pre_buffer=False,
+                              buffer_size=STORE_READ_BUFFER, page_checksum_verification=True)
     return pq.ParquetFile(path, pre_buffer=False, buffer_size=PARQUET_READ_BUFFER, page_checksum_verification=True)
+
+
+def read_schema(path: str | Path | Location) -> pa.Schema:
+    """A parquet file's schema, metadata included: its footer alone is read."""
+    if is_remote(path):
+        return pq.read_schema(path.fs_path, filesystem=path.filesystem)
+    return pq.read_schema(path)
 
 
 def parquet_writer(where, schema: pa.Schema) -> pq.ParquetWriter:

@@ -13,6 +13,7 @@ from klpipe.errors import InputError
 from klpipe.progress import PROGRESS_MODES
 
 if TYPE_CHECKING:
+    from klpipe.files.store import Location
     from klpipe.sharding import Shard
 
 # auto: the prefill path where it saves work (repeated prompts; every row where the prefill skips
@@ -24,9 +25,9 @@ SHARING_MODES = ("auto", "on", "off")
 class PrecomputeConfig:
     """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
 
-    inputs: list[Path]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files
+    inputs: list[Location]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files; or URIs (s3://...)
     model: str  # hub id or local directory
-    output: Path | None = None  # the cache (a directory when sharded); None: default_output(inputs)
+    output: Location | None = None  # the cache (a directory when sharded), local or a URI; None: default_output(inputs)
     revision: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
@@ -41,6 +42,7 @@ class PrecomputeConfig:
     log_interval: float = 30.0  # seconds between progress log lines
     shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
     columns: dict[str, str] = field(default_factory=dict)  # role -> the input's column name (--column)
+    work_dir: Path | None = None  # where work directories go; None: beside a local output, KLPIPE_CACHE_DIR/work for a remote one
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -57,5 +59,17 @@ class PrecomputeConfig:
             raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
                              f"not {self.progress!r}")
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
+        from klpipe.files.store import is_remote, location
 
         ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
+        # Local paths stay Paths; URIs (s3://bucket/key) become locations on their store.
+        self.inputs = [location(path) for path in self.inputs]
+        self.output = location(self.output) if self.output is not None else None
+        if is_remote(location(self.model)):
+            raise InputError(f"--model {self.model}: the reference model is read from a local directory or the hub, "
+                             "not from a store; copy it to local disk first")
+        if self.work_dir is not None:
+            if is_remote(location(self.work_dir)):
+                raise InputError(f"--work-dir {self.work_dir}: the work directory holds the checkpoints a rerun "
+                                 "resumes from and must be on local disk")
+            self.work_dir = Path(self.work_dir)

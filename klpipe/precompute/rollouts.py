@@ -29,6 +29,7 @@ from klpipe.files.discover import (
     schema_difference,
 )
 from klpipe.files.parquet import open_parquet
+from klpipe.files.store import Location, local_copy, store_failure
 from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
@@ -40,7 +41,7 @@ TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
 
 @dataclass
 class RolloutFile:
-    path: Path
+    path: Location  # a local path, or a file on a store
     kind: str  # "parquet" | "jsonl" | "datasets"
     num_rows: int
     schema: pa.Schema
@@ -54,7 +55,7 @@ class Rollouts:
     schema: pa.Schema  # without metadata
     mode: str  # TOKEN_IDS, TEXT or CHAT
     columns: ColumnMap  # role -> the user's column name
-    skipped: list[Path] = field(default_factory=list)  # klpipe's own outputs found in input directories
+    skipped: list[Location] = field(default_factory=list)  # klpipe's own outputs found in input directories
 
     @property
     def num_rows(self) -> int:
@@ -71,10 +72,10 @@ class Chunk:
     file_row: np.ndarray  # (rows,) the row's index inside that file
 
 
-def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> Rollouts:
+def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None = None) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns."""
     # A cache (or scored file) written into an input directory by an earlier run is not a rollout.
-    def ours(path: Path) -> bool:
+    def ours(path: Location) -> bool:
         return path.name.endswith(PARQUET_SUFFIXES) and written_by_klpipe(path) is not None
 
     found, skipped = expand_inputs(paths, INPUT_SUFFIXES, skip=ours)
@@ -92,7 +93,7 @@ def open_rollouts(paths: list[str | Path], columns: ColumnMap | None = None) -> 
     return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns, skipped=skipped)
 
 
-def _open_file(path: Path) -> RolloutFile:
+def _open_file(path: Location) -> RolloutFile:
     if is_datasets_dir(path) or path.name.endswith(JSONL_SUFFIXES):
         table = _datasets_table(path)
         kind = "datasets" if path.is_dir() else "jsonl"
@@ -103,6 +104,9 @@ def _open_file(path: Path) -> RolloutFile:
             with open_parquet(path) as meta:
                 num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
         except (OSError, pa.ArrowException) as exc:
+            failure = store_failure(path, exc)
+            if failure is not None:
+                raise failure from None
             if path.stat().st_size == 0:
                 raise InputError(f"{path}: file is empty (0 bytes)") from None
             raise InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
@@ -111,8 +115,12 @@ def _open_file(path: Path) -> RolloutFile:
     return RolloutFile(path=path, kind=kind, num_rows=num_rows, schema=schema.remove_metadata())
 
 
-def _datasets_table(path: Path) -> pa.Table:
-    """A memory-mapped Arrow table for JSON Lines or `save_to_disk` input, through `datasets`."""
+def _datasets_table(path: Location) -> pa.Table:
+    """A memory-mapped Arrow table for JSON Lines or `save_to_disk` input, through `datasets`.
+
+    `datasets` reads local files: one on a store is downloaded once into KLPIPE_CACHE_DIR
+    (store.local_copy), and every message still names its URI.
+    """
     try:
         import datasets  # heavy; only JSON Lines and save_to_disk inputs need it
     except ImportError:
@@ -122,22 +130,23 @@ def _datasets_table(path: Path) -> pa.Table:
     datasets.disable_progress_bars()
     # Its parse errors are logged as well as raised; klpipe reports each failure in one line of its own.
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    local = local_copy(path)
     try:
-        if path.is_dir():
-            ds = datasets.load_from_disk(str(path))
+        if local.is_dir():
+            ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 raise InputError(f"{path}: holds several splits ({', '.join(ds)}); pass one split's directory")
         else:
-            if path.stat().st_size == 0:
+            if local.stat().st_size == 0:
                 raise InputError(f"{path}: file is empty (0 bytes)")
-            ds = datasets.Dataset.from_json(str(path), keep_in_memory=False)
+            ds = datasets.Dataset.from_json(str(local), keep_in_memory=False)
     except InputError:
         raise
     except Exception as exc:  # datasets wraps parse errors in several exception types
-        bad_line = None if path.is_dir() else _first_bad_line(path)
+        bad_line = None if local.is_dir() else _first_bad_line(local)
         if bad_line is not None:
             raise InputError(f"{path}: {bad_line}") from None
-        raise InputError(f"{path}: not readable as {'a datasets directory' if path.is_dir() else 'JSON Lines'} "
+        raise InputError(f"{path}: not readable as {'a datasets directory' if local.is_dir() else 'JSON Lines'} "
                          f"({first_line(exc)})") from None
     return ds.data.table
 
@@ -278,4 +287,4 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                 if position >= hi:
                     break
     except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None
+        raise store_failure(info.path, exc) or InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None

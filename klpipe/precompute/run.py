@@ -8,6 +8,9 @@ Resume: finished chunks live in the work directory `<output>.partial/` (workdir.
 `run.json` describing the run. A rerun of the same command skips them; the chunk plan is
 deterministic, so the merged output is identical to an uninterrupted run. The work directory is
 removed once the output is in place.
+
+Inputs and outputs may be on a store (s3://...; files/store.py): the work directory stays on
+local disk, and the merged cache is uploaded once whole (files/upload.py).
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from klpipe import __version__, cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
+from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
 from klpipe.precompute.rollouts import (
@@ -44,7 +47,7 @@ OUTPUT_SUFFIX = ".cached.parquet"
 
 @dataclass
 class PrecomputeSummary:
-    output: Path
+    output: Location
     rows: int = 0  # rows scored in this run
     tokens: int = 0  # response tokens scored in this run
     forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
@@ -79,12 +82,12 @@ def default_max_cache_mib(device: str) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).total_memory // 4 >> 20
 
 
-def default_output(inputs: list[Path], shard: Shard | None = None) -> Path:
+def default_output(inputs: list[Location], shard: Shard | None = None) -> Location:
     """<stem>.cached.parquet beside a single input, by score's rule (`a.v1.parquet` → `a.v1.cached.parquet`);
-    a sharded run or several inputs need --output."""
+    a sharded run, several inputs or a URI pattern need --output."""
     if shard is not None:
         raise InputError("--output DIR is required for a sharded run")
-    if len(inputs) != 1:
+    if len(inputs) != 1 or is_glob(inputs[0]):
         raise InputError("--output is required with several inputs")
     return output_beside(inputs[0], OUTPUT_SUFFIX, INPUT_SUFFIXES)
 
@@ -100,10 +103,11 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
             f"{', '.join(str(p) for p in rollouts.skipped)}")
     shard = config.shard
-    destination = Path(config.output) if config.output is not None else default_output(config.inputs, shard)
+    destination = config.output if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
     output = shard.part_path(destination) if shard else destination
     refuse_overwriting_inputs({"--output": output}, [f.path for f in rollouts.files])
+    check_output(output)  # a missing bucket fails now, not at the upload after hours of compute
     if shard and destination.is_file():
         raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
     spec = reference.ModelSpec(
@@ -118,14 +122,14 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     if _already_done(output, provenance, config, log):
         summary.skipped = True
         # A kill between the final rename and the cleanup leaves the finished work directory.
-        WorkDir(output, provenance, rollouts, rows).remove_if_finished()
+        WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir).remove_if_finished()
         return summary
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions)
-    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite)
+    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
         sizes = chunk_sizes(rows, config.chunk_rows)
@@ -144,7 +148,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         summary.peak_memory = peak_memory()
         if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
-            sharding.mark_complete(output, rows[1] - rows[0], provenance, tmp_dir=work.path)
+            sharding.mark_complete(output, rows[1] - rows[0], provenance, tmp_dir=work.output_tmp_dir)
         work.remove()
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
@@ -190,7 +194,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
     )
 
 
-def _already_done(output: Path, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
+def _already_done(output: Location, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
     """True when `output` is complete and made by this very run; refuses another run's output unless --overwrite."""
     shard = config.shard
     if not (output.exists() and (shard is None or sharding.is_complete(output))):

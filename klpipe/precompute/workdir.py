@@ -4,11 +4,17 @@ It holds `run.json` (what the run is: rows, chunk size, mode, provenance), a loc
 a second run off the same output, and one parquet file per finished chunk. Chunk files appear
 atomically, so a kill at any point leaves only whole chunks; a rerun with the same `run.json`
 skips them, and the merge turns them into the output.
+
+It is always on local disk: beside a local output by default, as `<output>.partial/`; under
+`--work-dir` when given; and for an output on a store (s3://...) under KLPIPE_CACHE_DIR/work,
+where the merged cache is also written before it is uploaded. Away from its output, its name
+carries a hash of the output's full path or URI, so outputs of one name never share one.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -20,21 +26,43 @@ from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError, first_line
 from klpipe.files.atomic import atomic_output
+from klpipe.files.fingerprint import cache_dir
 from klpipe.files.parquet import open_parquet, parquet_writer, write_table
+from klpipe.files.store import Location, identity, is_remote
 from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
 
 CHUNK_PATTERN = "chunk-{:08d}.parquet"
 
 
+def default_work_root() -> Path:
+    """Where the work directories of outputs on a store go when --work-dir is not given."""
+    return cache_dir() / "work"
+
+
+def work_path(output: Location, work_root: Path | None = None) -> Path:
+    """The work directory of `output`: `<output>.partial/` beside a local output unless `work_root` is given;
+    else `<work_root or KLPIPE_CACHE_DIR/work>/<output name>.<hash of its full path or URI>.partial/`."""
+    if work_root is None and not is_remote(output):
+        return output.with_name(output.name + ".partial")
+    root = work_root if work_root is not None else default_work_root()
+    digest = hashlib.sha256(identity(output).encode()).hexdigest()[:12]
+    return Path(root) / f"{output.name}.{digest}.partial"
+
+
 class WorkDir:
     """`<output>.partial/`: the run description, a lock, and one parquet file per finished chunk."""
 
-    def __init__(self, output: Path, provenance: cache.Provenance, rollouts: Rollouts, rows: tuple[int, int],
-                 overwrite: bool = False):
+    def __init__(self, output: Location, provenance: cache.Provenance, rollouts: Rollouts, rows: tuple[int, int],
+                 overwrite: bool = False, work_root: Path | None = None):
         self.output = output
         self.overwrite = overwrite  # discard another run's work directory instead of refusing
-        self.path = output.with_name(output.name + ".partial")
+        self.path = work_path(output, work_root)
+        # Temporary files of the outputs (the merged cache, a shard's marker): in the work directory, so
+        # a kill leaves none beside the outputs, where it can be renamed into place (beside a local
+        # output) or is staged for the upload (an output on a store); beside a local output whose work
+        # directory --work-dir moved, perhaps to another filesystem.
+        self.output_tmp_dir = self.path if is_remote(output) or work_root is None else None
         self.provenance = provenance
         self.run = {  # run.json: a rerun resumes these chunks only if every field is the same
             "provenance": json.loads(provenance.to_json()),
@@ -119,10 +147,10 @@ class WorkDir:
         with atomic_output(path) as tmp:
             write_table(table, tmp)
 
-    def merge_into(self, output: Path) -> None:
+    def merge_into(self, output: Location) -> None:
         chunks = sorted(self.path.glob("chunk-*.parquet"))
         expected = self.run["rows"][1] - self.run["rows"][0]
-        with atomic_output(output, tmp_dir=self.path) as tmp:
+        with atomic_output(output, tmp_dir=self.output_tmp_dir) as tmp:
             rows = 0
             with parquet_writer(tmp, self.output_schema) as writer:
                 for path in chunks:

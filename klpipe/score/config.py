@@ -7,24 +7,28 @@ written once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from klpipe.errors import InputError
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator
+
+if TYPE_CHECKING:
+    from klpipe.files.store import Location
 
 
 @dataclass
 class ScoreConfig:
     """One scoring run: inputs, outputs, the KL estimate and the controller."""
 
-    inputs: list[Path]  # cache files or directories of them, scored in the order given
-    output: Path | None = None  # None: <first input's stem>.scored.parquet beside the first input
-    report: Path | None = None  # report JSON, written atomically
-    state: Path | None = None  # controller state JSON: loaded when it exists, saved at the end
-    plot: Path | None = None  # three-panel PNG (needs matplotlib)
-    tensorboard: Path | None = None  # directory: one event file per run, a scalar per metric per step (needs tensorboardX)
-    metrics_jsonl: Path | None = None  # the same per-step metrics as JSON Lines, written atomically
+    # Every path below may be local or a URI on a store (s3://bucket/key); URIs become StorePaths.
+    inputs: list[Location]  # cache files or directories of them, scored in the order given
+    output: Location | None = None  # None: <first input's stem>.scored.parquet beside the first input
+    report: Location | None = None  # report JSON, written atomically
+    state: Location | None = None  # controller state JSON: loaded when it exists, saved at the end
+    plot: Location | None = None  # three-panel PNG (needs matplotlib)
+    tensorboard: Location | None = None  # directory: one event file per run, a scalar per metric per step (needs tensorboardX)
+    metrics_jsonl: Location | None = None  # the same per-step metrics as JSON Lines, written atomically
     per_token: bool = False  # also write each row's per-token KL list
     reset_state: bool = False  # ignore an existing state file and start from this config
     estimator: Estimator = "k1"  # per-token estimator: k1 | abs | k2 | k3
@@ -47,5 +51,10 @@ class ScoreConfig:
         if self.batch_bytes < 1:
             raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
+        from klpipe.files.store import location
 
         ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
+        self.inputs = [location(path) for path in self.inputs]
+        for name in ("output", "report", "state", "plot", "tensorboard", "metrics_jsonl"):
+            if getattr(self, name) is not None:
+                setattr(self, name, location(getattr(self, name)))

@@ -38,6 +38,7 @@ from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
 from klpipe.files.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
 from klpipe.files.parquet import leaf_index, open_parquet
+from klpipe.files.store import Location, expand, store_failure
 from klpipe.rows import RowLocator
 from klpipe.score.kl import RowKL
 from klpipe.sharding import is_shard_directory, shard_parts
@@ -53,14 +54,14 @@ class Logprobs:
     reward: np.ndarray  # (rows,) float64
 
 
-def expand_cache_inputs(paths: list[str | Path]) -> tuple[list[Path], list[Path]]:
+def expand_cache_inputs(paths: list[str | Path | Location]) -> tuple[list[Location], list[Location]]:
     """(caches, skipped) in scoring order: files as given, directories' files sorted by name, and a
     sharded run's output directory in shard order once sharding.py has found it complete. A scored
-    file that an earlier run wrote into an input directory is skipped, never scored again."""
-    found: list[Path] = []
-    skipped: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
+    file that an earlier run wrote into an input directory is skipped, never scored again. Any of
+    them may be on a store; a URI pattern names its matches, in sorted order."""
+    found: list[Location] = []
+    skipped: list[Location] = []
+    for path in (path for raw in paths for path in expand(raw)):
         if is_shard_directory(path):
             found.extend(shard_parts(path))
         else:
@@ -70,7 +71,7 @@ def expand_cache_inputs(paths: list[str | Path]) -> tuple[list[Path], list[Path]
     return found, skipped
 
 
-def open_caches(files: list[Path], columns: ColumnMap) -> pa.Schema:
+def open_caches(files: list[Location], columns: ColumnMap) -> pa.Schema:
     """Check that every input is a cache score can read and that they belong together; their schema.
 
     `columns` names each role's column (columns.for_caches).
@@ -95,7 +96,7 @@ def open_caches(files: list[Path], columns: ColumnMap) -> pa.Schema:
     return first_schema
 
 
-def read_batches(files: list[Path], batch_tokens: int, batch_bytes: int,
+def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int,
                  columns: ColumnMap) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
     """(record batch, where its rows come from), across all inputs in order.
 
@@ -113,7 +114,8 @@ def read_batches(files: list[Path], batch_tokens: int, batch_bytes: int,
                     yield batch, RowLocator(path, first_index, ids)
                     first_index += batch.num_rows
         except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{path}: corrupt or unreadable ({first_line(exc)}); nothing was written from it") from None
+            raise store_failure(path, exc) or InputError(
+                f"{path}: corrupt or unreadable ({first_line(exc)}); nothing was written from it") from None
 
 
 def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int,

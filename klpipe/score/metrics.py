@@ -19,12 +19,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from klpipe.errors import OutputError
 from klpipe.files.atomic import OutputGroup, scratch_directory
+from klpipe.files.store import Location
 
 # Event tags are PREFIX + name; JSONL keys are the names, plus `step`.
 PREFIX = "klpipe/"
@@ -50,6 +50,7 @@ EVENT_FILE = "events.out.tfevents.{first_step:020d}.klpipe"
 
 # tensorboardX writes into a scratch directory `.klpipe-tensorboard.<random>.tmp` inside DIR, the
 # same filesystem, so the finished file is renamed into place; a killed run's is removed next time.
+# (For a DIR on a store, in $TMPDIR, beside the file the upload is staged in.)
 SCRATCH_NAME = "klpipe-tensorboard"
 
 TENSORBOARD_EXTRA = "--tensorboard needs tensorboardX: pip install 'klpipe[tensorboard]'"
@@ -128,7 +129,7 @@ def from_rows(kls: np.ndarray, coeffs: np.ndarray, final_coeff: float, rewards: 
 # -- JSON Lines ---------------------------------------------------------------------------------------
 
 
-def write_jsonl(outputs: OutputGroup, path: Path, metrics: StepMetrics) -> None:
+def write_jsonl(outputs: OutputGroup, path: Location, metrics: StepMetrics) -> None:
     """This run's records, one JSON object a line, at full precision; the file appears with the run's others."""
     with outputs.file(path) as tmp, open(tmp, "w") as out:
         out.writelines(json.dumps(record) + "\n" for record in metrics.records())
@@ -160,7 +161,7 @@ def _import_tensorboardx():
     return tensorboardX
 
 
-def require_tensorboardx(directory: Path) -> None:
+def require_tensorboardx(directory: Location) -> None:
     """Checked before the run, so a missing extra or a file named DIR does not cost an hour of scoring."""
     try:
         _import_tensorboardx()
@@ -176,7 +177,7 @@ def event_file_name(first_step: int) -> str:
     return EVENT_FILE.format(first_step=first_step)
 
 
-def write_tensorboard(outputs: OutputGroup, directory: Path, metrics: StepMetrics) -> Path | None:
+def write_tensorboard(outputs: OutputGroup, directory: Location, metrics: StepMetrics) -> Location | None:
     """One scalar per metric per step into DIR/events.out.tfevents.<first step>.klpipe; None when there were no steps.
 
     TensorBoard stores scalars as float32; the JSONL and the report keep float64.

@@ -17,7 +17,6 @@ import json
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +33,7 @@ from klpipe.files.discover import (
     refuse_overwriting_inputs,
 )
 from klpipe.files.parquet import RowGroups, parquet_writer
+from klpipe.files.store import Location, check_output, expand
 from klpipe.rows import RowLocator
 from klpipe.score import report
 from klpipe.score.config import ScoreConfig
@@ -71,14 +71,14 @@ EXTREME_ROWS_NAMED = 10
 class ScoreResult:
     """What a run wrote and found; `report` is also what `--report` holds."""
 
-    output: Path
+    output: Location
     report: dict
     warnings: list[str]
 
 
-def default_output(first_input: Path) -> Path:
-    """<stem>.scored.parquet beside the first input (a directory's name is its stem)."""
-    return output_beside(first_input, OUTPUT_SUFFIX, PARQUET_SUFFIXES)
+def default_output(first_input: Location) -> Location:
+    """<stem>.scored.parquet beside the first input (a directory's name is its stem; a URI pattern's, its first match)."""
+    return output_beside(expand(first_input)[0], OUTPUT_SUFFIX, PARQUET_SUFFIXES)
 
 
 def score(config: ScoreConfig) -> ScoreResult:
@@ -92,14 +92,17 @@ def score(config: ScoreConfig) -> ScoreResult:
     if not config.inputs:
         raise InputError("no cache files given")
     files, skipped = expand_cache_inputs(config.inputs)
-    output = Path(config.output) if config.output is not None else default_output(Path(config.inputs[0]))
+    output = config.output if config.output is not None else default_output(config.inputs[0])
     refuse_overwriting_inputs(_outputs(config, output), files)
+    for path in _outputs(config, output).values():
+        if path is not None:
+            check_output(path)  # a missing bucket fails now, before the scoring
     if config.plot is not None:
         _require_matplotlib(config.plot)
     if config.tensorboard is not None:
         from klpipe.score import metrics  # tensorboardX is imported only when asked for
 
-        metrics.require_tensorboardx(Path(config.tensorboard))
+        metrics.require_tensorboardx(config.tensorboard)
     names = for_caches(config.columns, files)  # role -> the caches' column names
     schema = open_caches(files, names)
     warnings: list[str] = []
@@ -182,7 +185,7 @@ def score(config: ScoreConfig) -> ScoreResult:
 # -- outputs ----------------------------------------------------------------------------------------
 
 
-def _outputs(config: ScoreConfig, output: Path) -> dict[str, Path | None]:
+def _outputs(config: ScoreConfig, output: Location) -> dict[str, Location | None]:
     """Every file this run writes, by option: none may be an input, and no two the same file.
 
     The state file is read as well as written, so it is an output here too: as an input cache, or
@@ -192,7 +195,7 @@ def _outputs(config: ScoreConfig, output: Path) -> dict[str, Path | None]:
             "--metrics-jsonl": config.metrics_jsonl, "--tensorboard": config.tensorboard}
 
 
-def _require_matplotlib(plot_path: Path) -> None:
+def _require_matplotlib(plot_path: Location) -> None:
     # Checked before the run so a missing extra does not cost an hour of scoring.
     import importlib.util
 
@@ -218,9 +221,9 @@ def _write_metrics(outputs: OutputGroup, config: ScoreConfig, batches: Controlle
             joined(batches.per_row_rewards), joined(batches.per_row_tokens), target, first_batch=batches_before,
         )  # fmt: skip
     if config.tensorboard is not None:
-        metrics.write_tensorboard(outputs, Path(config.tensorboard), step_metrics)
+        metrics.write_tensorboard(outputs, config.tensorboard, step_metrics)
     if config.metrics_jsonl is not None:
-        metrics.write_jsonl(outputs, Path(config.metrics_jsonl), step_metrics)
+        metrics.write_jsonl(outputs, config.metrics_jsonl, step_metrics)
 
 
 def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:
@@ -250,9 +253,9 @@ def _settings(config: ScoreConfig) -> dict:
 
 def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLController, dict | None]:
     controller = KLController(config.controller)
-    if config.state is None or config.reset_state or not Path(config.state).exists():
+    if config.state is None or config.reset_state or not config.state.exists():
         return controller, None
-    path = Path(config.state)
+    path = config.state
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -268,7 +271,7 @@ def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLContro
     return controller, last_run if isinstance(last_run, dict) else None
 
 
-def _batches_before(previous_run: dict | None, state_path: Path | None) -> int:
+def _batches_before(previous_run: dict | None, state_path: Location | None) -> int:
     """Controller batches scored into the state file by earlier runs: where this run's batch counter starts."""
     count = (previous_run or {}).get("controller_batches", 0)  # absent from states written before it was kept
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:

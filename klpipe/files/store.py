@@ -1,0 +1,449 @@
+"""Files on a store: `s3://bucket/key`, or any URI that pyarrow or fsspec knows, beside local paths.
+
+A local path stays a `pathlib.Path` and takes exactly the code path it always took. A URI becomes a
+StorePath, which offers the part of Path's interface klpipe uses (`name`, `parent`, `/`,
+`with_name`, `exists`, `is_file`, `is_dir`, `iterdir`, `stat`, `read_text`, `unlink`), so finding
+inputs, default output names, shard parts and their markers work on a store with no code of
+their own. What differs lives here (resolving a URI, reading, errors, downloads) and in upload.py
+(writing, which must never leave half an object under a final name).
+
+The filesystem behind a URI is pyarrow's own where pyarrow has one (s3, gs, hdfs, abfs), else
+fsspec's for that protocol (with its package installed), wrapped for pyarrow: one code path
+either way. Credentials and the endpoint come from where those libraries look; for S3 that is the
+standard AWS chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and
+~/.aws/config and credentials, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible store),
+AWS_REGION.
+
+Every failure of a store becomes one line naming the URI (StoreError): a missing bucket or key,
+credentials the store does not accept, access denied, an endpoint that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import re
+import shutil
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple, Union
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from klpipe.errors import InputError, StoreError, first_line
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_GLOB_CHARACTERS = re.compile(r"[*?\[]")
+
+# Stores whose objects become visible only once their upload completes, whole (upload.py relies on
+# it); pyarrow's type names, and the fsspec protocols of the same stores.
+OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+class StoreStat(NamedTuple):
+    """What `Path.stat()` answers that klpipe reads, for an object on a store."""
+
+    st_size: int
+    st_mtime: float
+
+
+class StorePath:
+    """A file or directory (a prefix) on a store, named by its URI: the part of pathlib.Path klpipe uses.
+
+    Equal, hashed and sorted by URI; `str()` is the URI, which every message names. Listing a
+    directory hands out children that remember what the listing said about them, so filtering a
+    directory's files costs no request per file.
+    """
+
+    __slots__ = ("_info", "_rest", "_root", "uri")
+
+    def __init__(self, uri: str, *, _root: str | None = None, _rest: str | None = None,
+                 _info: pafs.FileInfo | None = None):
+        match = _SCHEME.match(uri)
+        if match is None:
+            raise InputError(f"{uri}: not a URI")
+        scheme, rest = match.group(1).lower(), uri[match.end():].rstrip("/")
+        netloc = rest.split("/", 1)[0]
+        if not netloc:
+            raise InputError(f"{uri}: names no bucket or host")
+        self.uri = f"{scheme}://{rest}"
+        self._root = _root or f"{scheme}://{netloc}"  # one filesystem per bucket (or host)
+        # The path below the bucket, decoded as pyarrow decodes URIs; the filesystem is only resolved
+        # (for S3 without an endpoint, a request for the bucket's region) when it is first needed.
+        self._rest = urllib.parse.unquote(rest[len(netloc):]) if _rest is None else _rest
+        self._info = _info
+
+    # -- names: no request --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.uri.rsplit("/", 1)[1] if self.uri != self._root else self.uri.split("://", 1)[1]
+
+    @property
+    def parent(self) -> StorePath:
+        if self.uri == self._root:
+            return self
+        return StorePath(self.uri.rsplit("/", 1)[0], _root=self._root, _rest=self._rest.rsplit("/", 1)[0])
+
+    def __truediv__(self, name: str) -> StorePath:
+        return StorePath(f"{self.uri}/{name}", _root=self._root, _rest=f"{self._rest}/{name}")
+
+    def with_name(self, name: str) -> StorePath:
+        return self.parent / name
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def __repr__(self) -> str:
+        return f"StorePath({self.uri!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StorePath) and other.uri == self.uri
+
+    def __hash__(self) -> int:
+        return hash(self.uri)
+
+    def __lt__(self, other: StorePath) -> bool:
+        return self.uri < other.uri
+
+    # -- what pyarrow needs to open it ------------------------------------------------------------
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        return _filesystem(self._root)
+
+    @property
+    def fs_path(self) -> str:
+        """The path inside `filesystem` (`bucket/key` on S3)."""
+        return _root_path(self._root) + self._rest
+
+    # -- questions: a request each (a listed child answers from its listing) ----------------------
+
+    def info(self) -> pafs.FileInfo:
+        if self._info is None:
+            try:
+                return self.filesystem.get_file_info(self.fs_path)
+            except OSError as exc:
+                raise store_error(self, exc) from None
+        return self._info
+
+    def exists(self) -> bool:
+        return self.info().type != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self.info().type == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        return self.info().type == pafs.FileType.Directory
+
+    def stat(self) -> StoreStat:
+        info = self.info()
+        if info.type != pafs.FileType.File:
+            raise missing(self)
+        return StoreStat(info.size, info.mtime.timestamp() if info.mtime else 0.0)
+
+    def iterdir(self) -> Iterator[StorePath]:
+        yield from self._list(recursive=False)
+
+    def walk_files(self) -> list[StorePath]:
+        """Every file under this prefix, at any depth, sorted."""
+        return sorted(p for p in self._list(recursive=True) if p._info.type == pafs.FileType.File)
+
+    def _list(self, recursive: bool) -> list[StorePath]:
+        try:
+            infos = self.filesystem.get_file_info(pafs.FileSelector(self.fs_path, recursive=recursive))
+        except FileNotFoundError:
+            raise missing(self) from None
+        except OSError as exc:
+            raise store_error(self, exc) from None
+        base = len(_root_path(self._root))
+        return [StorePath(f"{self._root}{info.path[base:]}", _root=self._root, _rest=info.path[base:], _info=info)
+                for info in infos]
+
+    # -- contents -----------------------------------------------------------------------------------
+
+    def open_input_file(self):
+        """A pyarrow random-access file; its `metadata()` holds what the store says about the object."""
+        try:
+            return self.filesystem.open_input_file(self.fs_path)
+        except FileNotFoundError:
+            raise missing(self) from None
+        except OSError as exc:
+            raise store_error(self, exc) from None
+
+    def read_bytes(self) -> bytes:
+        with self.open_input_file() as stream:
+            try:
+                return stream.read()
+            except OSError as exc:
+                raise store_error(self, exc) from None
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.filesystem.delete_file(self.fs_path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise missing(self) from None
+        except OSError as exc:
+            raise store_error(self, exc) from None
+
+    def object_metadata(self) -> dict[str, str]:
+        """What the store says about the object without reading it (S3: ETag, Last-Modified, Content-Length)."""
+        with self.open_input_file() as stream:
+            return {key.decode() if isinstance(key, bytes) else key: value.decode() if isinstance(value, bytes) else value
+                    for key, value in (stream.metadata() or {}).items()}
+
+    def appears_whole(self) -> bool:
+        """True on an object store, where a written object becomes visible only once its upload completes."""
+        fs = self.filesystem
+        if fs.type_name in OBJECT_STORES:
+            return True
+        handler = getattr(fs, "handler", None)  # fsspec's, wrapped
+        protocol = getattr(getattr(handler, "fs", None), "protocol", ())
+        protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+        return bool(protocols & OBJECT_STORE_PROTOCOLS)
+
+
+Location = Union[Path, StorePath]  # noqa: UP007 - a runtime alias on Python 3.10 too
+
+
+# -- resolving ----------------------------------------------------------------------------------------
+
+
+def location(raw: str | os.PathLike | StorePath) -> Location:
+    """A local Path, exactly as before, or a StorePath for a URI (`file://` URIs are local paths)."""
+    if isinstance(raw, (StorePath, Path)):
+        return raw
+    raw = os.fspath(raw)
+    match = _SCHEME.match(raw)
+    if match is None:
+        return Path(raw)
+    if match.group(1).lower() == "file":
+        return Path(urllib.parse.unquote(urllib.parse.urlparse(raw).path))
+    return StorePath(raw)
+
+
+def is_remote(path) -> bool:
+    return isinstance(path, StorePath)
+
+
+def is_glob(path) -> bool:
+    """A URI with `*`, `?` or `[` in it: a pattern klpipe expands (the shell expands local ones)."""
+    return is_remote(path) and bool(_GLOB_CHARACTERS.search(path.uri))
+
+
+def expand(raw: str | os.PathLike | StorePath) -> list[Location]:
+    """The locations `raw` names: a URI pattern's matching files, sorted; anything else, itself.
+
+    A pattern matches one path component per component, as a shell's does (`*` never crosses a
+    `/`); the listing starts at the longest prefix without a wildcard.
+    """
+    path = location(raw)
+    if not is_glob(path):
+        return [path]
+    parts = path.uri.split("/")  # scheme:, "", bucket, key components...
+    fixed = next(i for i, part in enumerate(parts) if _GLOB_CHARACTERS.search(part))
+    if fixed < 3:
+        raise InputError(f"{path}: a pattern cannot be in the bucket (or host) name; list the buckets one by one")
+    base = location("/".join(parts[:fixed]))
+    pattern = parts[fixed:]
+    if not base.exists():
+        raise missing(path)
+    matches = []
+    for candidate in base.walk_files():
+        rest = candidate.uri[len(base.uri) + 1:].split("/")
+        if len(rest) == len(pattern) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(rest, pattern, strict=True)):
+            matches.append(candidate)
+    if not matches:
+        raise InputError(f"{path}: no file matches this pattern")
+    return matches
+
+
+def identity(path: Location) -> str:
+    """What two names of one file have in common: the URI, or the resolved local path."""
+    return path.uri if is_remote(path) else str(Path(path).resolve())
+
+
+def check_output(path: Location) -> None:
+    """Refuse, before any work, an output on a store whose bucket (or host) does not exist.
+
+    Writing is only tried at the end, so this is what keeps hours of compute from ending in `no
+    such bucket`; an unreachable store or refused credentials fail here too. Credentials allowed to
+    write under a prefix but not to look at the bucket pass: write permission itself cannot be
+    tested without writing, and shows at the upload.
+    """
+    if not is_remote(path):
+        return
+    root = location(path._root)
+    try:
+        missing_bucket = not root.exists()
+    except StoreError as exc:
+        if "access denied" not in str(exc):
+            raise StoreError(str(exc).replace(root.uri, path.uri, 1)) from None
+        return
+    if missing_bucket:
+        raise StoreError(f"{path}: no such bucket {root.name!r}")
+
+
+def staging_dir() -> Path:
+    """The local directory where a file bound for a store is written first: $TMPDIR, else the system's."""
+    return Path(tempfile.gettempdir())
+
+
+def local_copy(path: Location) -> Path:
+    """A local copy of a file or directory on a store, for readers that need one (`datasets`); a local path itself.
+
+    Kept in KLPIPE_CACHE_DIR/downloads under a name made of the URI, size, modification time and
+    ETag, so a rerun (and each pass of one run) downloads an unchanged object once, and a changed
+    one again. Appears atomically: downloaded beside, then renamed.
+    """
+    if not is_remote(path):
+        return path
+    import hashlib
+
+    from klpipe.files.fingerprint import cache_dir, store_fingerprint
+
+    key = hashlib.sha256(f"{path.uri}\0{sorted(store_fingerprint(path).items())}".encode()).hexdigest()[:24]
+    downloads = cache_dir() / "downloads"
+    target = downloads / key / path.name
+    if target.exists():
+        return target
+    try:
+        downloads.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=downloads))
+    except OSError as exc:
+        raise InputError(f"{downloads}: cannot download {path} here ({exc.strerror or exc})") from None
+    try:
+        (scratch / path.name).parent.mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(path.fs_path, str(scratch / path.name), source_filesystem=path.filesystem,
+                        destination_filesystem=pafs.LocalFileSystem(), use_threads=False)
+        try:
+            os.replace(scratch, downloads / key)
+        except OSError:
+            if not target.exists():  # another run renamed the same download into place first: use it
+                raise
+    except FileNotFoundError:
+        raise missing(path) from None
+    except OSError as exc:
+        raise store_error(path, exc) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+def missing(path: StorePath) -> StoreOrInputError:
+    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
+    root = location(path._root)
+    try:
+        bucket_missing = path.uri != root.uri and not root.exists()
+    except StoreError:
+        bucket_missing = False
+    if bucket_missing:
+        return StoreError(f"{path}: no such bucket {root.name!r}")
+    return InputError(f"{path}: no such file or directory")
+
+
+StoreOrInputError = Union[InputError, StoreError]  # noqa: UP007
+
+
+# AWS SDK error names (in pyarrow's messages) → what to tell the user.
+_AWS_ERRORS = {
+    "NO_SUCH_BUCKET": "no such bucket {bucket!r}",
+    "INVALID_ACCESS_KEY_ID": "the store does not accept these credentials: the access key is unknown "
+                             "(check AWS_ACCESS_KEY_ID or AWS_PROFILE)",
+    "SIGNATURE_DOES_NOT_MATCH": "the store does not accept these credentials: the secret key does not match "
+                                "(check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)",
+    "INVALID_CLIENT_TOKEN_ID": "the store does not accept these credentials (check AWS_ACCESS_KEY_ID or AWS_PROFILE)",
+    "EXPIRED_TOKEN": "the credentials have expired (AWS_SESSION_TOKEN or the profile's)",
+    "MISSING_AUTHENTICATION_TOKEN": "no credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+    "ACCESS_DENIED": "access denied: these credentials may not do this here",
+    "NETWORK_CONNECTION": "cannot reach the store{endpoint} (check AWS_ENDPOINT_URL and the network)",
+}
+
+
+def store_error(path: StorePath, exc: BaseException | str) -> StoreError:
+    """One line naming the URI for a failure of the store, from pyarrow's (or fsspec's) message."""
+    text = exc if isinstance(exc, str) else first_line(exc)
+    code = re.search(r"AWS Error ([A-Z_]+)", text)
+    name = code.group(1) if code else None
+    if name == "ACCESS_DENIED" and "HeadObject" in text:
+        # S3 answers HEAD with a bare 403, for refused credentials as for a refused permission; a
+        # listing says which (one more request, on this error path only).
+        name = _diagnose_denied(path) or name
+    if name in _AWS_ERRORS:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        message = _AWS_ERRORS[name].format(bucket=path._root.split("://", 1)[1],
+                                           endpoint=f" at {endpoint}" if endpoint else "")
+        return StoreError(f"{path}: {message}")
+    # Anything else: the library's own words, less request ids and the "When doing X for key Y" preamble.
+    text = re.sub(r"\s*\(Request ID: [^)]*\)?", "", text)
+    text = re.sub(r"^When [^:]*: ", "", text)
+    return StoreError(f"{path}: store error ({text.strip()})")
+
+
+def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
+    """For an error met while reading `path`: the error to raise when the store itself failed (not the
+    file's contents), else None, and the caller says what is wrong with the file."""
+    if not is_remote(path):
+        return None
+    if isinstance(exc, FileNotFoundError):
+        return missing(path)
+    if "AWS Error" in first_line(exc):
+        return store_error(path, exc)
+    return None
+
+
+def _diagnose_denied(path: StorePath) -> str | None:
+    try:
+        path.filesystem.get_file_info(pafs.FileSelector(path.fs_path, allow_not_found=True))
+    except OSError as exc:
+        code = re.search(r"AWS Error ([A-Z_]+)", first_line(exc))
+        return code.group(1) if code else None
+    return None
+
+
+# -- filesystems --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _resolve(root: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, the path of `root` in it) for `scheme://netloc`: pyarrow's, else fsspec's, wrapped."""
+    try:
+        return pafs.FileSystem.from_uri(root)
+    except OSError as exc:  # pyarrow knows the scheme but cannot set it up (S3 resolving a bucket's region)
+        raise store_error(StorePath(root, _rest=""), exc) from None
+    except pa.ArrowNotImplementedError as exc:  # a pyarrow built without this filesystem (S3, GCS, HDFS)
+        raise InputError(f"{root}: this pyarrow cannot open such URIs ({first_line(exc)}); pyarrow's wheels "
+                         "from PyPI can") from None
+    except pa.ArrowInvalid as exc:  # a scheme pyarrow does not know
+        if "Unrecognized filesystem type" not in str(exc):
+            raise InputError(f"{root}: not a store URI pyarrow understands ({first_line(exc)})") from None
+    try:
+        import fsspec
+    except ImportError:
+        raise InputError(f"{root}: pyarrow has no filesystem for this scheme, and fsspec (which might) is not "
+                         "installed") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(root)
+    except (ImportError, ValueError) as exc:
+        raise InputError(f"{root}: no filesystem for this scheme ({first_line(exc)})") from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def _filesystem(root: str) -> pafs.FileSystem:
+    return _resolve(root)[0]
+
+
+def _root_path(root: str) -> str:
+    return _resolve(root)[1].rstrip("/")
