@@ -41,9 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import contenders  # benchmarks/contenders.py: the floor and TRL, shared with bench_grpo.py
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "bench" / "agent"

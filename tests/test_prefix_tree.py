@@ -127,3 +127,26 @@ def test_an_agent_day_and_multi_turn_histories_by_hand():
     # system; the first task; its two answers (one continued by turn two); the second task; turn two's tail.
     assert spans == [(0, 40), (40, 43), (40, 45), (43, 44), (43, 45), (45, 47)]
     assert tree.end_node[3] == next(n for n in range(1, tree.num_nodes) if tree.end[n] == 40)  # the bare system
+
+
+@given(st.lists(st.tuples(st.integers(1, 80), st.integers(0, 300)), min_size=1, max_size=30), st.integers(1, 400),
+       st.sampled_from([0.0, 5e-4, 3e-3]))
+@settings(max_examples=300, deadline=None)
+def test_a_level_is_cut_into_passes_within_the_budget(nodes, budget, attention):
+    length, context = (np.array(column, dtype=np.int64) for column in zip(*nodes))
+    passes = prefix_tree.cut_level(length, context, budget, attention)
+    assert sorted(i for p in passes for i in p.tolist()) == list(range(len(nodes)))  # every node once
+    for p in passes:
+        held = -(-context[p].max() // prefix_tree.HELD_POSITIONS_PER_TOKEN)
+        assert len(p) * (length[p].max() + held) <= budget or len(p) == 1
+
+
+def test_rows_that_continue_different_contexts_are_not_padded_to_each_other():
+    # Two GRPO groups, prompts of 256 and 768 tokens, responses of 20: priced by length alone they make
+    # one pass (16 × (20 + 768 / 8) fits 2048), where the short prompt's rows would attend to 512
+    # positions of padding each: 8 × 20 × 512 × 3e-3 = 246 fed tokens' worth, more than a pass costs (128).
+    length = np.full(16, 20)
+    context = np.array([256] * 8 + [768] * 8)
+    passes = prefix_tree.cut_level(length, context, max_tokens=2048, attention=3e-3)
+    assert sorted(sorted(set(context[p].tolist())) for p in passes) == [[256], [768]]
+    assert len(prefix_tree.cut_level(length, context, max_tokens=2048, attention=0.0)) == 1

@@ -106,7 +106,7 @@ def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_t
         tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest)
     need = prefix_tree.needs(tree, first)
     passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
-                                     split_by_need=model.prefill_skips_layers)
+                                     split_by_need=model.prefill_skips_layers, attention=model.attention_cost)
     logprobs = score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]), temperature, check_stop)
     for i, values in zip(chosen.tolist(), logprobs):
         results[i] = values
