@@ -23,21 +23,18 @@ Contenders, each in its own process on the same file:
   (e) TRL          TRL's GRPO reference pass (trl 1.16, add_fused_lm_head, batches of 8 in input order;
                    `pip install trl`, for the benchmark only)
 
-Every process pays a start-up (imports, model load) of several seconds on this machine, which caps
-any whole-process ratio on data of a few tens of seconds. So each contender also runs on a one-row
-file, and its steady-state time is its whole time less that start-up; both are printed, and the
-ratios are of steady-state times. Logprobs of the first rows are checked across contenders.
+Each contender also runs on a one-row file, and its steady-state time is its whole time less that
+start-up (see contenders.py); both are printed, and the ratios are of steady-state times. Logprobs
+of the first rows are checked across contenders.
 Targets, steady state: (a) >= 8x (c) on `system`, (a) >= 4x (c) on `multi-turn`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -160,65 +157,25 @@ def child(name: str, path: Path) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(name: str, path: Path) -> tuple[float, dict]:
-    """(whole-process wall seconds, the child's result)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if name == "main":  # klpipe before the tree, imported ahead of the installed one
-        env["PYTHONPATH"] = os.pathsep.join([str(BEFORE_DIR), env.get("PYTHONPATH", "")])
-    started = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", name, "--path", str(path)],
-                         capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - started
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-    return wall, json.loads(line[0][7:])
-
-
 def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
     prompts, responses = contenders.load_rows(data_path(shape))
     per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
     print(f"\n== {shape}: {len(prompts)} rows, {sum(map(len, responses)):,} response tokens, "
           f"{per_row:,} tokens fed running each row whole", flush=True)
-    best: dict[str, dict] = {}
-    for round_ in range(repeat):  # rounds of every contender in turn; each keeps its fastest
-        for name in names:
-            startup, _ = run_child(name, data_path(shape, one_row=True))
-            whole, result = run_child(name, data_path(shape))
-            result.update(whole=whole, startup=startup, steady=whole - startup)
-            print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s, "
-                  f"steady {whole - startup:.1f}s, in-process {result['seconds']:.1f}s", flush=True)
-            if name == "main":
-                assert result["klpipe"] == "build/bench/klpipe-before-tree/klpipe", result["klpipe"]
-            if name not in best or result["steady"] < best[name]["steady"]:
-                best[name] = result
-    reference = best.get("floor") or next(iter(best.values()))
-    for name, result in best.items():
-        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
-        assert gap < 1e-3, f"{name} disagrees with {next(k for k, v in best.items() if v is reference)} by {gap:.3g}"
-    print(f"\n{'contender':<34}{'whole s':>9}{'start-up s':>11}{'steady s':>10}{'tokens fed':>12}"
-          f"{'padded':>11}{'peak RSS MiB':>14}")
-    for name, r in best.items():
-        print(f"{CONTENDERS[name][0]:<34}{r['whole']:>9.1f}{r['startup']:>11.1f}{r['steady']:>10.1f}"
-              f"{r['fed_tokens']:>12,}{r['padded_tokens']:>11,}{r['peak_rss_mib']:>14,.0f}")
-    a = best.get("klpipe")
-    if a:
-        print()
-        for other in names:
-            if other != "klpipe" and other in best:
-                o = best[other]
-                print(f"(a) vs {CONTENDERS[other][0][:3]}: steady {o['steady'] / a['steady']:.2f}x, "
-                      f"whole process {o['whole'] / a['whole']:.2f}x, tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x")
+    # klpipe before the tree is imported ahead of the installed one.
+    env_for = lambda name: {"PYTHONPATH": os.pathsep.join([str(BEFORE_DIR), os.environ.get("PYTHONPATH", "")])} \
+        if name == "main" else None
+    best = contenders.measure(__file__, names, data_path(shape), data_path(shape, one_row=True), repeat, env_for)
+    if "main" in best:
+        assert best["main"]["klpipe"] == "build/bench/klpipe-before-tree/klpipe", best["main"]["klpipe"]
+    targets = {"off": {"system": 8.0, "multi-turn": 4.0}[shape]}
+    contenders.print_table(best, {name: label for name, (label, _) in CONTENDERS.items()}, targets)
     return best
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = contenders.parser(__doc__, list(CONTENDERS))
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
-    parser.add_argument("--only", nargs="+", choices=list(CONTENDERS), help="run only these contenders")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
-    parser.add_argument("--child", choices=list(CONTENDERS))
-    parser.add_argument("--path", type=Path)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.path)

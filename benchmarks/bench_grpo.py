@@ -6,7 +6,8 @@
 Data: prompts of 256-768 tokens (uniform), responses of 16-256 tokens (log-uniform), random ids.
 Model: a random Llama-style model (8 layers x 256, FFN 1024, vocabulary 8,192), fp32 on CPU, whose
 body-to-head FLOPs ratio (~3.8:1) is close to Gemma 4 E2B's. Each contender runs in its own process,
-one after the other, on the same file; model loading is excluded from every time.
+one after the other, on the same file, and again on a one-row file: its steady-state time is the
+whole less that start-up (see contenders.py). Both are printed; ratios are of steady-state times.
 
   (a) klpipe         `klpipe.precompute` end to end, --prefix-sharing auto (the default)
   (b) klpipe off     the same with --prefix-sharing off: every row runs its whole prompt
@@ -18,18 +19,15 @@ one after the other, on the same file; model loading is excluded from every time
                      input order. Needs `pip install trl` (benchmark only; never a klpipe dependency).
 
 Every contender's logprobs for the first rows are checked against (c)'s, so the times compare the
-same numbers. Contenders run in --repeat rounds and keep their fastest. Targets: (a) >= 3x (c),
-(a) >= 4x (d).
+same numbers. Contenders run in --repeat rounds and keep their fastest. Targets, steady state:
+(a) >= 3x (c), (a) >= 4x (d).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,8 +42,8 @@ GROUP_SIZE = 8
 CHECKED_ROWS = 16  # rows whose logprobs every contender must agree on
 
 
-def rollouts_path(groups: int) -> Path:
-    return WORK / f"rollouts-{groups}x{GROUP_SIZE}.parquet"
+def rollouts_path(groups: int, one_row: bool = False) -> Path:
+    return WORK / f"rollouts-{groups}x{GROUP_SIZE}{'-one-row' if one_row else ''}.parquet"
 
 
 def build_inputs(groups: int, seed: int = 0) -> None:
@@ -65,7 +63,7 @@ def build_inputs(groups: int, seed: int = 0) -> None:
         # klpipe loads a tokenizer beside the model; ids are given, so any tokenizer will do.
         AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
     path = rollouts_path(groups)
-    if not path.exists():
+    if not (path.exists() and rollouts_path(groups, one_row=True).exists()):
         rng = np.random.default_rng(seed)
         prompts, responses, ids = [], [], []
         for g in range(groups):
@@ -80,11 +78,12 @@ def build_inputs(groups: int, seed: int = 0) -> None:
             "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
             "response_ids": pa.array(responses, pa.list_(pa.int32())),
         })
+        pq.write_table(table.slice(0, 1), rollouts_path(groups, one_row=True))
         pq.write_table(table, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").rename(path)
 
 
-def run_klpipe(groups: int, sharing: str) -> dict:
+def run_klpipe(path: Path, sharing: str) -> dict:
     import pyarrow.parquet as pq
     from transformers import AutoConfig, AutoTokenizer
 
@@ -95,25 +94,27 @@ def run_klpipe(groups: int, sharing: str) -> dict:
     AutoTokenizer.from_pretrained(MODEL_DIR)
     from klpipe.precompute import PrecomputeConfig, precompute
 
-    out = WORK / f"klpipe-{sharing}.parquet"
-    out.unlink(missing_ok=True)  # a finished output would make the run a no-op
+    out = WORK / f"out-{os.getpid()}.parquet"
     started = time.perf_counter()
-    summary = precompute(PrecomputeConfig(inputs=[rollouts_path(groups)], output=out, model=str(MODEL_DIR),
-                                          device="cpu", dtype="float32", overwrite=True, progress="none",
-                                          prefix_sharing=sharing), log=lambda m: None)
-    seconds = time.perf_counter() - started - summary.load_seconds
-    assert summary.rows and not summary.skipped
-    checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
+    try:
+        summary = precompute(PrecomputeConfig(inputs=[path], output=out, model=str(MODEL_DIR), device="cpu",
+                                              dtype="float32", overwrite=True, progress="none",
+                                              prefix_sharing=sharing), log=lambda m: None)
+        seconds = time.perf_counter() - started - summary.load_seconds
+        assert summary.rows and not summary.skipped
+        checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
+    finally:
+        out.unlink(missing_ok=True)
     forward = summary.forward
     return {"seconds": seconds, "fed_tokens": forward.fed_tokens, "padded_tokens": forward.padded_tokens,
             "checked": checked}
 
 
 CONTENDERS = {
-    "klpipe": lambda groups: run_klpipe(groups, "auto"),
-    "klpipe-off": lambda groups: run_klpipe(groups, "off"),
-    "floor": lambda groups: contenders.run_floor(MODEL_DIR, rollouts_path(groups), CHECKED_ROWS),
-    "trl": lambda groups: contenders.run_trl(MODEL_DIR, rollouts_path(groups), CHECKED_ROWS),
+    "klpipe": lambda path: run_klpipe(path, "auto"),
+    "klpipe-off": lambda path: run_klpipe(path, "off"),
+    "floor": lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS),
+    "trl": lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS),
 }
 LABELS = {
     "klpipe": "(a) klpipe",
@@ -123,63 +124,32 @@ LABELS = {
 }
 
 
-def child(name: str, groups: int) -> None:
+def child(name: str, path: Path) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
-    result = CONTENDERS[name](groups)
+    result = CONTENDERS[name](path)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = contenders.parser(__doc__, list(CONTENDERS))
     parser.add_argument("--groups", type=int, default=24)
-    parser.add_argument("--only", nargs="+", choices=sorted(CONTENDERS), help="run only these contenders")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
-    parser.add_argument("--child", choices=sorted(CONTENDERS))
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.groups)
+        return child(args.child, args.path)
 
     build_inputs(args.groups)
     prompts, responses = contenders.load_rows(rollouts_path(args.groups))
     response_tokens = sum(map(len, responses))
     print(f"{len(prompts)} rows in {args.groups} groups of {GROUP_SIZE}: prompts 256-768 tokens, responses 16-256 "
           f"(log-uniform), {response_tokens:,} response tokens; Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, "
-          f"fp32, CPU, {os.cpu_count()} threads", flush=True)
-    results = {}
-    # Rounds of every contender in turn; each keeps its fastest round: this machine is shared and
-    # noisy, and a busy neighbour only ever slows a run down.
-    for round_ in range(args.repeat):
-        for name in args.only or list(CONTENDERS):
-            out = subprocess.run([sys.executable, __file__, "--child", name, "--groups", str(args.groups)],
-                                 capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode or not line:
-                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(line[0][7:])
-            print(f"  round {round_ + 1}, {name}: {result['seconds']:.1f}s", flush=True)
-            if name not in results or result["seconds"] < results[name]["seconds"]:
-                results[name] = result
-
-    reference = results.get("floor") or next(iter(results.values()))
-    for name, result in results.items():
-        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
-        assert gap < 1e-3, f"{name} disagrees with the floor's logprobs by {gap:.3g}"
-
-    print()
-    print(f"{'contender':<34}{'seconds':>9}{'resp tok/s':>12}{'tokens fed':>12}{'padded':>11}{'peak RSS MiB':>14}")
-    for name, r in results.items():
-        print(f"{LABELS[name]:<34}{r['seconds']:>9.1f}{response_tokens / r['seconds']:>12,.0f}"
-              f"{r['fed_tokens']:>12,}{r['padded_tokens']:>11,}{r['peak_rss_mib']:>14,.0f}")
-    print()
-    a = results.get("klpipe")
-    for other, target in (("floor", 3.0), ("trl", 4.0), ("klpipe-off", None)):
-        if a and other in results:
-            ratio = results[other]["seconds"] / a["seconds"]
-            goal = f"   (target >= {target:g}x)" if target else ""
-            print(f"(a) / {LABELS[other][:3]} throughput: {ratio:.2f}x{goal}")
+          f"fp32, CPU, {os.cpu_count()} threads; each contender in its own process, fastest of {args.repeat} "
+          f"round(s)", flush=True)
+    best = contenders.measure(__file__, args.only or list(CONTENDERS), rollouts_path(args.groups),
+                              rollouts_path(args.groups, one_row=True), args.repeat)
+    contenders.print_table(best, LABELS, {"floor": 3.0, "trl": 4.0})
 
 
 if __name__ == "__main__":

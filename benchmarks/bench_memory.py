@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test suite's input generator and RSS wrapper, so both measure alike
 
-from tests.helpers import TINY_LLAMA, WIDE, peak_rss_mib, write_wide_rows  # noqa: E402
+from tests.helpers import TINY_LLAMA, WIDE, peak_rss_mib, write_wide_rows
 
 WORK = ROOT / "build" / "bench" / "memory"
 SIZES = (1, 4, 8)

@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the seed loader of the test suite: one way to import it
 
-from klpipe.cache import POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP  # noqa: E402
-from klpipe.score import ScoreConfig, score  # noqa: E402
-from tests.helpers import CACHE_SCHEMA, load_seed, seed_missing  # noqa: E402
+from klpipe.cache import POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
+from klpipe.score import ScoreConfig, score
+from tests.helpers import CACHE_SCHEMA, load_seed, seed_missing
 
 BUILD = ROOT / "build" / "bench"
 

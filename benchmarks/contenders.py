@@ -9,12 +9,25 @@
 
 Each returns the seconds its loop took (model loading excluded), what it fed, and the logprobs of
 the first `checked` rows, which the benchmarks compare across contenders.
+
+`measure` and `print_table` are how both benchmarks judge time. Every process pays a start-up
+(imports, model load, klpipe's load-time probe) of several seconds on a small machine, which caps any
+whole-process ratio on data of a few tens of seconds. So each contender also runs on a one-row file;
+its steady-state time is its whole time less that start-up. Both are printed; ratios are of
+steady-state times.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 TRL_BATCH = 8
 
@@ -84,3 +97,70 @@ def run_trl(model_dir: Path, rollouts: Path, checked: int) -> dict:
     first = [logps[i, :len(responses[i])].tolist() for i in range(min(checked, n))]
     return {"seconds": seconds, "fed_tokens": int(attention_mask.sum()), "padded_tokens": n * (prompt_len + completion_len),
             "checked": first}
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+def parser(doc: str, names: list[str]) -> argparse.ArgumentParser:
+    """The options both benchmarks take: which contenders, how many rounds, and a child's own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=names, help="run only these contenders")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
+    parser.add_argument("--child", choices=names, help=argparse.SUPPRESS)
+    parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def run_child(script: str, name: str, path: Path, env: dict[str, str] | None = None) -> tuple[float, dict]:
+    """Run `script --child NAME --path PATH` in a fresh process: (whole wall seconds, its RESULT)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, script, "--child", name, "--path", str(path)],
+                         capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - started
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return wall, json.loads(line[0][7:])
+
+
+def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: int,
+            env_for=lambda name: None) -> dict[str, dict]:
+    """Rounds of every contender in turn, each keeping its fastest steady state (this machine is
+    shared and noisy, and a busy neighbour only ever slows a run down). Checks that every contender's
+    logprobs agree with the floor's."""
+    best: dict[str, dict] = {}
+    for round_ in range(repeat):
+        for name in names:
+            startup, _ = run_child(script, name, one_row, env_for(name))
+            whole, result = run_child(script, name, path, env_for(name))
+            result.update(whole=whole, startup=startup, steady=whole - startup)
+            print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s, "
+                  f"steady {whole - startup:.1f}s, in-process {result['seconds']:.1f}s", flush=True)
+            if name not in best or result["steady"] < best[name]["steady"]:
+                best[name] = result
+    reference = best.get("floor") or next(iter(best.values()))
+    for name, result in best.items():
+        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
+        assert gap < 1e-3, f"{name} disagrees with the reference contender's logprobs by {gap:.3g}"
+    return best
+
+
+def print_table(best: dict[str, dict], labels: dict[str, str], targets: dict[str, float] | None = None) -> None:
+    """Whole, start-up and steady seconds, tokens and memory per contender; then (a)'s ratios."""
+    print(f"\n{'contender':<34}{'whole s':>9}{'start-up s':>11}{'steady s':>10}{'tokens fed':>12}"
+          f"{'padded':>11}{'peak RSS MiB':>14}")
+    for name, r in best.items():
+        print(f"{labels[name]:<34}{r['whole']:>9.1f}{r['startup']:>11.1f}{r['steady']:>10.1f}"
+              f"{r['fed_tokens']:>12,}{r['padded_tokens']:>11,}{r['peak_rss_mib']:>14,.0f}")
+    a = best.get("klpipe")
+    if not a:
+        return
+    print()
+    for other, o in best.items():
+        if other != "klpipe":
+            target = (targets or {}).get(other)
+            goal = f"   (target >= {target:g}x steady)" if target else ""
+            print(f"(a) vs {labels[other][:3]}: steady {o['steady'] / a['steady']:.2f}x, "
+                  f"whole process {o['whole'] / a['whole']:.2f}x, tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x{goal}")

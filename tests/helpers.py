@@ -342,3 +342,23 @@ def crash_at_chunk(monkeypatch, index: int = 2):
         crashing.setattr(WorkDir, "write_chunk", write_chunk)
         with pytest.raises(RuntimeError, match="simulated crash"):
             yield
+
+
+def kill_9_after_chunks(args: list, work: Path, pattern: str, chunks: int = 3, env: dict | None = None,
+                        timeout: float = 120) -> int:
+    """Run `python -m klpipe ARGS`, kill -9 it once `chunks` files match `pattern` under `work`, and
+    return how many had been written by then."""
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "klpipe", *map(str, args)], cwd=ROOT, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    deadline = time.monotonic() + timeout
+    while len(list(work.glob(pattern))) < chunks:
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    return len(list(work.glob(pattern)))

@@ -1,17 +1,12 @@
 """kill -9 in the middle of a run, rerun the same command: same output as an uninterrupted run."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.helpers import ROLLOUTS, ROOT, TINY_GEMMA, run_cli
+from tests.helpers import ROLLOUTS, TINY_GEMMA, kill_9_after_chunks, run_cli
 
 
 def many_rollouts(tmp_path: Path, copies: int = 40) -> Path:
@@ -29,17 +24,7 @@ def test_kill_9_then_rerun_resumes_to_identical_output(tmp_path):
     work = tmp_path / "cached.parquet.partial"
     args = ["precompute", "-m", str(TINY_GEMMA), str(source), "-o", str(out), "--chunk-rows", "8",
             "--device", "cpu", "--progress", "none"]
-    process = subprocess.Popen([sys.executable, "-m", "klpipe", *args], cwd=ROOT, stderr=subprocess.PIPE,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
-    while len(list(work.glob("chunk-*.parquet"))) < 3:
-        assert process.poll() is None, process.stderr.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    finished = len(list(work.glob("chunk-*.parquet")))
+    finished = kill_9_after_chunks(args, work, "chunk-*.parquet")
     assert not out.exists()
     assert 3 <= finished < 240, finished
 

@@ -6,7 +6,7 @@ padded size fits a token budget, and their results are put back in input order b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -33,24 +33,38 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, batch_cost: int | None
     order = np.argsort(-lengths, kind="stable")
     padded_len = np.maximum(lengths[order], 1)  # (n,) descending: a batch's first row is its longest
 
-    # best[j]: least cost of batching the first j sorted rows; cut[j]: where the last batch starts.
-    best = np.zeros(n + 1, dtype=np.float64)
-    cut = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):
-        starts = np.arange(j)  # the last batch is sorted rows [start, j)
-        rows = j - starts
+    def last_batch(j: int) -> np.ndarray:  # the cost of sorted rows [start, j) as one batch, every start
+        rows = j - np.arange(j)
         padded = rows * padded_len[:j]
-        cost = best[:j] + padded + batch_cost
-        cost[(padded > max_tokens) & (rows > 1)] = np.inf  # over budget, unless a lone row
+        return within_budget(padded + batch_cost, padded, rows, max_tokens)
+
+    return cheapest_cut(order, last_batch)[1]
+
+
+def cheapest_cut(order: np.ndarray, last_batch: Callable[[int], np.ndarray]) -> tuple[float, list[np.ndarray]]:
+    """(least total cost, batches): `order` cut into consecutive batches, by dynamic programming.
+
+    `last_batch(j)` gives, for every start s < j, the cost of order[s:j] as one batch (inf where
+    it may not be one). Equivalent to trying every cut, in O(n²) instead of O(2ⁿ).
+    """
+    n = len(order)
+    best = np.zeros(n + 1, dtype=np.float64)  # best[j]: least cost of the first j items
+    cut = np.zeros(n + 1, dtype=np.int64)  # cut[j]: where their last batch starts
+    for j in range(1, n + 1):
+        cost = best[:j] + last_batch(j)
         cut[j] = int(np.argmin(cost))
         best[j] = cost[cut[j]]
-
     batches = []
     j = n
     while j > 0:
         batches.append(order[cut[j]:j])
         j = cut[j]
-    return batches[::-1]
+    return float(best[n]), batches[::-1]
+
+
+def within_budget(cost: np.ndarray, memory: np.ndarray, rows: np.ndarray, max_tokens: int) -> np.ndarray:
+    """`cost`, made inf where a batch of more than one row needs more than `max_tokens` (a lone row always runs)."""
+    return np.where((memory > max_tokens) & (rows > 1), np.inf, cost)
 
 
 def padding_efficiency(lengths: Sequence[int], batches: list[np.ndarray]) -> tuple[int, int]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from klpipe.precompute.batching import cheapest_cut, within_budget
+
 ROOT = 0  # node 0 is the empty prefix: no tokens, never run
 
 # A pass charges one budget token for every this many context positions a row attends to. Those
@@ -310,26 +312,18 @@ def cut_level(length: np.ndarray, context: np.ndarray, max_tokens: int, attentio
 def _cut(order: np.ndarray, length: np.ndarray, context: np.ndarray, max_tokens: int, attention: float,
          batch_cost: int) -> tuple[float, list[np.ndarray]]:
     """(cost, passes): the cheapest cut of nodes in `order` into consecutive passes."""
-    n = len(order)
     size = np.maximum(length[order], 1).astype(np.float64)
     depth = context[order].astype(np.float64)
-    best = np.zeros(n + 1, dtype=np.float64)
-    cut = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):
-        longest = np.maximum.accumulate(size[:j][::-1])[::-1]  # (j,) longest of rows start..j-1
+
+    def last_pass(j: int) -> np.ndarray:  # the cost of sorted nodes [start, j) as one pass, every start
+        longest = np.maximum.accumulate(size[:j][::-1])[::-1]
         deepest = np.maximum.accumulate(depth[:j][::-1])[::-1]
         rows = j - np.arange(j)
         memory = rows * (longest + np.ceil(deepest / HELD_POSITIONS_PER_TOKEN))
-        cost = best[:j] + rows * longest * (1.0 + attention * (deepest + longest / 2)) + batch_cost
-        cost[(memory > max_tokens) & (rows > 1)] = np.inf  # over budget, unless a lone row
-        cut[j] = int(np.argmin(cost))
-        best[j] = cost[cut[j]]
-    passes = []
-    j = n
-    while j > 0:
-        passes.append(order[cut[j]:j])
-        j = cut[j]
-    return float(best[n]), passes[::-1]
+        return within_budget(rows * longest * (1.0 + attention * (deepest + longest / 2)) + batch_cost,
+                             memory, rows, max_tokens)
+
+    return cheapest_cut(order, last_pass)
 
 
 def _inner_tokens(kids: list[list[int]], length: np.ndarray) -> np.ndarray:

@@ -12,10 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +20,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.cache import read_provenance
-from tests.helpers import ROLLOUTS, ROOT, TINY_GEMMA, TINY_LLAMA, make_rows, provenance, run_cli, write_cache
+from tests.helpers import (
+    ROLLOUTS,
+    ROOT,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    kill_9_after_chunks,
+    make_rows,
+    provenance,
+    run_cli,
+    write_cache,
+)
 from tests.moto_server import free_port
 from tests.test_examples import EXAMPLES, run_array, script_env, without_metadata
 
@@ -99,17 +106,7 @@ def test_kill_9_then_rerun_resumes_to_the_same_object(s3_server, bucket, tmp_pat
     args = ("precompute", "-m", TINY_GEMMA, f"s3://{bucket}/rollouts.parquet", "-o", f"s3://{bucket}/cached.parquet",
             "--chunk-rows", "8", "--work-dir", work, *ARGS)
     env = {**os.environ, **s3_server.env(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "klpipe", *map(str, args)], cwd=ROOT, env=env,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while len(list(work.glob("*.partial/chunk-*.parquet"))) < 3:
-        assert process.poll() is None, process.stderr.read()
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    finished = len(list(work.glob("*.partial/chunk-*.parquet")))
+    finished = kill_9_after_chunks(args, work, "*.partial/chunk-*.parquet", env=env, timeout=180)
     assert 3 <= finished < 60, finished
     assert s3_server.keys_under(bucket) == ["rollouts.parquet"]  # nothing under the output's name
 
