@@ -35,10 +35,9 @@ import json
 import os
 import resource
 import subprocess
-import time
 from pathlib import Path
 
-import contenders  # benchmarks/contenders.py: the floor and TRL, shared with bench_grpo.py
+import contenders  # benchmarks/contenders.py: the contenders and their measuring, shared with bench_grpo.py
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,31 +117,10 @@ def build_inputs(shapes: list[str]) -> None:
 # -- the contenders (each runs in a child process) --------------------------------------------------
 
 
-def run_klpipe(path: Path, sharing: str) -> dict:
-    import pyarrow.parquet as pq
-
-    import klpipe
-    from klpipe.precompute import PrecomputeConfig, precompute
-
-    out = WORK / f"out-{os.getpid()}.parquet"
-    started = time.perf_counter()
-    try:
-        summary = precompute(PrecomputeConfig(inputs=[path], output=out, model=str(MODEL_DIR), device="cpu",
-                                              dtype="float32", overwrite=True, progress="none",
-                                              prefix_sharing=sharing), log=lambda m: None)
-        seconds = time.perf_counter() - started - summary.load_seconds
-        checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
-    finally:
-        out.unlink(missing_ok=True)
-    forward = summary.forward
-    return {"seconds": seconds, "fed_tokens": forward.fed_tokens, "padded_tokens": forward.padded_tokens,
-            "checked": checked, "klpipe": str(Path(klpipe.__file__).parent.relative_to(ROOT))}
-
-
 CONTENDERS = {
-    "klpipe": ("(a) klpipe", lambda path: run_klpipe(path, "auto")),
-    "main": ("(b) klpipe before the tree", lambda path: run_klpipe(path, "auto")),
-    "off": ("(c) klpipe --prefix-sharing off", lambda path: run_klpipe(path, "off")),
+    "klpipe": ("(a) klpipe", lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS)),
+    "main": ("(b) klpipe before the tree", lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS)),
+    "off": ("(c) klpipe --prefix-sharing off", lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS)),
     "floor": ("(d) per-row minimal-work floor", lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS)),
     "trl": ("(e) TRL GRPO reference pass", lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS)),
 }
@@ -167,7 +145,7 @@ def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
         if name == "main" else None
     best = contenders.measure(__file__, names, data_path(shape), data_path(shape, one_row=True), repeat, env_for)
     if "main" in best:
-        assert best["main"]["klpipe"] == "build/bench/klpipe-before-tree/klpipe", best["main"]["klpipe"]
+        assert Path(best["main"]["klpipe"]).parent == BEFORE_DIR / "klpipe", best["main"]["klpipe"]
     targets = {"off": {"system": 8.0, "multi-turn": 4.0}[shape]}
     contenders.print_table(best, {name: label for name, (label, _) in CONTENDERS.items()}, targets)
     return best

@@ -28,10 +28,9 @@ from __future__ import annotations
 import json
 import os
 import resource
-import time
 from pathlib import Path
 
-import contenders  # benchmarks/contenders.py: the floor and TRL, shared with bench_agent.py
+import contenders  # benchmarks/contenders.py: the contenders and their measuring, shared with bench_agent.py
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,36 +82,9 @@ def build_inputs(groups: int, seed: int = 0) -> None:
         path.with_suffix(".tmp").rename(path)
 
 
-def run_klpipe(path: Path, sharing: str) -> dict:
-    import pyarrow.parquet as pq
-    from transformers import AutoConfig, AutoTokenizer
-
-    # The other contenders load their model before the clock starts, and with it transformers'
-    # lazily imported modules (seconds in a fresh process). klpipe loads config and tokenizer
-    # before the weights, inside precompute: load them once here, so the same imports are warm.
-    AutoConfig.from_pretrained(MODEL_DIR)
-    AutoTokenizer.from_pretrained(MODEL_DIR)
-    from klpipe.precompute import PrecomputeConfig, precompute
-
-    out = WORK / f"out-{os.getpid()}.parquet"
-    started = time.perf_counter()
-    try:
-        summary = precompute(PrecomputeConfig(inputs=[path], output=out, model=str(MODEL_DIR), device="cpu",
-                                              dtype="float32", overwrite=True, progress="none",
-                                              prefix_sharing=sharing), log=lambda m: None)
-        seconds = time.perf_counter() - started - summary.load_seconds
-        assert summary.rows and not summary.skipped
-        checked = pq.read_table(out).column("ref_logprobs").slice(0, CHECKED_ROWS).to_pylist()
-    finally:
-        out.unlink(missing_ok=True)
-    forward = summary.forward
-    return {"seconds": seconds, "fed_tokens": forward.fed_tokens, "padded_tokens": forward.padded_tokens,
-            "checked": checked}
-
-
 CONTENDERS = {
-    "klpipe": lambda path: run_klpipe(path, "auto"),
-    "klpipe-off": lambda path: run_klpipe(path, "off"),
+    "klpipe": lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS),
+    "klpipe-off": lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS),
     "floor": lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS),
     "trl": lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS),
 }

@@ -1,5 +1,7 @@
-"""The contenders klpipe is measured against, shared by bench_grpo.py and bench_agent.py.
+"""The contenders of bench_grpo.py and bench_agent.py, and how both measure them.
 
+    klpipe `klpipe.precompute` end to end, as a user runs it (whichever klpipe is imported: the
+           benchmarks put an older one first on PYTHONPATH to compare with it)
     floor  the per-row minimal-work floor: each row alone (no padding), the model body over prompt +
            response, the LM head on response positions only
     trl    TRL's GRPO reference pass (trl 1.16 GRPOTrainer._get_per_token_logps_and_entropies with
@@ -45,6 +47,27 @@ def load_rows(path: Path) -> tuple[list[list[int]], list[list[int]]]:
 
     table = pq.read_table(path)
     return table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+
+
+def run_klpipe(model_dir: Path, rollouts: Path, sharing: str, checked: int) -> dict:
+    import pyarrow.parquet as pq
+
+    import klpipe
+    from klpipe.precompute import PrecomputeConfig, precompute
+
+    out = rollouts.parent / f"out-{os.getpid()}.parquet"
+    started = time.perf_counter()
+    try:
+        summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir), device="cpu",
+                                              dtype="float32", overwrite=True, progress="none",
+                                              prefix_sharing=sharing), log=lambda m: None)
+        seconds = time.perf_counter() - started - summary.load_seconds
+        assert summary.rows and not summary.skipped
+        first = pq.read_table(out).column("ref_logprobs").slice(0, checked).to_pylist()
+    finally:
+        out.unlink(missing_ok=True)
+    return {"seconds": seconds, "fed_tokens": summary.forward.fed_tokens,
+            "padded_tokens": summary.forward.padded_tokens, "checked": first, "klpipe": klpipe.__file__}
 
 
 def run_floor(model_dir: Path, rollouts: Path, checked: int) -> dict:
