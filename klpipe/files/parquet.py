@@ -55,7 +55,6 @@ def write_table(table: pa.Table, where) -> None:
     pq.write_table(table, where, write_page_checksum=True)
 
 
-
 def leaf_index(schema: pa.Schema, name: str) -> int:
     """The parquet leaf column where top-level field `name` starts (a list is one leaf, a struct one per field).
 

@@ -56,8 +56,7 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     abandons the chunk quickly.
     """
     results = [np.zeros(len(response), dtype=np.float32) for _, response in rows]
-    # The last response token is only ever a target, never fed; a row without a response needs nothing.
-    fed = [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
+    fed = _fed(rows)
     stats.per_row_tokens += sum(len(f) for f in fed)
     wanted = np.flatnonzero([len(r) > 0 for _, r in rows])
     limit = model.rope_length_limit  # a RoPE whose frequencies change past it, for the whole batch
@@ -77,6 +76,17 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     return results
 
 
+def _fed(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """What each row feeds the model: its prompt and response less the last token, which is only ever a
+    target; nothing for a row without a response."""
+    return [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
+
+
+def _first_needed(rows, chosen: np.ndarray) -> np.ndarray:
+    """Each chosen row's first needed position: its prompt's last, which predicts the first response token."""
+    return np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+
+
 def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
     """(rows for the tree, rows to run whole): under "auto", on a model that skips no layers, a row that
     shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
@@ -90,23 +100,30 @@ def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tup
     return candidates[shares], candidates[~shares]
 
 
-def _pruned_tree(rows, fed, chosen: np.ndarray):
-    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+def _pruned_tree(rows, fed, chosen: np.ndarray, context_cost: int = prefix_tree.CONTEXT_COST):
+    first = _first_needed(rows, chosen)
     tree = prefix_tree.build_tree([fed[i] for i in chosen])
-    return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses)
+    return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=context_cost)
+
+
+def _plan_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int, attention: float,
+               context_cost: int = prefix_tree.CONTEXT_COST, min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX):
+    """(tree, passes, first needed positions) for rows `chosen`: the chunk's runs and the load-time probe's."""
+    first = _first_needed(rows, chosen)
+    tree = _pruned_tree(rows, fed, chosen, context_cost)
+    if model.prefill_skips_layers:
+        tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=min_prefix)
+    need = prefix_tree.needs(tree, first)
+    passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
+                                     split_by_need=model.prefill_skips_layers, attention=attention)
+    return tree, passes, first
 
 
 def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
               temperature: float, stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
     from klpipe.model.tree import Wanted, score_tree  # torch lives behind this import
 
-    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
-    tree = _pruned_tree(rows, fed, chosen)
-    if model.prefill_skips_layers:
-        tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest)
-    need = prefix_tree.needs(tree, first)
-    passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
-                                     split_by_need=model.prefill_skips_layers, attention=model.attention_cost)
+    tree, passes, first = _plan_tree(model, rows, fed, chosen, max_tokens, max_cache_tokens, model.attention_cost)
     logprobs = score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]), temperature, check_stop)
     for i, values in zip(chosen.tolist(), logprobs):
         results[i] = values
@@ -182,20 +199,14 @@ def check_tree(model) -> str | None:
         turn_one,  # a duplicate
         (tokens(9), tokens(3)),  # shares nothing
     ]
-    fed = [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
     chosen = np.array([i for i, (_, r) in enumerate(rows) if len(r)])
-    first = np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
-    tree = prefix_tree.build_tree([fed[i] for i in chosen])
-    tree = prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=0)  # keep every level
     got = [np.zeros(len(r), dtype=np.float32) for _, r in rows]
     try:
-        if model.prefill_skips_layers:
-            tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=1)
         from klpipe.model.tree import Wanted, score_tree
 
-        need = prefix_tree.needs(tree, first)
-        passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens=prefix // 2 + 24,
-                                         max_cache_tokens=prefix + 16, split_by_need=model.prefill_skips_layers)
+        # Every level kept, and tiny budgets: many passes of mixed contexts (see above).
+        tree, passes, first = _plan_tree(model, rows, _fed(rows), chosen, max_tokens=prefix // 2 + 24,
+                                         max_cache_tokens=prefix + 16, attention=0.0, context_cost=0, min_prefix=1)
         for i, values in zip(chosen, score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]))):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model

@@ -1,8 +1,8 @@
 """Stage 1: stream rollouts through the reference model into a per-token logprob cache.
 
 Data flow: rollouts.iter_chunks -> ChunkTokenizer (in a reader thread) -> logprobs.chunk_logprobs
-(a prompt shared by several rows runs once; other rows are batched per row) -> one checkpoint file
-per chunk -> merged cache, renamed into place.
+(every prefix the chunk's rows share runs once, through a prefix tree; other rows are batched per
+row) -> one checkpoint file per chunk -> merged cache, renamed into place.
 
 Resume: finished chunks live in the work directory `<output>.partial/` (workdir.py) with a
 `run.json` describing the run. A rerun of the same command skips them; the chunk plan is
