@@ -193,6 +193,29 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     )
 
 
+def block_imports(*names: str) -> str:
+    """Python source that, run first in a fresh interpreter, makes `names` (and their submodules) fail to
+    import as they do when they are not installed."""
+    return f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {names!r}:
+            raise ModuleNotFoundError(f'No module named {{name!r}}', name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+# Python source that runs the klpipe command line with the interpreter's arguments (after block_imports).
+RUN_KLPIPE = "from klpipe.cli import main\nsys.argv = ['klpipe'] + sys.argv[1:]\nmain()"
+
+
+def run_python(code: str, *args: str, timeout: float = 120):
+    """`python -c CODE ARGS` in a fresh process, from the repository root."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, timeout=timeout)
+
+
 # -- memory -----------------------------------------------------------------------------------------
 
 WIDE = 20_000  # bytes of a wide pass-through column per row: documents, images, traces

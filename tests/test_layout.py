@@ -5,21 +5,15 @@ cannot be imported at all, so a stray module-level import fails here, not on a s
 """
 
 import pkgutil
-import subprocess
-import sys
 
 import klpipe
-from tests.helpers import ROOT
+from tests.helpers import block_imports, run_python
 
 BLOCKED = ("torch", "transformers", "datasets")
 
-BLOCK_AND_IMPORT = f"""
-import importlib, importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in {BLOCKED!r}:
-            raise ImportError('no ' + name + ' here')
-sys.meta_path.insert(0, Block())
+# Imports every module named on the command line, where torch, transformers and datasets cannot be.
+BLOCK_AND_IMPORT = block_imports(*BLOCKED) + """
+import importlib
 for name in sys.argv[1:]:
     importlib.import_module(name)
 """
@@ -33,13 +27,11 @@ def test_every_module_outside_model_imports_without_torch():
     # __main__ runs the CLI when imported; it imports nothing of its own beyond klpipe.cli.
     outside = [name for name in all_modules() if not name.startswith("klpipe.model") and name != "klpipe.__main__"]
     assert "klpipe.precompute.run" in outside and "klpipe.score.run" in outside and "klpipe.cli.precompute" in outside
-    result = subprocess.run([sys.executable, "-c", BLOCK_AND_IMPORT, *outside], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = run_python(BLOCK_AND_IMPORT, *outside)
     assert result.returncode == 0, result.stderr
 
 
 def test_the_model_package_is_where_torch_is_imported():
     # The boundary is real: model/ does need torch, so the check above is not vacuous.
-    result = subprocess.run([sys.executable, "-c", BLOCK_AND_IMPORT, "klpipe.model"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
-    assert result.returncode != 0 and "no torch here" in result.stderr
+    result = run_python(BLOCK_AND_IMPORT, "klpipe.model")
+    assert result.returncode != 0 and "No module named 'torch'" in result.stderr

@@ -5,9 +5,6 @@ column, against the scored rows), and a continuation through `--state` against o
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from klpipe.cache import POLICY_LOGPROBS, REWARD, STEP
 from klpipe.score.metrics import METRICS, PREFIX
-from tests.helpers import CACHE_SCHEMA, ROOT, make_rows, run_cli, write_cache
+from tests.helpers import CACHE_SCHEMA, RUN_KLPIPE, block_imports, make_rows, run_cli, run_python, write_cache
 
 TARGET = 3.0  # the default --kl-target
 STRING_STEPS = pa.schema([pa.field(STEP, pa.string()) if f.name == STEP else f for f in CACHE_SCHEMA])
@@ -176,30 +173,15 @@ def test_the_options_read_their_environment_variables(tmp_path):
 
 # -- the optional extra -----------------------------------------------------------------------------
 
-BLOCK_TENSORBOARDX = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] == 'tensorboardX':
-            raise ModuleNotFoundError(f'No module named {name!r}', name=name)  # as when it is not installed
-sys.meta_path.insert(0, Block())
-"""
-
-
-def _python(code: str, *args: str):
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT, timeout=120)
-
-
 def test_a_missing_tensorboardx_is_one_line_before_scoring(tmp_path):
     cache = write_cache(tmp_path / "day.parquet", make_rows(8))
-    code = BLOCK_TENSORBOARDX + "from klpipe.cli import main\nsys.argv = ['klpipe'] + sys.argv[1:]\nmain()"
-    result = _python(code, "score", str(cache), "-o", str(tmp_path / "out.parquet"), "--tensorboard", "runs/kl")
+    code = block_imports("tensorboardX") + RUN_KLPIPE
+    result = run_python(code, "score", str(cache), "-o", str(tmp_path / "out.parquet"), "--tensorboard", "runs/kl")
     assert result.returncode == 2
     assert result.stderr == "Error: runs/kl: --tensorboard needs tensorboardX: pip install 'klpipe[tensorboard]'\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.parquet"]  # nothing scored
     # --metrics-jsonl alone needs nothing beyond klpipe.
-    result = _python(code, "score", str(cache), "-o", str(tmp_path / "out.parquet"), "--metrics-jsonl",
+    result = run_python(code, "score", str(cache), "-o", str(tmp_path / "out.parquet"), "--metrics-jsonl",
                      str(tmp_path / "m.jsonl"))
     assert result.returncode == 0, result.stderr
     assert len(read_jsonl(tmp_path / "m.jsonl")) == 2
@@ -215,7 +197,7 @@ def test_tensorboardx_is_imported_only_when_asked_for_and_torch_never(tmp_path):
         "score(ScoreConfig(inputs=[cache], output=tmp / 'b.parquet', tensorboard=tmp / 'tb'))\n"
         "assert 'tensorboardX' in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )
-    result = _python(code, str(cache), str(tmp_path))
+    result = run_python(code, str(cache), str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert len(read_events(tmp_path / "tb")[PREFIX + "kl"]) == 2
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.cli import app
-from tests.helpers import CACHE_SCHEMA, ROOT, make_rows, provenance, write_cache
+from tests.helpers import CACHE_SCHEMA, ROOT, RUN_KLPIPE, block_imports, make_rows, provenance, run_python, write_cache
 
 runner = CliRunner()
 
@@ -371,25 +371,8 @@ def test_kl_coeff_min_zero_is_no_lower_clamp_and_negatives_are_refused(tmp_path)
 
 # -- no torch on the scoring path -------------------------------------------------------------------
 
-BLOCK_TORCH = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'transformers', 'datasets'):
-            raise ImportError('no ' + name + ' here')
-sys.meta_path.insert(0, Block())
-"""
-
-
-def _python(code: str, *args: str):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
-    )
-
-
 def test_importing_the_cli_and_score_does_not_import_torch():
-    result = _python(
+    result = run_python(
         "import sys, klpipe.cli, klpipe.score.run, klpipe.score.report, klpipe.controller, klpipe.kl\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'matplotlib') if m in sys.modules)\n"
         "assert not heavy, heavy"
@@ -400,8 +383,8 @@ def test_importing_the_cli_and_score_does_not_import_torch():
 def test_klpipe_score_runs_where_torch_cannot_be_imported(tmp_path):
     cache = write_cache(tmp_path / "a.parquet", make_rows(8))
     out = tmp_path / "out.parquet"
-    code = BLOCK_TORCH + "from klpipe.cli import main\nsys.argv = ['klpipe'] + sys.argv[1:]\nmain()"
-    result = _python(code, "score", str(cache), "--output", str(out), "--report", str(tmp_path / "r.json"))
+    code = block_imports("torch", "transformers", "datasets") + RUN_KLPIPE
+    result = run_python(code, "score", str(cache), "--output", str(out), "--report", str(tmp_path / "r.json"))
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     assert pq.read_table(out).column(REWARD).to_pylist() == [r[REWARD] for r in make_rows(8)]
@@ -415,7 +398,7 @@ def test_a_scoring_run_does_not_import_pandas(tmp_path):
         "score(ScoreConfig(inputs=[Path(sys.argv[1])], per_token=True))\n"
         "assert 'pandas' not in sys.modules"
     )
-    result = _python(code, str(cache))
+    result = run_python(code, str(cache))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "a.scored.parquet").exists()
 
