@@ -31,9 +31,7 @@ Targets, steady state: (a) >= 8x (c) on `system`, (a) >= 4x (c) on `multi-turn`.
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import subprocess
 from pathlib import Path
 
@@ -45,7 +43,7 @@ WORK = ROOT / "build" / "bench" / "agent"
 MODEL_DIR = WORK / "llama-8k"
 BEFORE_TREE = "2e43c16"  # the last commit before the prefix tree: whole prompts shared, nothing more
 BEFORE_DIR = ROOT / "build" / "bench" / "klpipe-before-tree"
-VOCAB = 8192
+VOCAB = contenders.VOCAB
 CHECKED_ROWS = 12
 
 
@@ -85,29 +83,14 @@ def data_path(shape: str, one_row: bool = False) -> Path:
 
 def build_inputs(shapes: list[str]) -> None:
     """The model, the rollouts and klpipe before the tree, made once (delete build/bench to rebuild)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (MODEL_DIR / "model.safetensors").exists():
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                             tie_word_embeddings=False)
-        LlamaForCausalLM(config).save_pretrained(MODEL_DIR, safe_serialization=True)
-        AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
+    contenders.build_model(MODEL_DIR, max_positions=4096)
     for shape in shapes:
         if not data_path(shape).exists():
             rows = SHAPES[shape](np.random.default_rng(1))
-            for path, chosen in ((data_path(shape), rows), (data_path(shape, one_row=True), rows[:1])):
-                table = pa.table({
-                    "id": [f"r{i}" for i in range(len(chosen))],
-                    "prompt_ids": pa.array([p for p, _ in chosen], pa.list_(pa.int32())),
-                    "response_ids": pa.array([r for _, r in chosen], pa.list_(pa.int32())),
-                })
-                pq.write_table(table, path)
+            ids = [f"r{i}" for i in range(len(rows))]
+            contenders.write_rollouts(data_path(shape), data_path(shape, one_row=True), ids, [p for p, _ in rows],
+                                      [r for _, r in rows])
     if not (BEFORE_DIR / "klpipe").is_dir():
         BEFORE_DIR.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "archive", BEFORE_TREE, "klpipe"], cwd=ROOT, capture_output=True, check=True)
@@ -124,15 +107,6 @@ CONTENDERS = {
     "floor": ("(d) per-row minimal-work floor", lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS)),
     "trl": ("(e) TRL GRPO reference pass", lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS)),
 }
-
-
-def child(name: str, path: Path) -> None:
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
-    result = CONTENDERS[name][1](path)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
 
 
 def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
@@ -156,7 +130,7 @@ def main() -> None:
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.path)
+        return contenders.child(CONTENDERS[args.child][1], args.path)
     build_inputs(args.shape)
     print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {os.cpu_count()} threads; each contender "
           f"in its own process, fastest of {args.repeat} round(s)")

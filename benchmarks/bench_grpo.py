@@ -25,9 +25,7 @@ same numbers. Contenders run in --repeat rounds and keep their fastest. Targets,
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 from pathlib import Path
 
 import contenders  # benchmarks/contenders.py: the contenders and their measuring, shared with bench_agent.py
@@ -36,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "bench" / "grpo"
 MODEL_DIR = WORK / "llama-8k"
-VOCAB = 8192
+VOCAB = contenders.VOCAB
 GROUP_SIZE = 8
 CHECKED_ROWS = 16  # rows whose logprobs every contender must agree on
 
@@ -47,39 +45,20 @@ def rollouts_path(groups: int, one_row: bool = False) -> Path:
 
 def build_inputs(groups: int, seed: int = 0) -> None:
     """The model and the rollouts, made once and reused (delete build/bench/grpo to rebuild)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     WORK.mkdir(parents=True, exist_ok=True)
-    if not (MODEL_DIR / "model.safetensors").exists():
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                             tie_word_embeddings=False)
-        LlamaForCausalLM(config).save_pretrained(MODEL_DIR, safe_serialization=True)
-        # klpipe loads a tokenizer beside the model; ids are given, so any tokenizer will do.
-        AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
-    path = rollouts_path(groups)
-    if not (path.exists() and rollouts_path(groups, one_row=True).exists()):
-        rng = np.random.default_rng(seed)
-        prompts, responses, ids = [], [], []
-        for g in range(groups):
-            prompt = rng.integers(0, VOCAB, int(rng.integers(256, 769))).tolist()
-            for k in range(GROUP_SIZE):
-                length = int(np.exp(rng.uniform(np.log(16), np.log(256))))
-                prompts.append(prompt)
-                responses.append(rng.integers(0, VOCAB, length).tolist())
-                ids.append(f"g{g:03d}-{k}")
-        table = pa.table({
-            "id": ids,
-            "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
-            "response_ids": pa.array(responses, pa.list_(pa.int32())),
-        })
-        pq.write_table(table.slice(0, 1), rollouts_path(groups, one_row=True))
-        pq.write_table(table, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
+    contenders.build_model(MODEL_DIR, max_positions=2048, seed=seed)
+    if rollouts_path(groups).exists():
+        return
+    rng = np.random.default_rng(seed)
+    prompts, responses, ids = [], [], []
+    for g in range(groups):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(256, 769))).tolist()
+        for k in range(GROUP_SIZE):
+            length = int(np.exp(rng.uniform(np.log(16), np.log(256))))
+            prompts.append(prompt)
+            responses.append(rng.integers(0, VOCAB, length).tolist())
+            ids.append(f"g{g:03d}-{k}")
+    contenders.write_rollouts(rollouts_path(groups), rollouts_path(groups, one_row=True), ids, prompts, responses)
 
 
 CONTENDERS = {
@@ -96,21 +75,12 @@ LABELS = {
 }
 
 
-def child(name: str, path: Path) -> None:
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
-    result = CONTENDERS[name](path)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
-
-
 def main() -> None:
     parser = contenders.parser(__doc__, list(CONTENDERS))
     parser.add_argument("--groups", type=int, default=24)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.path)
+        return contenders.child(CONTENDERS[args.child], args.path)
 
     build_inputs(args.groups)
     prompts, responses = contenders.load_rows(rollouts_path(args.groups))

@@ -34,6 +34,56 @@ import numpy as np
 TRL_BATCH = 8
 
 
+VOCAB = 8192
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_model(model_dir: Path, max_positions: int, seed: int = 0) -> None:
+    """The benchmarks' random Llama-style model (8 layers x 256, FFN 1024, vocabulary 8,192, Gemma 4 E2B's
+    body-to-head FLOPs ratio), saved once into `model_dir` with a tokenizer beside it."""
+    if (model_dir / "model.safetensors").exists():
+        return
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    # klpipe loads a tokenizer beside the model; ids are given, so any tokenizer will do.
+    AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(model_dir)
+
+
+def write_rollouts(path: Path, one_row: Path, ids: list[str], prompts: list[list[int]],
+                   responses: list[list[int]]) -> None:
+    """The rollouts, and their first row alone for measuring start-up; the full file last and renamed into
+    place, so an interrupted build is redone (callers build when `path` is missing)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "id": ids,
+        "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
+        "response_ids": pa.array(responses, pa.list_(pa.int32())),
+    })
+    pq.write_table(table.slice(0, 1), one_row)
+    pq.write_table(table, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
+def child(run, path: Path) -> None:
+    """A contender's process: run it on `path` and print its RESULT line (what run_child reads)."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    result = run(path)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 def load_model(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM

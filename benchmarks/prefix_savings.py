@@ -11,7 +11,7 @@ Counts the tokens fed through the model body (the last response token is never f
   whole prompt   rows with identical prompt ids run it once              (klpipe before the prefix tree)
   prefix tree    every distinct prefix worth sharing runs once           (--prefix-sharing auto)
 
-The tree is klpipe's own (klpipe.precompute.prefix_tree, pruned as precompute prunes it), so the
+The tree is klpipe's own (klpipe.precompute.logprobs.pruned_tree, as precompute builds it), so the
 last column is what a run will feed. Time falls by less than tokens: a token of the tree attends to
 the whole context it continues (see the README's Sizing). It takes seconds on a day of rollouts.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from klpipe.precompute import prefix_tree
+from klpipe.precompute.logprobs import pruned_tree
 
 
 def work(prompts: list[list[int]], responses: list[list[int]], chunk_rows: int) -> dict:
@@ -34,9 +34,7 @@ def work(prompts: list[list[int]], responses: list[list[int]], chunk_rows: int) 
         fed = [np.array(p + r[:-1], dtype=np.int64) for p, r in chunk]
         counts["per_row"] += sum(len(f) for f in fed)
         counts["whole_prompt"] += sum(len(r) - 1 for _, r in chunk) + sum(len(p) for p in {tuple(p) for p, _ in chunk})
-        first = np.array([len(p) - 1 for p, _ in chunk], dtype=np.int64)
-        tree = prefix_tree.build_tree(fed)
-        tree = prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses)
+        tree = pruned_tree(chunk, fed, np.arange(len(chunk)))
         counts["tree"] += int((tree.end - tree.start).sum())
     return counts
 

@@ -92,7 +92,7 @@ def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tup
     shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
     if sharing != "auto" or model.prefill_skips_layers:
         return candidates, candidates[:0]
-    tree = _pruned_tree(rows, fed, candidates)
+    tree = pruned_tree(rows, fed, candidates)
     kids = tree.children()
     ending = np.bincount(tree.end_node, minlength=tree.num_nodes)
     shares = np.array([tree.parent[n] != prefix_tree.ROOT or bool(kids[n]) or ending[n] > 1
@@ -100,7 +100,9 @@ def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tup
     return candidates[shares], candidates[~shares]
 
 
-def _pruned_tree(rows, fed, chosen: np.ndarray, context_cost: int = prefix_tree.CONTEXT_COST):
+def pruned_tree(rows, fed, chosen: np.ndarray, context_cost: int = prefix_tree.CONTEXT_COST):
+    """The tree of rows `chosen` over what they feed (`fed`), with the nodes not worth a pass folded away: what
+    precompute runs (benchmarks/prefix_savings.py counts it)."""
     first = _first_needed(rows, chosen)
     tree = prefix_tree.build_tree([fed[i] for i in chosen])
     return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=context_cost)
@@ -110,7 +112,7 @@ def _plan_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_
                context_cost: int = prefix_tree.CONTEXT_COST, min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX):
     """(tree, passes, first needed positions) for rows `chosen`: the chunk's runs and the load-time probe's."""
     first = _first_needed(rows, chosen)
-    tree = _pruned_tree(rows, fed, chosen, context_cost)
+    tree = pruned_tree(rows, fed, chosen, context_cost)
     if model.prefill_skips_layers:
         tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=min_prefix)
     need = prefix_tree.needs(tree, first)
