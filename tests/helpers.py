@@ -340,6 +340,12 @@ def agent_rollouts(path: Path, tasks: int = 6, group: int = 4, turns: int = 3, s
     return path
 
 
+def repeated_rollouts(copies: int) -> pa.Table:
+    """The sample rollouts `copies` times over, ids renumbered r0, r1, ...: a long run from real rows."""
+    table = pa.concat_tables([pq.read_table(ROLLOUTS)] * copies)
+    return table.set_column(0, "id", pa.array([f"r{i}" for i in range(table.num_rows)]))
+
+
 def per_row_tokens(table: pa.Table) -> int:
     """What running every row whole feeds: its prompt and its response less the last token."""
     return sum(len(p) + len(r) - 1 for p, r in zip(table.column("prompt_ids").to_pylist(),

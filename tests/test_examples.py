@@ -33,7 +33,7 @@ import pytest
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA
+from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA, repeated_rollouts
 
 EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent  # the environment running the tests, where `klpipe` is installed
@@ -209,8 +209,7 @@ def long_rollouts(tmp_path: Path) -> Path:
     """1920 rows: with one row per forward pass (KLPIPE_MAX_TOKENS_PER_BATCH=1) half of them take ~2 s
     to score here, ample time to signal the run mid-way once its first chunk appears."""
     rollouts = tmp_path / "rollouts.parquet"
-    table = pa.concat_tables([pq.read_table(ROLLOUTS)] * 40)
-    pq.write_table(table.set_column(0, "id", pa.array([f"r{i}" for i in range(table.num_rows)])), rollouts)
+    pq.write_table(repeated_rollouts(40), rollouts)
     return rollouts
 
 

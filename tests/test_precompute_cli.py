@@ -4,6 +4,7 @@ import gzip
 import json
 import re
 import shutil
+from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -100,15 +101,23 @@ def test_output_that_is_also_the_input_is_refused_even_with_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day.parquet"]
 
 
-def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypatch):
+@contextmanager
+def killed_while_merging(monkeypatch):
+    """Within the block, a precompute run is interrupted as it merges: every chunk done and no output, as a kill
+    there leaves it."""
     from klpipe.precompute.workdir import WorkDir
 
-    def killed_while_merging(self, output):
-        raise KeyboardInterrupt  # as a kill during the merge leaves it: every chunk done, no output
+    def merge_into(self, output):
+        raise KeyboardInterrupt
 
-    out = tmp_path / "cached.parquet"
     with monkeypatch.context() as patch:
-        patch.setattr(WorkDir, "merge_into", killed_while_merging)
+        patch.setattr(WorkDir, "merge_into", merge_into)
+        yield
+
+
+def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypatch):
+    out = tmp_path / "cached.parquet"
+    with killed_while_merging(monkeypatch):
         assert precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8").exit_code == 130
     rerun = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8")
     assert rerun.exit_code == 0, rerun.output
@@ -122,14 +131,8 @@ def test_a_rerun_that_finds_every_chunk_done_says_it_resumed(tmp_path, monkeypat
 def test_work_dir_moves_the_checkpoints_of_a_local_output(tmp_path, monkeypatch):
     """--work-dir (KLPIPE_WORK_DIR): the chunks go there, named by the output and a hash of its path; the
     output is still written beside itself, so a work directory on another filesystem costs no copy."""
-    from klpipe.precompute.workdir import WorkDir
-
-    def killed_while_merging(self, output):
-        raise KeyboardInterrupt
-
     out, scratch = tmp_path / "out" / "cached.parquet", tmp_path / "scratch"
-    with monkeypatch.context() as patch:
-        patch.setattr(WorkDir, "merge_into", killed_while_merging)
+    with killed_while_merging(monkeypatch):
         first = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8", env={"KLPIPE_WORK_DIR": str(scratch)})
         assert first.exit_code == 130
     (work,) = scratch.iterdir()

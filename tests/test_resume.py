@@ -2,19 +2,15 @@
 
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.helpers import ROLLOUTS, TINY_GEMMA, kill_9_after_chunks, run_cli
+from tests.helpers import TINY_GEMMA, kill_9_after_chunks, repeated_rollouts, run_cli
 
 
-def many_rollouts(tmp_path: Path, copies: int = 40) -> Path:
-    table = pq.read_table(ROLLOUTS)
-    big = pa.concat_tables([table] * copies)
-    big = big.set_column(0, "id", pa.array([f"r{i}" for i in range(big.num_rows)]))
+def many_rollouts(tmp_path: Path) -> Path:
     path = tmp_path / "rollouts.parquet"
-    pq.write_table(big, path, row_group_size=100)
+    pq.write_table(repeated_rollouts(40), path, row_group_size=100)
     return path
 
 

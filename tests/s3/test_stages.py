@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.helpers import (
     kill_9_after_chunks,
     make_rows,
     provenance,
+    repeated_rollouts,
     run_cli,
     write_cache,
 )
@@ -93,10 +93,8 @@ def test_json_lines_on_s3_and_the_default_output_beside_them(s3_server, bucket, 
 
 
 def many_rollouts(copies: int = 10) -> bytes:
-    table = pa.concat_tables([pq.read_table(ROLLOUTS)] * copies)
-    table = table.set_column(0, "id", pa.array([f"r{i}" for i in range(table.num_rows)]))
     sink = io.BytesIO()
-    pq.write_table(table, sink, row_group_size=100)
+    pq.write_table(repeated_rollouts(copies), sink, row_group_size=100)
     return sink.getvalue()
 
 
@@ -105,8 +103,8 @@ def test_kill_9_then_rerun_resumes_to_the_same_object(s3_server, bucket, tmp_pat
     work = tmp_path / "work"
     args = ("precompute", "-m", TINY_GEMMA, f"s3://{bucket}/rollouts.parquet", "-o", f"s3://{bucket}/cached.parquet",
             "--chunk-rows", "8", "--work-dir", work, *ARGS)
-    env = {**os.environ, **s3_server.env(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    finished = kill_9_after_chunks(args, work, "*.partial/chunk-*.parquet", env=env, timeout=180)
+    finished = kill_9_after_chunks(args, work, "*.partial/chunk-*.parquet", env={**s3_server.env(), "OMP_NUM_THREADS": "1"},
+                                   timeout=180)
     assert 3 <= finished < 60, finished
     assert s3_server.keys_under(bucket) == ["rollouts.parquet"]  # nothing under the output's name
 
