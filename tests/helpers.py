@@ -59,6 +59,18 @@ def oracle_logprobs(model, prompt_ids, response_ids, temperature: float = 1.0) -
     return np.array([logprobs[start + i - 1, tok].item() for i, tok in enumerate(response_ids)], dtype=np.float32)
 
 
+def worst_error(model, rows, results, temperature: float = 1.0) -> float:
+    """The largest |klpipe − oracle| over every response token of `rows` ((prompt, response) pairs), with
+    `model` as the oracle; each row's result must be float32 of its response's length."""
+    worst = 0.0
+    for (prompt, response), values in zip(rows, results, strict=True):
+        expected = oracle_logprobs(model, prompt, response, temperature)
+        assert values.dtype == np.float32 and values.shape == expected.shape
+        if len(expected):
+            worst = max(worst, float(np.max(np.abs(values - expected))))
+    return worst
+
+
 # -- the seed controller and cache files (no torch) -----------------------------------------------
 
 CACHE_SCHEMA = pa.schema(

@@ -8,7 +8,7 @@ import pytest
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute import prefix_tree
 from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
-from tests.helpers import TINY_GEMMA, TINY_LLAMA, oracle_logprobs
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, worst_error
 
 TOLERANCE = 1e-4
 WINDOW = 8  # the tiny Gemma's sliding window; the Llama has none, the shapes serve both
@@ -49,16 +49,6 @@ def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]
     return [rows[i] for i in order]
 
 
-def worst_error(reference, rows, results, temperature=1.0) -> float:
-    worst = 0.0
-    for (prompt, response), values in zip(rows, results):
-        expected = oracle_logprobs(reference.model, prompt, response, temperature)
-        assert values.dtype == np.float32 and values.shape == expected.shape
-        if len(expected):
-            worst = max(worst, float(np.max(np.abs(values - expected))))
-    return worst
-
-
 @pytest.mark.parametrize("sharing", ["on", "auto"])
 @pytest.mark.parametrize("max_tokens, max_cache", [(24, 40), (96, 10**9), (100_000, 10**9)],
                          ids=["tiny-budgets", "mixed", "one-pass"])
@@ -66,7 +56,7 @@ def test_the_tree_matches_the_oracle(reference, sharing, max_tokens, max_cache):
     rows = agent_rows(reference.vocab_size)
     stats = ForwardStats()
     results = chunk_logprobs(reference, rows, max_tokens, 1.0, sharing, stats, max_cache_tokens=max_cache)
-    assert worst_error(reference, rows, results) <= TOLERANCE
+    assert worst_error(reference.model, rows, results) <= TOLERANCE
     # What was fed: each distinct prefix once (and the one unrelated row whole), far less than per row.
     per_row = sum(len(p) + len(r) - 1 for p, r in rows if len(r))
     assert stats.per_row_tokens == per_row
@@ -84,8 +74,8 @@ def test_the_tree_and_the_per_row_path_agree_with_temperature(reference):
     rows = agent_rows(reference.vocab_size, seed=1)
     tree = chunk_logprobs(reference, rows, 100_000, 1.5, "on", ForwardStats())
     per_row = chunk_logprobs(reference, rows, 100_000, 1.5, "off", ForwardStats())
-    assert worst_error(reference, rows, tree, temperature=1.5) <= TOLERANCE
-    assert worst_error(reference, rows, per_row, temperature=1.5) <= TOLERANCE
+    assert worst_error(reference.model, rows, tree, temperature=1.5) <= TOLERANCE
+    assert worst_error(reference.model, rows, per_row, temperature=1.5) <= TOLERANCE
 
 
 def test_shuffled_rows_give_the_same_numbers(reference):
@@ -114,7 +104,7 @@ def test_only_gemma_prefill_skips_layers_and_the_tree_uses_it(reference, monkeyp
     monkeypatch.setattr(reference.body, "forward", forward)
     rows = agent_rows(reference.vocab_size)
     results = chunk_logprobs(reference, rows, 96, 1.0, "auto", ForwardStats())
-    assert worst_error(reference, rows, results) <= TOLERANCE
+    assert worst_error(reference.model, rows, results) <= TOLERANCE
     # Gemma 4 runs the nodes that need only their last output (the system prompt, tasks, a unique
     # row's prompt) with logits_to_keep=1, its KV-shared layers on that position alone.
     assert (1 in kept) == is_gemma
@@ -133,7 +123,7 @@ def test_rows_without_a_response_and_a_chunk_of_one(reference):
     for sharing in ("on", "auto", "off"):
         out = chunk_logprobs(reference, rows, 64, 1.0, sharing, ForwardStats())
         assert out[0].shape == (0,) and out[1].shape == (1,)
-        assert worst_error(reference, rows, out) <= TOLERANCE
+        assert worst_error(reference.model, rows, out) <= TOLERANCE
 
 
 def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatch):
@@ -150,7 +140,7 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
 
     monkeypatch.setattr(tree_module, "_run_pass", run_pass)
     results = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats(), max_cache_tokens=budget)
-    assert worst_error(reference, rows, results) <= TOLERANCE
+    assert worst_error(reference.model, rows, results) <= TOLERANCE
     system = 9 * WINDOW + 3
     assert max(peak) <= system + budget  # the one node longer than the budget, plus at most the budget
     assert prefix_tree.HELD_POSITIONS_PER_TOKEN == 8

@@ -10,8 +10,7 @@ import torch
 
 from klpipe.model.loading import ModelSpec
 from klpipe.model.reference import ReferenceModel
-from tests.helpers import TINY_GEMMA, TINY_LLAMA
-from tests.helpers import oracle_logprobs as oracle
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, worst_error
 
 TOLERANCE = 1e-4
 MODELS = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}
@@ -34,13 +33,7 @@ def random_rows(vocab, count, seed, sliding_window=8):
 
 
 def max_error(reference, rows, temperature=1.0, **kwargs):
-    got = reference.score_batch(rows, temperature)
-    worst = 0.0
-    for (prompt, response), values in zip(rows, got):
-        expected = oracle(reference.model, prompt, response, temperature)
-        assert values.dtype == np.float32 and values.shape == expected.shape
-        worst = max(worst, float(np.max(np.abs(values - expected))))
-    return worst
+    return worst_error(reference.model, rows, reference.score_batch(rows, temperature), temperature)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
@@ -125,5 +118,4 @@ def test_the_hub_multimodal_layout_loads_its_text_model_alone():
     rows = random_rows(reference.vocab_size, 8, seed=3)
     rows += [(rows[0][0], r) for _, r in random_rows(reference.vocab_size, 3, seed=4)]  # a shared prompt
     for results in (reference.score_batch(rows), chunk_logprobs(reference, rows, 4096, 1.0, "auto", ForwardStats())):
-        for (prompt, response), values in zip(rows, results):
-            assert np.max(np.abs(values - oracle(whole, prompt, response))) <= TOLERANCE
+        assert worst_error(whole, rows, results) <= TOLERANCE

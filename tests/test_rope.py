@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
-from tests.helpers import oracle_logprobs
+from tests.helpers import worst_error
 
 TOLERANCE = 1e-4
 CONTEXT = 96
@@ -57,11 +57,7 @@ def test_rows_of_mixed_lengths_in_one_batch_match_the_oracle(model_dir, sharing)
     assert min(lengths) < LIMIT < max(lengths) < CONTEXT  # both sides of the long RoPE's limit
     results = chunk_logprobs(reference, rows, 100_000, 1.0, sharing, ForwardStats())  # one batch, if allowed
     oracle_model = AutoModelForCausalLM.from_pretrained(directory).eval()
-    worst = 0.0
-    for (prompt, response), values in zip(rows, results):
-        expected = oracle_logprobs(oracle_model, prompt, response)
-        worst = max(worst, float(np.max(np.abs(values - expected))))
-    assert worst <= TOLERANCE
+    assert worst_error(oracle_model, rows, results) <= TOLERANCE
     if kind == "dynamic":  # no position of any pass went past the context: the frequencies never grew
         assert reference.model.model.rotary_emb.max_seq_len_cached == CONTEXT
 
