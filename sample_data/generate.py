@@ -364,7 +364,9 @@ def llama_config() -> LlamaConfig:
     )
 
 
-def save_and_verify(model, tokenizer, out_dir: Path, probe_ids: torch.Tensor) -> None:
+def save_and_verify(model, tokenizer, out_dir: Path, probe_ids: torch.Tensor):
+    """Save `model` with safetensors and the tokenizer, reload it, and return the reloaded model once it
+    loads cleanly as the same class with bit-equal logits."""
     if out_dir.exists():
         # Stale files (e.g. an old pytorch_model.bin) would otherwise survive.
         shutil.rmtree(out_dir)
@@ -382,6 +384,7 @@ def save_and_verify(model, tokenizer, out_dir: Path, probe_ids: torch.Tensor) ->
         before = model(probe_ids).logits
         after = reloaded(probe_ids).logits
     assert torch.equal(before, after), (before - after).abs().max()
+    return reloaded
 
 
 def build_gemma() -> Gemma4ForCausalLM:
@@ -407,8 +410,10 @@ def build_gemma_mm() -> Gemma4ForConditionalGeneration:
 
 
 @torch.no_grad()
-def check_gemma_mm(out_dir: Path, probe_ids: torch.Tensor) -> None:
-    """The multimodal checkpoint is what the hub ships: tied head, text under model.language_model, towers that run."""
+def check_gemma_mm(out_dir: Path, model, probe_ids: torch.Tensor) -> None:
+    """The multimodal checkpoint is what the hub ships: tied head, text under model.language_model, towers that run.
+
+    `model` is the checkpoint as save_and_verify reloaded it."""
     from safetensors import safe_open
 
     with safe_open(out_dir / "model.safetensors", framework="pt") as fh:
@@ -418,7 +423,6 @@ def check_gemma_mm(out_dir: Path, probe_ids: torch.Tensor) -> None:
     towers = [k for k in keys if not k.startswith("model.language_model.")]
     assert any(k.startswith("model.vision_tower.") for k in towers) and any(k.startswith("model.audio_tower.") for k in towers)
 
-    model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight, "head not tied after reload"
     # The full model's text-only forward is its text decoder's plus the tied, softcapped head.
     hidden = model.model.language_model(input_ids=probe_ids).last_hidden_state
@@ -640,8 +644,7 @@ def main() -> None:
     # Last, and from its own seed: nothing above depends on it.
     gemma_mm = build_gemma_mm()
     mm_over_cap = head_logits_over_cap(gemma_mm, probe)
-    save_and_verify(gemma_mm, tokenizer, GEMMA_MM_DIR, probe)
-    check_gemma_mm(GEMMA_MM_DIR, probe)
+    check_gemma_mm(GEMMA_MM_DIR, save_and_verify(gemma_mm, tokenizer, GEMMA_MM_DIR, probe), probe)
     text_params = sum(p.numel() for p in gemma_mm.model.language_model.parameters())
     all_params = sum(p.numel() for p in gemma_mm.parameters())
 
