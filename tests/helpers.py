@@ -196,9 +196,16 @@ def provenance(**changes) -> Provenance:
 # -- running klpipe ---------------------------------------------------------------------------------
 
 
+def with_checkout(env: dict) -> dict:
+    """`env` with this checkout first on PYTHONPATH: a process started in another directory (which puts its
+    own first on sys.path) imports this klpipe, whatever the environment has installed."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None):
-    """`python -m klpipe ARGS` in a fresh process, as cron or Slurm would run it."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    """`python -m klpipe ARGS` in a fresh process, as cron or Slurm would run it, importing this checkout's
+    klpipe from any `cwd`."""
+    full_env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
     return subprocess.run(
         [sys.executable, "-m", "klpipe", *args], capture_output=True, text=True, env=full_env,
         timeout=timeout, cwd=cwd or ROOT,

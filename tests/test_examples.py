@@ -33,7 +33,7 @@ import pytest
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA, repeated_rollouts
+from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA, repeated_rollouts, with_checkout
 
 EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent  # the environment running the tests, where `klpipe` is installed
@@ -74,8 +74,9 @@ def slurm_calls(log: Path) -> list[str]:
 
 
 def script_env(tmp_path: Path, **settings) -> dict:
-    """A clean environment: nothing inherited that could shard a run or change its settings, and the
-    Slurm stand-ins (recording to tmp_path/slurm.log) ahead of any real Slurm on the system PATH."""
+    """A clean environment: nothing inherited that could shard a run or change its settings, the Slurm
+    stand-ins (recording to tmp_path/slurm.log) ahead of any real Slurm on the system PATH, and this
+    checkout's klpipe."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "KLPIPE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PATH")}
     stand_ins = slurm_stand_ins(tmp_path / "slurm-bin")
@@ -90,7 +91,7 @@ def script_env(tmp_path: Path, **settings) -> dict:
         "KLPIPE_CHUNK_ROWS": str(CHUNK_ROWS),
     })
     env.update({k: str(v) for k, v in settings.items()})
-    return env
+    return with_checkout(env)
 
 
 def without_metadata(table: pa.Table) -> pa.Table:

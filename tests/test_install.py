@@ -15,6 +15,7 @@ from klpipe.errors import ModelError
 from klpipe.model.loading import TRANSFORMERS_SUPPORTED, check_transformers_version
 from tests.helpers import ROOT, make_rows, write_cache
 
+
 def project() -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the rest of this file runs on 3.10 too
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

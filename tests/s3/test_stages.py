@@ -21,7 +21,6 @@ import pytest
 from klpipe.cache import read_provenance
 from tests.helpers import (
     ROLLOUTS,
-    ROOT,
     TINY_GEMMA,
     TINY_LLAMA,
     kill_9_after_chunks,
@@ -37,14 +36,9 @@ from tests.test_examples import EXAMPLES, run_array, script_env, without_metadat
 ARGS = ("--device", "cpu", "--progress", "none")
 
 
-# This checkout's klpipe, also in processes started elsewhere than its root (which put their own
-# directory first on sys.path), whatever klpipe the environment has installed.
-CHECKOUT = {"PYTHONPATH": str(ROOT)}
-
-
 def klpipe(server, *args, user: str = "writer", cwd: Path | None = None, **env):
     """`python -m klpipe ARGS` with `user`'s credentials for the test server, one torch thread."""
-    return run_cli(*map(str, args), env={**server.env(user), "OMP_NUM_THREADS": "1", **CHECKOUT, **env}, cwd=cwd)
+    return run_cli(*map(str, args), env={**server.env(user), "OMP_NUM_THREADS": "1", **env}, cwd=cwd)
 
 
 def read_table(server, bucket: str, key: str) -> pa.Table:
@@ -174,7 +168,7 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
     parts = f"s3://{bucket}/parts"
     env = script_env(tmp_path, **s3_server.env(), KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=f"s3://{bucket}/rollouts",
                      CACHE_DIR=parts, SCORE_DIR=f"s3://{bucket}/scored", KL_STATE=f"s3://{bucket}/kl_state.json",
-                     KLPIPE_CACHE_DIR=tmp_path / "cache", KLPIPE_DEVICE="cpu", **CHECKOUT)
+                     KLPIPE_CACHE_DIR=tmp_path / "cache", KLPIPE_DEVICE="cpu")
     for result in run_array(EXAMPLES / "precompute-array.sbatch", range(3), tmp_path, env):
         assert result.returncode == 0, result.stdout
     names = [f"part-{i:05d}-of-00003" for i in range(3)]
