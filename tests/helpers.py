@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -200,6 +201,20 @@ def with_checkout(env: dict) -> dict:
     """`env` with this checkout first on PYTHONPATH: a process started in another directory (which puts its
     own first on sys.path) imports this klpipe, whatever the environment has installed."""
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 now (the kernel's pick), for a test's servers to listen on."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import free_ports
+
 REGION = "us-east-1"
 ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
 DENY_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Deny", "Action": "s3:*", "Resource": "*"}]}
 READ_ONLY = {"Version": "2012-10-17", "Statement": [
     {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:HeadObject", "s3:HeadBucket"], "Resource": "*"}]}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
@@ -42,7 +37,7 @@ class S3Server:
 
     @classmethod
     def start(cls, log: Path) -> S3Server:
-        port = free_port()
+        (port,) = free_ports(1)
         server = Path(sys.executable).with_name("moto_server")
         with open(log, "wb") as out:
             process = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=out,

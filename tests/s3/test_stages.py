@@ -23,6 +23,7 @@ from tests.helpers import (
     ROLLOUTS,
     TINY_GEMMA,
     TINY_LLAMA,
+    free_ports,
     kill_9_after_chunks,
     make_rows,
     provenance,
@@ -30,7 +31,6 @@ from tests.helpers import (
     run_cli,
     write_cache,
 )
-from tests.moto_server import free_port
 from tests.test_examples import EXAMPLES, run_array, script_env, without_metadata
 
 ARGS = ("--device", "cpu", "--progress", "none")
@@ -212,7 +212,7 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
 
 def _error_cases(server, bucket: str) -> dict[str, tuple[dict, list[str], str]]:
     """case → (environment changes, the command's URIs [input, output], the expected line)."""
-    unreachable = f"http://127.0.0.1:{free_port()}"
+    unreachable = f"http://127.0.0.1:{free_ports(1)[0]}"
     cache, out = f"s3://{bucket}/caches/day1.parquet", f"s3://{bucket}/out/result.parquet"
     return {
         "missing bucket": ({}, ["s3://klpipe-no-such-bucket/day1.parquet", out],

@@ -18,11 +18,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests.helpers import free_ports
 
 NODE = "localhost"
 PARTITION = "test"
@@ -33,20 +34,6 @@ CRED_EXPIRE_SECONDS = 5
 
 class SlurmError(RuntimeError):
     """The test cluster did not start or stop cleanly; the message carries its logs."""
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 now (the kernel's pick), for the daemons to listen on."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def tool(name: str) -> str:
