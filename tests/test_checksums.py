@@ -36,15 +36,20 @@ def page_payload_positions(path, column: str, per_page: int = 5) -> list[int]:
     return [lo + (hi - lo) * k // (per_page + 1) for lo, hi in spans for k in range(1, per_page + 1)]
 
 
+def flip_byte(path, position: int, source: bytes | None = None) -> None:
+    """Write `source` (default: the file as it is) to `path` with one bit of byte `position` flipped."""
+    data = bytearray(path.read_bytes() if source is None else source)
+    data[position] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def test_without_checksums_a_flipped_byte_reads_back_as_another_number(cache, tmp_path):
     # What the checksums are for: plain float pages, written as other tools write them, take a flip
     # silently. (It also shows that the positions used below land in payload bytes.)
     table = pq.read_table(cache)
     plain = tmp_path / "plain.parquet"
     pq.write_table(table, plain, use_dictionary=False, compression="none")
-    data = bytearray(plain.read_bytes())
-    data[page_payload_positions(plain, "ref_logprobs")[-1]] ^= 0x10
-    plain.write_bytes(bytes(data))
+    flip_byte(plain, page_payload_positions(plain, "ref_logprobs")[-1])
     damaged = pq.read_table(plain, page_checksum_verification=True)
     assert damaged.num_rows == table.num_rows and not damaged.equals(table)
 
@@ -56,9 +61,7 @@ def test_a_flipped_byte_in_a_cache_stops_score_and_writes_nothing(cache, tmp_pat
     for column in ("ref_logprobs", "policy_logprobs"):
         for position in page_payload_positions(cache, column):
             damaged = tmp_path / "damaged.parquet"
-            data = bytearray(original)
-            data[position] ^= 0x10
-            damaged.write_bytes(bytes(data))
+            flip_byte(damaged, position, source=original)
             outputs = tmp_path / f"out-{column}-{position}"
             result = runner.invoke(app, ["score", str(damaged), "-o", str(outputs / "scored.parquet"),
                                          "--report", str(outputs / "report.json"), "--state", str(outputs / "s.json")])
@@ -82,10 +85,7 @@ def test_a_damaged_checkpoint_is_never_merged(tmp_path, monkeypatch):
     with crash_at_chunk(monkeypatch, 2):
         run("cached.parquet")
     chunk = tmp_path / "cached.parquet.partial" / "chunk-00000001.parquet"
-    position = page_payload_positions(chunk, "ref_logprobs")[-1]
-    data = bytearray(chunk.read_bytes())
-    data[position] ^= 0x10
-    chunk.write_bytes(bytes(data))
+    flip_byte(chunk, page_payload_positions(chunk, "ref_logprobs")[-1])
 
     with pytest.raises(OutputError, match=f"^{chunk}: a damaged checkpoint .*delete this file and rerun"):
         run("cached.parquet")

@@ -57,11 +57,16 @@ def test_bad_shard_settings():
         resolve_shard(None, None, {"RANK": "x", "WORLD_SIZE": "2"})
 
 
-def run(output, shard=None, inputs=(ROLLOUTS,), **kwargs):
-    kwargs.setdefault("chunk_rows", 5)
+def run(output, shard=None, inputs=(ROLLOUTS,), chunk_rows=5, **settings):
     config = PrecomputeConfig(inputs=list(inputs), output=output, model=str(TINY_LLAMA), device="cpu",
-                              progress="none", shard=shard, **kwargs)
+                              progress="none", shard=shard, chunk_rows=chunk_rows, **settings)
     return precompute(config, log=lambda m: None)
+
+
+def merged_parts(directory) -> tuple[list, pa.Table]:
+    """(the parts of a sharded output directory in shard order, their rows concatenated, metadata aside)."""
+    parts, _ = expand_cache_inputs([directory])
+    return parts, pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in parts])
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +82,7 @@ def test_sharded_parts_through_the_prefix_tree_concatenate_to_the_single_process
     assert whole.forward.fed_tokens < whole.forward.per_row_tokens / 2  # the tree did the work
     for index in range(3):
         run(tmp_path / "out", Shard(index, 3), inputs=[agent], chunk_rows=13)
-    parts, _ = expand_cache_inputs([tmp_path / "out"])
-    merged = pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in parts])
+    _, merged = merged_parts(tmp_path / "out")
     assert merged.equals(pq.read_table(whole.output).replace_schema_metadata(None))
 
 
@@ -86,9 +90,8 @@ def test_sharded_parts_through_the_prefix_tree_concatenate_to_the_single_process
 def test_sharded_parts_concatenate_to_the_single_process_output(tmp_path, single, count):
     for index in range(count):
         run(tmp_path / "out", Shard(index, count))
-    parts, _ = expand_cache_inputs([tmp_path / "out"])
+    parts, merged = merged_parts(tmp_path / "out")
     assert [p.name for p in parts] == [f"part-{i:05d}-of-{count:05d}.parquet" for i in range(count)]
-    merged = pa.concat_tables([pq.read_table(p).replace_schema_metadata(None) for p in parts])
     assert merged.equals(single)  # bit-identical: shards cut where the single run cuts chunks
     marker = json.loads((tmp_path / "out" / f"part-00000-of-{count:05d}.done").read_text())
     assert marker["rows"] == pq.read_metadata(parts[0]).num_rows

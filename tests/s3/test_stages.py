@@ -210,46 +210,47 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
 # -- errors: one line naming the URI, exit 2, nothing written -----------------------------------------
 
 
-def _error_cases(server, bucket: str) -> dict[str, tuple[dict, list[str], str]]:
-    """case → (environment changes, the command's URIs [input, output], the expected line)."""
-    unreachable = f"http://127.0.0.1:{free_ports(1)[0]}"
-    cache, out = f"s3://{bucket}/caches/day1.parquet", f"s3://{bucket}/out/result.parquet"
-    return {
-        "missing bucket": ({}, ["s3://klpipe-no-such-bucket/day1.parquet", out],
-                           "Error: s3://klpipe-no-such-bucket/day1.parquet: no such bucket 'klpipe-no-such-bucket'"),
-        "missing key": ({}, [f"s3://{bucket}/caches/day9.parquet", out],
-                        f"Error: s3://{bucket}/caches/day9.parquet: no such file or directory"),
-        "unknown access key": ({"AWS_ACCESS_KEY_ID": "AKIAKLPIPEUNKNOWN000"}, [cache, out],
-                               (f"Error: {cache}: the store does not accept these credentials: the access key is "
-                                "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)")),
-        "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, [cache, out],
-                         (f"Error: {cache}: the store does not accept these credentials: the secret key does not "
-                          "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")),
-        "access denied": ({"user": "denied"}, [cache, out],
-                          f"Error: {cache}: access denied: these credentials may not do this here"),
-        "unreachable endpoint": ({"AWS_ENDPOINT_URL": unreachable}, [cache, out],
-                                 (f"Error: {cache}: cannot reach the store at {unreachable} (check AWS_ENDPOINT_URL "
-                                  "and the network)")),
-        "output bucket missing": ({}, [cache, "s3://klpipe-no-such-bucket/result.parquet"],
-                                  ("Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
-                                   "'klpipe-no-such-bucket'")),
-        "output denied": ({"user": "reader"}, [cache, out],
-                          f"Error: {out}: access denied: these credentials may not do this here"),
-    }
-
-
-CASES = ["missing bucket", "missing key", "unknown access key", "wrong secret", "access denied",
-         "unreachable endpoint", "output bucket missing", "output denied"]
+# case → (environment changes, the command's URIs [input, output], the expected line). The test fills in
+# {bucket} and {endpoint}, an address where nothing listens.
+CACHE_URI, OUT_URI = "s3://{bucket}/caches/day1.parquet", "s3://{bucket}/out/result.parquet"
+ERROR_CASES = {
+    "missing bucket": ({}, ["s3://klpipe-no-such-bucket/day1.parquet", OUT_URI],
+                       "Error: s3://klpipe-no-such-bucket/day1.parquet: no such bucket 'klpipe-no-such-bucket'"),
+    "missing key": ({}, ["s3://{bucket}/caches/day9.parquet", OUT_URI],
+                    "Error: s3://{bucket}/caches/day9.parquet: no such file or directory"),
+    "unknown access key": ({"AWS_ACCESS_KEY_ID": "AKIAKLPIPEUNKNOWN000"}, [CACHE_URI, OUT_URI],
+                           f"Error: {CACHE_URI}: the store does not accept these credentials: the access key is "
+                           "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)"),
+    "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, [CACHE_URI, OUT_URI],
+                     f"Error: {CACHE_URI}: the store does not accept these credentials: the secret key does not "
+                     "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"),
+    "access denied": ({"user": "denied"}, [CACHE_URI, OUT_URI],
+                      f"Error: {CACHE_URI}: access denied: these credentials may not do this here"),
+    "unreachable endpoint": ({"AWS_ENDPOINT_URL": "{endpoint}"}, [CACHE_URI, OUT_URI],
+                             f"Error: {CACHE_URI}: cannot reach the store at {{endpoint}} (check AWS_ENDPOINT_URL "
+                             "and the network)"),
+    "output bucket missing": ({}, [CACHE_URI, "s3://klpipe-no-such-bucket/result.parquet"],
+                              "Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
+                              "'klpipe-no-such-bucket'"),
+    "output denied": ({"user": "reader"}, [CACHE_URI, OUT_URI],
+                      f"Error: {OUT_URI}: access denied: these credentials may not do this here"),
+}
 
 
 @pytest.mark.parametrize("command", ["score", "precompute"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_each_store_error_is_one_line_naming_the_uri(s3_server, bucket, tmp_path, command, case):
     rollouts = command == "precompute"
     source = ROLLOUTS if rollouts else write_cache(tmp_path / "day1.parquet", make_rows(20), provenance=provenance())
     s3_server.put(bucket, "caches/day1.parquet", source.read_bytes())
-    changes, (source_uri, output_uri), expected = _error_cases(s3_server, bucket)[case]
-    changes = dict(changes)
+    endpoint = f"http://127.0.0.1:{free_ports(1)[0]}"
+
+    def fill(text: str) -> str:
+        return text.format(bucket=bucket, endpoint=endpoint)
+
+    changes, uris, expected = ERROR_CASES[case]
+    changes = {name: fill(value) for name, value in changes.items()}
+    (source_uri, output_uri), expected = map(fill, uris), fill(expected)
     user = changes.pop("user", "writer")
     cwd, scratch, cache = tmp_path / "cwd", tmp_path / "tmp", tmp_path / "cache"
     for directory in (cwd, scratch, cache):
