@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from klpipe.files.store import Location
     from klpipe.sharding import Shard
 
-# auto: the prefill path where it saves work (repeated prompts; every row where the prefill skips
-# layers); on: every row through it; off: every row on its own (the per-row path).
+# auto: the prefix tree for the rows that share a prefix worth a pass (every row, where the prefill
+# skips layers); on: every row through the tree; off: every row on its own (the per-row path).
 SHARING_MODES = ("auto", "on", "off")
 
 
@@ -35,7 +35,7 @@ class PrecomputeConfig:
     max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
     max_cache_mib: int | None = None  # keys and values the prefix tree keeps alive at once; None: by device
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
-    prefix_sharing: str = "auto"  # auto | on | off: run a prompt once for the rows that share it (SHARING_MODES)
+    prefix_sharing: str = "auto"  # auto | on | off: each prefix the chunk's rows share runs once (SHARING_MODES)
     trust_remote_code: bool = False
     overwrite: bool = False  # replace an existing output made by a different run
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none

@@ -50,7 +50,6 @@ class TokenizedChunk:
                 self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]])
 
 
-
 class ChunkTokenizer:
     """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
 

@@ -93,8 +93,9 @@ def score(config: ScoreConfig) -> ScoreResult:
         raise InputError("no cache files given")
     files, skipped = expand_cache_inputs(config.inputs)
     output = config.output if config.output is not None else default_output(config.inputs[0])
-    refuse_overwriting_inputs(_outputs(config, output), files)
-    for path in _outputs(config, output).values():
+    outputs_by_option = _outputs(config, output)
+    refuse_overwriting_inputs(outputs_by_option, files)
+    for path in outputs_by_option.values():
         if path is not None:
             check_output(path)  # a missing bucket fails now, before the scoring
     if config.plot is not None:
