@@ -26,8 +26,14 @@ PROMPT_IDS = "prompt_ids"  # token-id mode (preferred: exact)
 RESPONSE_IDS = "response_ids"
 POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy
 REWARD = "reward"
+# 1 where the policy sampled the response token, 0 where it did not (a tool's result inside the
+# completion): KL is taken over the 1s only, and precompute runs no LM head on the 0s (klpipe/mask.py).
+MASK = "mask"
+TRL_MASKS = ("tool_mask", "env_mask")  # the names TRL's GRPOTrainer gives the mask (tools=, rollout_func)
+TOOLS = "tools"  # conversational rows: the tool schemas the chat template rendered (a list, or JSON text)
 
-# Added by precompute: log p_ref(response_ids[i] | prompt_ids + response_ids[:i]), one per response token.
+# Added by precompute: log p_ref(response_ids[i] | prompt_ids + response_ids[:i]), one per response token;
+# null where the mask is 0 (no logprob is computed for a token the policy did not sample).
 REF_LOGPROBS = "ref_logprobs"
 REF_LOGPROBS_TYPE = pa.list_(pa.float32())
 
