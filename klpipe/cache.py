@@ -67,6 +67,9 @@ class Provenance:
     max_cache_mib: int | None = None  # the prefix tree's cache budget in force: it decides its waves
     chunk_rows: int | None = None  # rows per chunk: the window in which rows are batched and shared
     versions: dict = field(default_factory=dict)  # {"torch": ..., "transformers": ...}
+    # Conversational rows: what else the chat template was given (both are in the tokenizer fingerprint too).
+    tools: str | None = None  # sha256 of the --tools list, as canonical JSON
+    chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs
 
     # The fields that decide what the numbers in ref_logprobs are (the column mapping decides which
     # ids are scored). The others change them at most in float rounding.
@@ -88,7 +91,10 @@ class Provenance:
             elif name == "revision" and str(after).startswith("local:"):
                 found.append(f"the weights of {other.model} changed ({before} → {after})")
             elif name == "tokenizer":
-                found.append("the tokenizer changed")
+                found.append("the tokenizer changed (its vocabulary or settings; for conversational rows its chat "
+                             "template, the tools or the template's options)")
+            elif name == "tools":
+                found.append("the --tools list changed")
             else:
                 found.append(f"{name} {before!r} → {after!r}")
         return found
