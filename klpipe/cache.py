@@ -70,10 +70,15 @@ class Provenance:
     # Conversational rows: what else the chat template was given (both are in the tokenizer fingerprint too).
     tools: str | None = None  # sha256 of the --tools list, as canonical JSON
     chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs
+    # --policy: the model whose logprobs precompute wrote into policy_logprobs (None: the rollouts' own).
+    policy_model: str | None = None
+    policy_revision: str | None = None  # as `revision`, for the policy's weights
+    policy_dtype: str | None = None
 
-    # The fields that decide what the numbers in ref_logprobs are (the column mapping decides which
-    # ids are scored). The others change them at most in float rounding.
-    IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature", "columns")
+    # The fields that decide what the numbers in ref_logprobs (and, with --policy, policy_logprobs) are
+    # (the column mapping decides which ids are scored). The others change them at most in float rounding.
+    IDENTITY_FIELDS = ("model", "revision", "tokenizer", "dtype", "temperature", "columns", "policy_model",
+                       "policy_revision", "policy_dtype")
 
     def identity(self) -> dict:
         return {name: getattr(self, name) for name in self.IDENTITY_FIELDS}
@@ -90,6 +95,10 @@ class Provenance:
                 found.append(f"input files changed ({changed})")
             elif name == "revision" and str(after).startswith("local:"):
                 found.append(f"the weights of {other.model} changed ({before} → {after})")
+            elif name == "policy_model":
+                found.append(f"the policy model {before!r} → {after!r}")
+            elif name == "policy_revision" and str(after).startswith("local:"):
+                found.append(f"the weights of the policy {other.policy_model} changed ({before} → {after})")
             elif name == "tokenizer":
                 found.append("the tokenizer changed (its vocabulary or settings; for conversational rows its chat "
                              "template, the tools or the template's options)")

@@ -422,7 +422,8 @@ def test_rows_without_ids_are_named_by_index_within_their_file(tmp_path):
         (REF_LOGPROBS, "no ref_logprobs column; run `klpipe precompute` on it first to add the reference logprobs"),
         (
             POLICY_LOGPROBS,
-            "no policy_logprobs column; the rollouts must carry the sampling policy's per-token logprobs",
+            "no policy_logprobs column; the rollouts must carry the sampling policy's per-token logprobs, or "
+            "`klpipe precompute --policy MODEL` computes them",
         ),
         (REWARD, "no reward column; add each rollout's reward before scoring"),
     ],

@@ -12,6 +12,7 @@ from klpipe.precompute.config import PrecomputeConfig
 
 INPUT_PANEL = "Input columns"
 MODEL_PANEL = "Reference model"
+POLICY_PANEL = "Policy model (rollouts without sampler logprobs)"
 BATCH_PANEL = "Batching and resume"
 OUTPUT_PANEL = "Output and progress"
 SHARD_PANEL = "Sharding (Slurm arrays, torchrun)"
@@ -46,6 +47,22 @@ def precompute_command(
     temperature: Annotated[float, typer.Option(
         help="Rollout sampling temperature; logits are divided by it before the softmax.",
         envvar="KLPIPE_TEMPERATURE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["temperature"],
+    policy: Annotated[str | None, typer.Option(
+        "--policy", help="A policy model (hub id or local directory) whose logprobs of the same tokens are written "
+                         "as policy_logprobs, in the same pass as the reference's: for rollouts without sampler "
+                         "logprobs. It must share the reference's tokenizer.",
+        envvar="KLPIPE_POLICY", rich_help_panel=POLICY_PANEL, show_default=False)] = PRECOMPUTE["policy"],
+    policy_revision: Annotated[str | None, typer.Option(
+        help="Hub revision of the policy model.",
+        envvar="KLPIPE_POLICY_REVISION", rich_help_panel=POLICY_PANEL)] = PRECOMPUTE["policy_revision"],
+    policy_device: Annotated[str | None, typer.Option(
+        help="Device of the policy model (cpu, cuda, cuda:N). Default: the reference's.",
+        envvar="KLPIPE_POLICY_DEVICE", rich_help_panel=POLICY_PANEL,
+        show_default=False)] = PRECOMPUTE["policy_device"],
+    overwrite_policy_logprobs: Annotated[bool, typer.Option(
+        "--overwrite-policy-logprobs", help="With --policy: replace an input's policy_logprobs column with the "
+                                            "policy model's. Without it such an input is refused.",
+        envvar="KLPIPE_OVERWRITE_POLICY_LOGPROBS", rich_help_panel=POLICY_PANEL)] = PRECOMPUTE["overwrite_policy_logprobs"],
     trust_remote_code: Annotated[bool, typer.Option(
         "--trust-remote-code", help="Run model code shipped with the checkpoint. Off unless asked.",
         envvar="KLPIPE_TRUST_REMOTE_CODE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["trust_remote_code"],
@@ -120,6 +137,8 @@ def precompute_command(
         sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
 
         AWS_PROFILE=rl klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42.cached.parquet
+
+        klpipe precompute -m ./ref --policy ./ckpt-400 dump.jsonl --column prompt=input --column response=output
     """
     from klpipe.columns import parse_columns
     from klpipe.precompute import precompute
@@ -129,6 +148,8 @@ def precompute_command(
     shard = resolve_shard(shard_index, num_shards)
     config = PrecomputeConfig(
         inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
+        policy=policy, policy_revision=policy_revision, policy_device=policy_device,
+        overwrite_policy_logprobs=overwrite_policy_logprobs,
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, max_cache_mib=max_cache_mib,
         chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing, work_dir=work_dir,

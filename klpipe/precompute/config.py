@@ -41,6 +41,12 @@ class PrecomputeConfig:
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
     prefix_sharing: str = "auto"  # auto | on | off: each prefix the chunk's rows share runs once (SHARING_MODES)
     trust_remote_code: bool = False
+    # A second model whose logprobs of the same tokens go into policy_logprobs, in the same pass: for
+    # rollouts that carry none (verl dumps, offline trajectories, a checkpoint's drift on an eval set).
+    policy: str | None = None  # hub id or local directory
+    policy_revision: str | None = None
+    policy_device: str | None = None  # None: the reference's device
+    overwrite_policy_logprobs: bool = False  # replace an input's policy_logprobs column with the policy's
     overwrite: bool = False  # replace an existing output made by a different run
     progress: str = "auto"  # auto (bar on a terminal, log lines otherwise) | bar | log | none
     log_interval: float = 30.0  # seconds between progress log lines
@@ -90,6 +96,15 @@ class PrecomputeConfig:
         # Local paths stay Paths; URIs (s3://bucket/key) become locations on their store.
         self.inputs = [location(path) for path in self.inputs]
         self.output = location(self.output) if self.output is not None else None
+        if self.policy is None and (self.policy_revision or self.policy_device or self.overwrite_policy_logprobs):
+            given = [name for name, value in (("--policy-revision", self.policy_revision),
+                                              ("--policy-device", self.policy_device),
+                                              ("--overwrite-policy-logprobs", self.overwrite_policy_logprobs)) if value]
+            raise InputError(f"{' and '.join(given)} need --policy MODEL")
+        for option, name in (("--model", self.model), ("--policy", self.policy)):
+            if name is not None and is_remote(location(name)):
+                raise InputError(f"{option} {name}: models are read from a local directory or the hub, not from a "
+                                 "store; copy it to local disk first")
         if is_remote(location(self.model)):
             raise InputError(f"--model {self.model}: the reference model is read from a local directory or the hub, "
                              "not from a store; copy it to local disk first")

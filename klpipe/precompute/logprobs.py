@@ -44,6 +44,28 @@ class ForwardStats:
         return self.per_row_tokens / self.fed_tokens if self.fed_tokens else 1.0
 
 
+@dataclass
+class ChunkPlan:
+    """How a chunk's rows run: which rows go through the prefix tree and its passes, which run whole and in
+    which batches. It depends on the rows, the budgets and three properties of the model (`plan_key`), so
+    a second model with the same properties (a policy fine-tuned from the reference) runs the same plan."""
+
+    key: tuple  # plan_key(model) of the model it was made for
+    needed: list[np.ndarray]  # (rows,) bool per response token: the logprobs to compute
+    fed: list[np.ndarray]  # (rows,) what each row feeds
+    tree_rows: np.ndarray  # rows through the tree
+    tree: object | None  # prefix_tree.Tree of `tree_rows`, or None
+    passes: list  # its passes
+    batches: list[np.ndarray]  # rows run whole: each batch's row indices
+    padded_tokens_alone: int = 0  # what the batches feed, padding included
+    masked: bool = False  # whether a mask said which logprobs are needed (else every one is)
+
+
+def plan_key(model) -> tuple:
+    """What a plan depends on besides the rows and the budgets."""
+    return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost)
+
+
 def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
                    sharing: str, stats: ForwardStats, check_stop: Callable[[], None] = lambda: None,
                    max_cache_tokens: int = 1 << 62, needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -59,11 +81,18 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     others are fed as context but never reach the LM head, and come back NaN; a row's tokens after
     its last needed one are not fed at all, and a row with none needed is not run.
     """
-    results = [np.full(len(response), np.nan if needed is not None else 0.0, dtype=np.float32) for _, response in rows]
+    plan = plan_chunk(model, rows, max_tokens, sharing, max_cache_tokens, needed)
+    plan_stats(plan, stats)
+    return run_plan(model, plan, rows, temperature, check_stop)
+
+
+def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, sharing: str,
+               max_cache_tokens: int = 1 << 62, needed: list[np.ndarray] | None = None) -> ChunkPlan:
+    """The plan of chunk_logprobs (same arguments), made once: any model with the same plan_key runs it."""
+    masked = needed is not None
     if needed is None:
         needed = [np.ones(len(response), dtype=bool) for _, response in rows]
     fed = _fed(rows, needed)
-    stats.per_row_tokens += sum(len(f) for f in fed)
     wanted = np.flatnonzero([bool(n.any()) for n in needed])
     limit = model.rope_length_limit  # a RoPE whose frequencies change past it, for the whole batch
     long = np.array([limit is not None and len(fed[i]) > limit for i in wanted], dtype=bool)
@@ -71,14 +100,49 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     candidates = wanted[~long]
     if sharing == "off":
         alone, candidates = wanted, candidates[:0]
+    tree, passes = None, []
     if len(candidates):
         candidates, shared_nothing = _worth_a_tree(model, rows, fed, needed, candidates, sharing)
         alone = np.sort(np.concatenate([alone, shared_nothing]))
         if len(candidates):
-            _run_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens, temperature, stats,
-                      check_stop, results)
-    _run_alone(model, rows, fed, needed, alone, long_rows=set(wanted[long].tolist()), max_tokens=max_tokens,
-               temperature=temperature, stats=stats, check_stop=check_stop, results=results)
+            tree, passes, _ = _plan_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens,
+                                         model.attention_cost)
+    batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens)
+    return ChunkPlan(plan_key(model), needed, fed, candidates, tree, passes, batches, padded, masked)
+
+
+def plan_stats(plan: ChunkPlan, stats: ForwardStats) -> None:
+    """Add what `plan` feeds a model to `stats`."""
+    stats.per_row_tokens += sum(len(f) for f in plan.fed)
+    for step in plan.passes:
+        own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
+        stats.fed_tokens += int(own.sum())
+        stats.padded_tokens += len(own) * int(own.max())
+        if step.only_last and plan.key[0]:  # prefill skips layers: all but each row's last position
+            stats.early_only_tokens += int(own.sum()) - len(own)
+    stats.tree_rows += len(plan.tree_rows)
+    stats.fed_tokens += sum(len(plan.fed[i]) for batch in plan.batches for i in batch.tolist())
+    stats.padded_tokens += plan.padded_tokens_alone
+
+
+def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float,
+             check_stop: Callable[[], None] = lambda: None) -> list[np.ndarray]:
+    """`model`'s logprobs of every row of the chunk, by `plan` (made for a model of the same plan_key)."""
+    if plan.key != plan_key(model):
+        raise ValueError("a chunk plan runs only on models with the plan_key it was made for")
+    results = [np.full(len(response), np.nan if plan.masked else 0.0, dtype=np.float32) for _, response in rows]
+    if plan.tree is not None:
+        from klpipe.model.tree import score_tree  # torch lives behind this import
+
+        logprobs = score_tree(model, plan.tree, plan.passes, _wanted(rows, plan.needed, plan.tree_rows), temperature,
+                              check_stop)
+        for i, values in zip(plan.tree_rows.tolist(), logprobs):
+            results[i] = values
+    for batch in plan.batches:
+        scored = model.score_batch([rows[i] for i in batch], temperature, [plan.needed[i] for i in batch])
+        for i, values in zip(batch.tolist(), scored):
+            results[i] = values
+        check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
     return results
 
 
@@ -142,43 +206,21 @@ def _plan_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, ma
     return tree, passes, first
 
 
-def _run_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
-              temperature: float, stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
-    from klpipe.model.tree import score_tree  # torch lives behind this import
-
-    tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen, max_tokens, max_cache_tokens, model.attention_cost)
-    logprobs = score_tree(model, tree, passes, _wanted(rows, needed, chosen), temperature, check_stop)
-    for i, values in zip(chosen.tolist(), logprobs):
-        results[i] = values
-    for step in passes:
-        own = tree.end[step.nodes] - tree.start[step.nodes]
-        stats.fed_tokens += int(own.sum())
-        stats.padded_tokens += len(own) * int(own.max())
-        if step.only_last and model.prefill_skips_layers:  # all but each row's last position
-            stats.early_only_tokens += int(own.sum()) - len(own)
-    stats.tree_rows += len(chosen)
-
-
-def _run_alone(model, rows, fed, needed, alone: np.ndarray, long_rows: set, max_tokens: int, temperature: float,
-               stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
-    """Rows run whole, batched by length; rows past a length-dependent RoPE's limit only with each other."""
+def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int) -> tuple[list[np.ndarray], int]:
+    """(batches of rows run whole, the tokens they feed padding included): batched by length, rows past a
+    length-dependent RoPE's limit only with each other."""
+    batches, padded_total = [], 0
     if not len(alone):
-        return
+        return batches, padded_total
     lengths = np.array([len(fed[i]) for i in alone], dtype=np.int64)
     past = np.array([i in long_rows for i in alone.tolist()], dtype=bool)
     for group in (np.flatnonzero(~past), np.flatnonzero(past)):
         if not len(group):
             continue
-        batches = plan_batches(lengths[group], max_tokens)
-        for batch in batches:
-            chosen = alone[group[batch]]
-            scored = model.score_batch([rows[i] for i in chosen], temperature, [needed[i] for i in chosen])
-            for i, values in zip(chosen.tolist(), scored):
-                results[i] = values
-            check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
-        real, padded = padding_efficiency(lengths[group], batches)
-        stats.fed_tokens += real
-        stats.padded_tokens += padded
+        planned = plan_batches(lengths[group], max_tokens)
+        batches += [alone[group[batch]] for batch in planned]
+        padded_total += padding_efficiency(lengths[group], planned)[1]
+    return batches, padded_total
 
 
 # -- the load-time probe ----------------------------------------------------------------------------

@@ -78,8 +78,11 @@ class Chunk:
     file_row: np.ndarray  # (rows,) the row's index inside that file
 
 
-def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None = None) -> Rollouts:
-    """Find the input files, check that they agree on a schema, and pick the mode from its columns."""
+def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None = None,
+                  writes: tuple[str, ...] = (cache.REF_LOGPROBS,)) -> Rollouts:
+    """Find the input files, check that they agree on a schema, and pick the mode from its columns.
+
+    `writes`: the roles this run writes, whose mapped columns need not exist yet."""
     # A cache (or scored file) written into an input directory by an earlier run is not a rollout.
     def ours(path: Location) -> bool:
         return path.name.endswith(PARQUET_SUFFIXES) and written_by_klpipe(path) is not None
@@ -94,7 +97,7 @@ def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None 
                 f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
     columns = (columns or ColumnMap()).resolve(first.schema, first.path)
-    columns.check_present(first.path, first.schema, outputs=(cache.REF_LOGPROBS,))
+    columns.check_present(first.path, first.schema, outputs=writes)
     mode = _detect_mode(first.path, first.schema, columns)
     if columns.name(cache.MASK) in first.schema.names:
         check_mask_type(first.path, first.schema, columns.name(cache.MASK))

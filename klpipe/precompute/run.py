@@ -29,7 +29,7 @@ from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
+from klpipe.precompute.logprobs import ForwardStats, check_tree, plan_chunk, plan_key, plan_stats, run_plan
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
@@ -101,7 +101,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     from klpipe import model as reference  # torch lives behind this import
 
     started = time.perf_counter()
-    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))  # schema and mode checks before anything heavy
+    writes = (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS) if config.policy else (cache.REF_LOGPROBS,)
+    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns), writes=writes)  # before anything heavy
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
             f"{', '.join(str(p) for p in rollouts.skipped)}")
@@ -120,13 +121,19 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     )
     model_config = reference.load_config(spec)
     tokenizer = reference.load_tokenizer(spec)
-    provenance = _provenance(config, spec, model_config, tokenizer, rollouts, rows)
+    policy_spec = _policy_spec(config)
+    policy_config = None
+    if policy_spec is not None:
+        policy_config = reference.load_config(policy_spec)
+        _check_policy_matches(config, spec, model_config, tokenizer, policy_spec, policy_config, rollouts)
+    provenance = _provenance(config, spec, model_config, tokenizer, rollouts, rows, policy_spec, policy_config)
     summary = PrecomputeSummary(output=output)
 
     if _already_done(output, provenance, config, log):
         summary.skipped = True
         # A kill between the final rename and the cleanup leaves the finished work directory.
-        WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir).remove_if_finished()
+        WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir,
+                overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
@@ -134,7 +141,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
                               template_kwargs=config.chat_template_kwargs)
-    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir)
+    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
+                   overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
         sizes = chunk_sizes(rows, config.chunk_rows)
@@ -147,8 +155,10 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
             model = reference.ReferenceModel.load(spec)
+            # Both resident: each chunk's rows run through one, then the other, on one plan.
+            policy = reference.ReferenceModel.load(policy_spec) if policy_spec is not None else None
             summary.load_seconds = time.perf_counter() - load_started
-            _run_chunks(model, rollouts, tokenize, work, config, rows, done, summary, stop, log)
+            _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log)
         work.merge_into(output)
         summary.peak_memory = peak_memory()
         if shard is not None:
@@ -170,7 +180,38 @@ def _require_model_extra() -> None:
                          "pip install 'klpipe[precompute]' (on a GPU machine, your CUDA build of torch first)")
 
 
-def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows) -> cache.Provenance:
+def _policy_spec(config: PrecomputeConfig):
+    """The --policy model, loaded with the reference's safety rules and dtype; None without --policy."""
+    if config.policy is None:
+        return None
+    from klpipe import model as reference
+
+    return reference.ModelSpec(name=config.policy, revision=config.policy_revision, dtype=config.dtype,
+                               device=config.policy_device or config.device, trust_remote_code=config.trust_remote_code)
+
+
+def _check_policy_matches(config: PrecomputeConfig, spec, model_config, tokenizer, policy_spec, policy_config,
+                          rollouts) -> None:
+    """The policy must read the reference's tokens as the same tokens: the same vocabulary and tokenizer."""
+    from klpipe import model as reference
+
+    vocab, policy_vocab = reference.vocab_and_context(model_config)[0], reference.vocab_and_context(policy_config)[0]
+    if vocab != policy_vocab:
+        raise ModelError(f"--policy {config.policy}: its vocabulary has {policy_vocab} tokens and the reference's "
+                         f"({config.model}) {vocab}; the two models must share a tokenizer")
+    chat = rollouts.mode == CHAT
+    options = _chat_options(config, rollouts)
+    ours = reference.tokenizer_fingerprint(tokenizer, chat_template=chat, chat_options=options)
+    theirs = reference.tokenizer_fingerprint(reference.load_tokenizer(policy_spec), chat_template=chat,
+                                             chat_options=options)
+    if ours != theirs:
+        what = "tokenizer or chat template" if chat else "tokenizer"
+        raise ModelError(f"--policy {config.policy}: its {what} differs from the reference's ({config.model}); the "
+                         "two models must share a tokenizer, or the policy's logprobs would be of other tokens")
+
+
+def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows, policy_spec=None,
+                policy_config=None) -> cache.Provenance:
     """How this run's cache is made: what a rerun must match to skip or resume it."""
     import torch
     import transformers
@@ -199,6 +240,9 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
         tools=config.tools_digest() if rollouts.mode == CHAT else None,
         chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
+        policy_model=config.policy,
+        policy_revision=reference.weights_fingerprint(policy_spec, policy_config) if policy_spec is not None else None,
+        policy_dtype=str(dtype).removeprefix("torch.") if policy_spec is not None else None,
     )
 
 
@@ -254,12 +298,17 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
         stop.check()
 
 
-def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
+def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
-    """Score every chunk not yet done and checkpoint each one in the work directory."""
+    """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
     max_cache_tokens = (work.provenance.max_cache_mib << 20) // model.kv_bytes_per_token
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
+    policy_sharing = summary.prefix_sharing
+    if policy is not None:
+        policy_sharing = _sharing_mode(policy, summary.prefix_sharing, log) if summary.prefix_sharing != "off" else "off"
+        # The two run one after the other, so each may hold the whole cache budget in turn.
+        policy_cache_tokens = (work.provenance.max_cache_mib << 20) // policy.kv_bytes_per_token
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
@@ -271,9 +320,17 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
             for tokenized in stream:
                 pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
                 needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
-                logprobs = chunk_logprobs(model, pairs, max_tokens, config.temperature, summary.prefix_sharing,
-                                          summary.forward, stop.check, max_cache_tokens, needed=needed)
-                work.write_chunk(tokenized, logprobs)
+                plan = plan_chunk(model, pairs, max_tokens, summary.prefix_sharing, max_cache_tokens, needed)
+                plan_stats(plan, summary.forward)
+                logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
+                policy_logprobs = None
+                if policy is not None:
+                    # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
+                    same = plan_key(policy) == plan.key and policy_sharing == summary.prefix_sharing
+                    policy_plan = plan if same else plan_chunk(policy, pairs, max_tokens, policy_sharing,
+                                                               policy_cache_tokens, needed)
+                    policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, stop.check)
+                work.write_chunk(tokenized, logprobs, policy_logprobs)
                 response_tokens = tokenized.scored_tokens()
                 summary.rows += tokenized.num_rows
                 summary.tokens += response_tokens

@@ -55,7 +55,7 @@ class WorkDir:
     """`<output>.partial/`: the run description, a lock, and one parquet file per finished chunk."""
 
     def __init__(self, output: Location, provenance: cache.Provenance, rollouts: Rollouts, rows: tuple[int, int],
-                 overwrite: bool = False, work_root: Path | None = None):
+                 overwrite: bool = False, work_root: Path | None = None, overwrite_policy: bool = False):
         self.output = output
         self.overwrite = overwrite  # discard another run's work directory instead of refusing
         self.path = work_path(output, work_root)
@@ -72,10 +72,11 @@ class WorkDir:
         }
         self.ref_logprobs = rollouts.columns.name(cache.REF_LOGPROBS)  # the column written
         self.mask_column = rollouts.columns.name(cache.MASK)  # written for conversational rows that have none
-        self.output_schema = self._output_schema(rollouts)
+        self.policy_logprobs = rollouts.columns.name(cache.POLICY_LOGPROBS)  # written with --policy
+        self.output_schema = self._output_schema(rollouts, overwrite_policy)
         self._lock_file = None
 
-    def _output_schema(self, rollouts: Rollouts) -> pa.Schema:
+    def _output_schema(self, rollouts: Rollouts, overwrite_policy: bool) -> pa.Schema:
         schema = rollouts.schema
         if rollouts.mode in (TEXT, CHAT):  # the ids they tokenized are written
             for name in (rollouts.columns.name(cache.PROMPT_IDS), rollouts.columns.name(cache.RESPONSE_IDS)):
@@ -90,6 +91,15 @@ class WorkDir:
             raise InputError(f"{rollouts.files[0].path}: already has a {self.ref_logprobs} column; "
                              "is this a cache? precompute reads rollouts")
         schema = schema.append(pa.field(self.ref_logprobs, cache.REF_LOGPROBS_TYPE))
+        if self.provenance.policy_model is not None:  # --policy: its logprobs, as the reference's
+            policy = rollouts.columns.name(cache.POLICY_LOGPROBS)
+            if policy in rollouts.schema.names and not overwrite_policy:
+                raise InputError(f"{rollouts.files[0].path}: already has a {policy} column; pass "
+                                 f"--overwrite-policy-logprobs to replace it with {self.provenance.policy_model}'s, "
+                                 f"or write them under another name with --column {cache.POLICY_LOGPROBS}=NAME")
+            if policy in schema.names:
+                schema = schema.remove(schema.get_field_index(policy))
+            schema = schema.append(pa.field(policy, cache.REF_LOGPROBS_TYPE))
         return cache.schema_with_provenance(schema, self.provenance)
 
     def locked(self):
@@ -142,16 +152,20 @@ class WorkDir:
     def finished_chunks(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("chunk-*.parquet")}
 
-    def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray]) -> None:
-        offsets = offsets_from_lengths([len(x) for x in logprobs])
-        values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
-        # Null where the mask is 0: no logprob was computed for a token the policy did not sample.
-        column = list_array(offsets, values, valid=tokenized.mask)  # cache.REF_LOGPROBS_TYPE
+    def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray],
+                    policy_logprobs: list[np.ndarray] | None = None) -> None:
+        """Checkpoint a chunk: its rows, the reference's logprobs and, with --policy, the policy's."""
+        column = _logprobs_column(logprobs, tokenized.mask)  # cache.REF_LOGPROBS_TYPE
         table = tokenized.table
+        if policy_logprobs is not None:
+            if self.policy_logprobs in table.column_names:  # --overwrite-policy-logprobs
+                table = table.drop_columns([self.policy_logprobs])
         if tokenized.derived_mask:
             table = table.append_column(self.mask_column,
                                         list_array(tokenized.response_offsets, tokenized.mask.astype(np.int8)))
         table = table.append_column(self.ref_logprobs, column)
+        if policy_logprobs is not None:
+            table = table.append_column(self.policy_logprobs, _logprobs_column(policy_logprobs, tokenized.mask))
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
         with atomic_output(path) as tmp:
@@ -184,6 +198,13 @@ class WorkDir:
                 self.remove()
         except (OutputError, ProvenanceError):
             pass  # another run's, or another command's: not ours to delete
+
+
+def _logprobs_column(logprobs: list[np.ndarray], mask: np.ndarray | None) -> pa.Array:
+    """A list<float32> column of per-row logprobs, null where the mask is 0 (nothing was computed there)."""
+    offsets = offsets_from_lengths([len(x) for x in logprobs])
+    values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
+    return list_array(offsets, values, valid=mask)
 
 
 def _row_groups(path: Path):

@@ -113,6 +113,16 @@ def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, C
     return first_schema, resolved
 
 
+def policy_source(files: list[Location]) -> dict:
+    """Where the caches' policy logprobs come from: the rollouts (a sampler), or a model that `klpipe precompute
+    --policy` ran (open_caches has checked that every cache agrees)."""
+    provenance = read_provenance(files[0]) if files else None
+    if provenance is None or provenance.policy_model is None:
+        return {"computed": False}
+    return {"computed": True, "model": provenance.policy_model, "revision": provenance.policy_revision,
+            "dtype": provenance.policy_dtype}
+
+
 def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int,
                  columns: ColumnMap) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
     """(record batch, where its rows come from), across all inputs in order.
@@ -232,7 +242,8 @@ def _check_columns(path: Path, schema: pa.Schema, columns: ColumnMap) -> None:
         if ref in missing:
             hint = "run `klpipe precompute` on it first to add the reference logprobs"
         elif policy in missing:
-            hint = "the rollouts must carry the sampling policy's per-token logprobs"
+            hint = ("the rollouts must carry the sampling policy's per-token logprobs, or `klpipe precompute --policy "
+                    "MODEL` computes them")
         else:
             hint = "add each rollout's reward before scoring"
         raise InputError(f"{path}: no {' or '.join(missing)} column; {hint}")

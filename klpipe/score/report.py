@@ -158,14 +158,15 @@ def histogram(kls: np.ndarray) -> dict:
     return {"edges": edges.tolist(), "counts": [int(c) for c in counts]}
 
 
-def extreme_rows_warning(row_names: list[str], count: int, threshold_nats: float) -> str:
+def extreme_rows_warning(row_names: list[str], count: int, threshold_nats: float, policy_computed: bool = False) -> str:
     """The warning for rows with a token whose |policy − ref| exceeds `threshold_nats`."""
     named = "; ".join(row_names)  # each name holds a file path, which may hold a comma
     more = f" and {count - len(row_names)} more" if count > len(row_names) else ""
-    return (
-        f"{count} row(s) have a token with |policy − ref| above {threshold_nats:g} nats: {named}{more}. "
-        "This almost always means the policy and the reference tokenized the text differently."
-    )
+    # Logprobs klpipe computed for both models come from one tokenization: then it is the models that disagree.
+    why = ("The policy logprobs were computed by klpipe precompute --policy on the reference's tokens, so the "
+           "two models disagree that much there." if policy_computed else
+           "This almost always means the policy and the reference tokenized the text differently.")
+    return f"{count} row(s) have a token with |policy − ref| above {threshold_nats:g} nats: {named}{more}. {why}"
 
 
 def render_table(report: dict, console) -> None:
@@ -215,6 +216,10 @@ def render_table(report: dict, console) -> None:
         markup=False,
         highlight=False,
     )
+    source = report.get("policy_logprobs") or {}
+    if source.get("computed"):
+        console.print(f"policy logprobs computed by klpipe precompute --policy {source['model']} "
+                      f"({source['revision']}, {source['dtype']}), not by a sampler", markup=False, highlight=False)
 
 
 def plot(path: Path, trajectory: Trajectory, report: dict) -> None:

@@ -43,6 +43,7 @@ from klpipe.score.input import (
     check_finite,
     expand_cache_inputs,
     open_caches,
+    policy_source,
     read_batches,
 )
 from klpipe.score.kl import row_kl
@@ -106,6 +107,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         metrics.require_tensorboardx(config.tensorboard)
     names = for_caches(config.columns, files)  # role -> the caches' column names
     schema, names = open_caches(files, names)
+    source = policy_source(files)  # a sampler's logprobs, or a model's that precompute --policy ran
     warnings: list[str] = []
     if skipped:
         warnings.append(f"skipped {len(skipped)} file(s) that klpipe score wrote into an input directory, so "
@@ -154,7 +156,8 @@ def score(config: ScoreConfig) -> ScoreResult:
                 row_groups.flush()
         batches.finish()
         if totals.extreme_count:
-            warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats))
+            warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
+                                                        source["computed"]))
         settings = _settings(config)
         settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
         run_report = report.build_report(
@@ -162,6 +165,7 @@ def score(config: ScoreConfig) -> ScoreResult:
             kl_coeff_before=batches.kl_coeff_before, batch_count=batches.batch_count, steps=batches.steps,
             totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
         )  # fmt: skip
+        run_report["policy_logprobs"] = source
         if config.plot is not None:
             trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
             with outputs.file(config.plot) as tmp:
