@@ -1,0 +1,107 @@
+"""What the mask saves in `klpipe precompute`: no LM head on a tool's tokens, nothing fed after the last 1.
+
+Tool-calling trajectories in one row each, as TRL's GRPOTrainer(tools=...) stores them: a system
+prompt in every row, groups of 8 responses per task, a completion of the model's call, a long tool
+result (mask 0) and the model's answer. Two contenders, each its own `klpipe precompute` process on
+the same rows:
+
+    mask     the rows with their `tool_mask`: the head runs on the policy's tokens only
+    no mask  the same rows with the mask column renamed, so klpipe does not read it: the head runs
+             on every completion token (what klpipe did before it knew masks)
+
+Each also runs on a one-row file; its steady-state time is the whole less that start-up. The model is
+the benchmarks' Llama (contenders.build_model: 8 layers × 256, vocabulary 8,192, Gemma 4 E2B's
+body-to-head FLOPs ratio), so the head's share of a token's work is Gemma's.
+
+    python benchmarks/bench_tool_mask.py [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contenders import ROOT, VOCAB, build_model  # noqa: E402
+
+WORK = ROOT / "build" / "bench_tool_mask"
+SYSTEM, TASKS, GROUP = 512, 6, 8
+CALL, RESULT, ANSWER = 48, 192, 64  # completion: the call (1s), the tool's result and header (0s), the answer (1s)
+
+
+def build_inputs() -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    build_model(WORK / "model", max_positions=2048)
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, VOCAB, SYSTEM).tolist()
+    rows = []
+    for task in range(TASKS):
+        prompt = system + rng.integers(3, VOCAB, int(rng.integers(16, 64))).tolist()
+        for g in range(GROUP):
+            call, result, answer = (int(rng.integers(n // 2, n)) for n in (CALL, RESULT, ANSWER))
+            completion = rng.integers(3, VOCAB, call + result + answer).tolist()
+            rows.append({"id": f"t{task}-g{g}", "prompt_ids": prompt, "completion_ids": completion,
+                         "tool_mask": [1] * call + [0] * result + [1] * answer})
+    schema = pa.schema([("id", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("completion_ids", pa.list_(pa.int32())), ("tool_mask", pa.list_(pa.int8()))])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    unmasked = table.rename_columns(["id", "prompt_ids", "completion_ids", "unread_mask"])
+    paths = {}
+    for name, data in (("mask", table), ("no mask", unmasked)):
+        stem = name.replace(" ", "_")
+        paths[name] = WORK / f"{stem}.parquet"
+        paths[name + " one row"] = WORK / f"{stem}.one.parquet"
+        pq.write_table(data, paths[name])
+        pq.write_table(data.slice(0, 1), paths[name + " one row"])
+    return paths
+
+
+def run_once(path: Path) -> float:
+    """Wall seconds of one `klpipe precompute` process on `path`."""
+    out = WORK / (path.stem + ".cached.parquet")
+    command = [sys.executable, "-m", "klpipe", "precompute", "-m", str(WORK / "model"), str(path), "-o", str(out),
+               "--column", "response_ids=completion_ids", "--overwrite", "--progress", "none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    started = time.perf_counter()
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per contender; the fastest counts")
+    args = parser.parse_args()
+    paths = build_inputs()
+    import pyarrow.parquet as pq
+
+    masks = pq.read_table(paths["mask"]).column("tool_mask").to_pylist()
+    tokens = sum(len(m) for m in masks)
+    policy = sum(sum(m) for m in masks)
+    print(f"{len(masks)} rows, {tokens:,} completion tokens, {policy:,} the policy's ({policy / tokens:.0%}); "
+          f"best of {args.repeat}, each contender its own process")
+    best = {}
+    for _ in range(args.repeat):  # interleaved, so a slow spell of the machine hits both
+        for name in ("mask", "no mask"):
+            whole, start = run_once(paths[name]), run_once(paths[name + " one row"])
+            previous = best.get(name)
+            if previous is None or whole - start < previous[0] - previous[1]:
+                best[name] = (whole, start)
+    print(f"{'contender':<10} {'whole s':>8} {'start-up s':>10} {'steady s':>9}")
+    for name, (whole, start) in best.items():
+        print(f"{name:<10} {whole:>8.2f} {start:>10.2f} {whole - start:>9.2f}")
+    (mask_whole, mask_start), (plain_whole, plain_start) = best["mask"], best["no mask"]
+    print(f"no mask ÷ mask: steady {(plain_whole - plain_start) / (mask_whole - mask_start):.2f}x, "
+          f"whole {plain_whole / mask_whole:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
