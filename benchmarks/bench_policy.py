@@ -42,6 +42,9 @@ def build_inputs() -> tuple[Path, Path]:
     if not (WORK / "policy" / "model.safetensors").exists():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         policy = AutoModelForCausalLM.from_pretrained(WORK / "reference")
         generator = torch.Generator().manual_seed(1)
@@ -69,8 +72,9 @@ def precompute(path: Path, *models: str) -> float:
     """Wall seconds of one `klpipe precompute` process."""
     model, *policy = models
     out = WORK / f"{path.stem}.{Path(model).name}.cached.parquet"
-    command = [sys.executable, "-m", "klpipe", "precompute", "-m", model, str(path), "-o", str(out), "--overwrite",
+    command = [sys.executable, "-m", "klpipe", "precompute", "-m", model, str(path), "-o", str(out),
                "--progress", "none"] + (["--policy", policy[0]] if policy else [])
+    out.unlink(missing_ok=True)  # a finished output of the same run would make the rerun a no-op
     started = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -69,8 +69,9 @@ def run_once(path: Path) -> float:
     """Wall seconds of one `klpipe precompute` process on `path`."""
     out = WORK / (path.stem + ".cached.parquet")
     command = [sys.executable, "-m", "klpipe", "precompute", "-m", str(WORK / "model"), str(path), "-o", str(out),
-               "--column", "response_ids=completion_ids", "--overwrite", "--progress", "none"]
+               "--column", "response_ids=completion_ids", "--progress", "none"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    out.unlink(missing_ok=True)  # a finished output of the same run would make the rerun a no-op
     started = time.perf_counter()
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return time.perf_counter() - started
