@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,7 +75,9 @@ def precompute(path: Path, *models: str) -> float:
     out = WORK / f"{path.stem}.{Path(model).name}.cached.parquet"
     command = [sys.executable, "-m", "klpipe", "precompute", "-m", model, str(path), "-o", str(out),
                "--progress", "none"] + (["--policy", policy[0]] if policy else [])
-    out.unlink(missing_ok=True)  # a finished output of the same run would make the rerun a no-op
+    # A finished output of the same run would make the rerun a no-op, a killed one's work directory a resume.
+    out.unlink(missing_ok=True)
+    shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
     subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -71,7 +72,9 @@ def run_once(path: Path) -> float:
     command = [sys.executable, "-m", "klpipe", "precompute", "-m", str(WORK / "model"), str(path), "-o", str(out),
                "--column", "response_ids=completion_ids", "--progress", "none"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out.unlink(missing_ok=True)  # a finished output of the same run would make the rerun a no-op
+    # A finished output of the same run would make the rerun a no-op, a killed one's work directory a resume.
+    out.unlink(missing_ok=True)
+    shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
     started = time.perf_counter()
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return time.perf_counter() - started
