@@ -4,8 +4,8 @@
     python benchmarks/prefix_attention.py build/bench/agent/system.parquet --layers 8
 
 For every pass klpipe's planner makes on the rows (precompute's own plan, the CPU budgets), one
-attention layer of the benchmark model (4 query heads, 2 KV heads of 64, fp32) runs three ways on the
-same random keys, values and queries, and each is timed over all passes:
+attention layer of the benchmark model (4 query heads, 2 KV heads of 64, fp32) runs several ways on the
+same random keys, values and queries, and each is timed over all passes (best of 3):
 
   gather   klpipe today (model/tree.py): each row's context copied into left-padded slots, the
            pass's keys and values concatenated after it, GQA's keys repeated, a 4D mask, SDPA
@@ -14,6 +14,11 @@ same random keys, values and queries, and each is timed over all passes:
            where they lie (one matrix product per ancestor, all query heads of a KV head stacked),
            and to the pass's own tokens with the causal kernel; the parts are merged by
            log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention)
+
+  flash    cascade with torch's CPU flash kernel for both parts (it returns the log-sum-exp), a row's
+           own slots moved to the front so the causal kernel needs no mask
+  batched  flash, over today's gathered slots, without a per-row loop: one causal call over every
+           row's own slots, one call over the contexts with their pads masked, one merge
 
 Every way's output is checked against a naive fp32 per-row softmax attention (max |Δ| printed). The
 FLOPs each needs are the (query, key) pairs it computes x 4 x query heads x head dim.
@@ -177,6 +182,75 @@ def cascade_flash_way(tree, p, kept):
     return out
 
 
+def batched_way(tree, p, kept):
+    """cascade over today's gathered slots, batched: one causal flash call over every row's own slots (moved
+    to the front of the row), one flash call over the contexts (their pads masked), merged by log-sum-exp.
+    No per-row loop; the context is still gathered (its copy is a few percent of a pass)."""
+    b, fed, context = len(p["nodes"]), p["fed"], int(p["cached"].max())
+    keys = torch.zeros(b, KV_HEADS, context, DIM)
+    values = torch.zeros(b, KV_HEADS, context, DIM)
+    for row, node in enumerate(p["nodes"]):
+        stop = int(p["cached"][row])
+        for a in ancestors_of(tree, node):
+            low, high = int(tree.start[a]), min(int(tree.end[a]), stop)
+            if low >= high:
+                continue
+            at = context - (stop - low)
+            keys[row, :, at:at + high - low] = kept[a][0][:, :high - low]
+            values[row, :, at:at + high - low] = kept[a][1][:, :high - low]
+    key, value = torch.cat([keys, p["k"]], dim=-2), torch.cat([values, p["v"]], dim=-2)
+    real_fed = np.array([int(p["own"][r]) + int(tree.start[n]) - int(p["cached"][r]) for r, n in enumerate(p["nodes"])])
+    out = _cascade(p["q"], key, value, np.asarray(p["cached"], dtype=np.int64), real_fed, SCALE)
+    return out.transpose(1, 2)  # (b, H, T, d), as the other ways return
+
+
+def _cascade(query, key, value, context_held: np.ndarray, fed_real: np.ndarray, scaling: float) -> torch.Tensor:
+    """(b, T, H, d) attention of query (b, H, T, d) over key, value (b, h, C + T, d) laid out as a tree pass."""
+    from types import SimpleNamespace
+
+    layout = SimpleNamespace(context=context_held, fed=fed_real)
+    b, heads, fed, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    context = key.shape[2] - fed
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    # Own slots first: each row's real fed slots moved to the front (a roll per row, as one gather), so
+    # the causal kernel needs no mask: a real query sees real slots only, the pads now after it.
+    own_q, own_k, own_v = query, key[:, :, context:], value[:, :, context:]
+    shifted = bool((layout.fed != fed).any())
+    if shifted:
+        slot = torch.arange(fed)
+        source = (slot[None, :] + torch.from_numpy(fed - layout.fed)[:, None]) % fed  # (b, T) fed slot of each
+        own_q, own_k, own_v = (t.gather(2, source[:, None, :, None].expand(-1, t.shape[1], -1, dim).to(t.device))
+                               for t in (own_q, own_k, own_v))
+    if groups > 1:
+        own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
+    out, lse = flash(own_q, own_k, own_v, 0.0, True, scale=scaling)[:2]  # (b, H, T, d), (b, H, T)
+
+    if context and layout.context.any():
+        # The context: every query of a row sees each of its real context slots (right-aligned before
+        # the fed ones); all query heads of a KV head stacked into one product. A row with no context
+        # sees a slot of it here and gets no weight below.
+        held = torch.from_numpy(np.maximum(layout.context, 1))
+        pads = torch.arange(context)[None, :] < (context - held)[:, None]  # (b, C)
+        mask = None
+        if pads.any():
+            mask = torch.zeros(b, 1, 1, context, dtype=query.dtype).masked_fill(pads[:, None, None], float("-inf"))
+            mask = mask.to(query.device)
+        part, part_lse = flash(own_q.reshape(b, kv_heads, groups * fed, dim), key[:, :, :context], value[:, :, :context],
+                               0.0, False, attn_mask=mask, scale=scaling)[:2]
+        part, part_lse = part.reshape(b, heads, fed, dim), part_lse.reshape(b, heads, fed)
+        none = torch.from_numpy(layout.context == 0).to(query.device)[:, None, None]
+        part_lse = part_lse.masked_fill(none, float("-inf"))
+        merged = torch.logaddexp(lse, part_lse)
+        out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(part_lse - merged).unsqueeze(-1)
+    if shifted:  # back to the pass's slots
+        back = (slot[None, :] - torch.from_numpy(fed - layout.fed)[:, None]) % fed
+        out = out.gather(2, back[:, None, :, None].expand(-1, heads, -1, dim).to(out.device))
+    return out.transpose(1, 2).contiguous()
+
+
 def naive(tree, p, kept, row):
     """Row `row`'s real queries over its real keys, softmax in fp32, one head at a time."""
     node = p["nodes"][row]
@@ -206,7 +280,7 @@ def main() -> None:
     kept: dict = {}
     prepared = [make_pass(tree, step, kept) for step in passes]
     ways = {"gather": lambda p: gather_way(tree, p, kept), "cascade": lambda p: cascade_way(tree, p, kept),
-            "flash": lambda p: cascade_flash_way(tree, p, kept)}
+            "flash": lambda p: cascade_flash_way(tree, p, kept), "batched": lambda p: batched_way(tree, p, kept)}
     timed_only = {"lower": lambda p: gather_way(tree, p, kept, lower_right=True)}
     gap = {name: 0.0 for name in ways}
     for p in prepared:  # exactness first, on every pass's real queries
