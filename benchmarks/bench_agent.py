@@ -137,7 +137,8 @@ def main() -> None:
     if args.child:
         return contenders.child(CONTENDERS[args.child][1], args.path)
     build_inputs(args.shape)
-    print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {os.cpu_count()} threads; each contender "
+    print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {contenders.threads()} threads of "
+          f"{os.cpu_count()} cores; each contender "
           f"in its own process, fastest of {args.repeat} round(s)")
     for shape in args.shape:
         bench_shape(shape, args.only or list(CONTENDERS), args.repeat)

@@ -89,8 +89,8 @@ def main() -> None:
     response_tokens = sum(map(len, responses))
     print(f"{len(prompts)} rows in {args.groups} groups of {GROUP_SIZE}: prompts 256-768 tokens, responses 16-256 "
           f"(log-uniform), {response_tokens:,} response tokens; Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, "
-          f"fp32, CPU, {os.cpu_count()} threads; each contender in its own process, fastest of {args.repeat} "
-          f"round(s)", flush=True)
+          f"fp32, CPU, {contenders.threads()} threads of {os.cpu_count()} cores; each contender in its own process, "
+          f"fastest of {args.repeat} round(s)", flush=True)
     best = contenders.measure(__file__, args.only or list(CONTENDERS), rollouts_path(args.groups),
                               rollouts_path(args.groups, one_row=True), args.repeat)
     contenders.print_table(best, LABELS, {"floor": 3.0, "trl": 4.0})

@@ -181,7 +181,8 @@ def main() -> None:
     prompts, responses = load_rows()
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
     print(f"{len(prompts)} rows, {tokens:,} tokens (log-uniform lengths 16-512), Llama-style model "
-          f"(hidden 512, 8 layers, vocab {VOCAB:,}), fp32, CPU, {os.cpu_count()} threads", flush=True)
+          f"(hidden 512, 8 layers, vocab {VOCAB:,}), fp32, CPU, "
+          f"{os.environ.get('KLPIPE_BENCH_THREADS', os.cpu_count())} threads of {os.cpu_count()} cores", flush=True)
     import torch
 
     torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))

@@ -77,13 +77,18 @@ def write_rollouts(path: Path, one_row: Path, ids: list[str], prompts: list[list
     path.with_suffix(".tmp").rename(path)
 
 
+def threads() -> int:
+    """The threads every contender (and the matmul peak) runs on: KLPIPE_BENCH_THREADS, else every core."""
+    return int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1))
+
+
 def child(run, path: Path) -> None:
     """A contender's process: run it on `path` and print its RESULT line (what run_child reads)."""
     import resource
 
     import torch
 
-    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    torch.set_num_threads(threads())
     result = run(path)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
@@ -268,7 +273,7 @@ PEAKS: list[float] = []
 def note_peak() -> None:
     import torch
 
-    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    torch.set_num_threads(threads())
     PEAKS.append(flops.matmul_peak(*PEAK_SHAPE))
 
 

@@ -88,7 +88,8 @@ class ModelFlops:
         hidden, heads = c.hidden_size, c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or hidden // heads
-        per_layer = 2.0 * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * c.intermediate_size)
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q and o, k and v
+        per_layer = 2.0 * (attention + 3 * hidden * c.intermediate_size)  # + the gated MLP's three
         window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
         types = getattr(c, "layer_types", None) or [None] * c.num_hidden_layers
         layers = tuple(Layer(per_layer, 4.0 * heads * head_dim,
@@ -142,7 +143,8 @@ def whole_prompt(prompts, responses, chunk_rows: int = 2048) -> list[Segment]:
     return segments
 
 
-def tree(prompts, responses, chunk_rows: int = 2048, sharing: str = "auto", skips_layers: bool = False) -> list[Segment]:
+def tree(prompts, responses, chunk_rows: int = 2048, sharing: str = "auto",
+         skips_layers: bool = False) -> list[Segment]:
     """klpipe's plan, chunk by chunk: the tree's nodes, each continuing its path, and the rows that run whole.
 
     `skips_layers`: a model whose prefill skips layers for positions nobody needs (Gemma 4): every row
@@ -167,8 +169,8 @@ def tree(prompts, responses, chunk_rows: int = 2048, sharing: str = "auto", skip
         if skips_layers:
             nodes = prefix_tree.split_prefixes(nodes, prefix_tree.needs(nodes, first).lowest)
         only_last = prefix_tree.needs(nodes, first).only_last
-        segments += [Segment(int(nodes.start[n]), int(nodes.end[n] - nodes.start[n]), bool(only_last[n] and skips_layers))
-                     for n in range(1, nodes.num_nodes)]
+        segments += [Segment(int(nodes.start[n]), int(nodes.end[n] - nodes.start[n]),
+                             bool(only_last[n] and skips_layers)) for n in range(1, nodes.num_nodes)]
     return segments
 
 

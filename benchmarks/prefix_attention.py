@@ -238,8 +238,8 @@ def _cascade(query, key, value, context_held: np.ndarray, fed_real: np.ndarray, 
         if pads.any():
             mask = torch.zeros(b, 1, 1, context, dtype=query.dtype).masked_fill(pads[:, None, None], float("-inf"))
             mask = mask.to(query.device)
-        part, part_lse = flash(own_q.reshape(b, kv_heads, groups * fed, dim), key[:, :, :context], value[:, :, :context],
-                               0.0, False, attn_mask=mask, scale=scaling)[:2]
+        part, part_lse = flash(own_q.reshape(b, kv_heads, groups * fed, dim), key[:, :, :context],
+                               value[:, :, :context], 0.0, False, attn_mask=mask, scale=scaling)[:2]
         part, part_lse = part.reshape(b, heads, fed, dim), part_lse.reshape(b, heads, fed)
         none = torch.from_numpy(layout.context == 0).to(query.device)[:, None, None]
         part_lse = part_lse.masked_fill(none, float("-inf"))

@@ -78,7 +78,8 @@ def test_sliding_layers_from_layer_types():
     assert [layer.window for layer in model.layers] == [3, None]
     got = model.segment(flops.Segment(context=0, length=5))
     assert got.attention == PAIR * (1 + 2 + 3 + 3 + 3) + PAIR * (1 + 2 + 3 + 4 + 5)
-    assert flops.ModelFlops.from_config({**TINY, "sliding_window": 3, "use_sliding_window": False}).layers[0].window is None
+    qwen = {**TINY, "sliding_window": 3, "use_sliding_window": False}  # a window given but not used
+    assert flops.ModelFlops.from_config(qwen).layers[0].window is None
 
 
 def test_a_skippable_layer_runs_only_the_last_position_of_an_only_last_segment():
