@@ -214,6 +214,7 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
     shared and noisy, and a busy neighbour only ever slows a run down). Checks that every contender's
     logprobs agree with the floor's."""
     best: dict[str, dict] = {}
+    PEAKS.clear()  # this measurement's own
     for round_ in range(repeat):
         note_peak()
         for name in names:
