@@ -26,7 +26,10 @@ Contenders, each in its own process on the same file:
 Each contender also runs on a one-row file, and its steady-state time is its whole time less that
 start-up (see contenders.py); both are printed, and the ratios are of steady-state times. Logprobs
 of the first rows are checked across contenders.
-Targets, steady state: (a) >= 8x (c) on `system`, (a) >= 4x (c) on `multi-turn`.
+Then the FLOPs each contender's method needs (linear, attention over needed pairs, head; flops.py),
+its GFLOP/s against the machine's fp32 matmul peak, and klpipe's speed ratios beside the FLOP ratios.
+Targets, steady state: (a) >= 8x (c) on `system`, (a) >= 4x (c) on `multi-turn`; (a) / (c) at least
+90% of the FLOP ratio.
 """
 
 from __future__ import annotations
@@ -121,7 +124,9 @@ def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
     if "main" in best:
         assert Path(best["main"]["klpipe"]).parent == BEFORE_DIR / "klpipe", best["main"]["klpipe"]
     targets = {"off": {"system": 8.0, "multi-turn": 4.0}[shape]}
-    contenders.print_table(best, {name: label for name, (label, _) in CONTENDERS.items()}, targets)
+    labels = {name: label for name, (label, _) in CONTENDERS.items()}
+    contenders.print_table(best, labels, targets)
+    contenders.print_flops(best, labels, MODEL_DIR, prompts, responses, shape)
     return best
 
 
@@ -132,7 +137,8 @@ def main() -> None:
     if args.child:
         return contenders.child(CONTENDERS[args.child][1], args.path)
     build_inputs(args.shape)
-    print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {os.cpu_count()} threads; each contender "
+    print(f"Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, fp32, CPU, {contenders.threads()} threads of "
+          f"{os.cpu_count()} cores; each contender "
           f"in its own process, fastest of {args.repeat} round(s)")
     for shape in args.shape:
         bench_shape(shape, args.only or list(CONTENDERS), args.repeat)

@@ -13,9 +13,16 @@ Rows are agent-shaped: a 1,500-token system prompt in every row, then GRPO group
 task of 128-1024 tokens, responses of 32-1024 tokens (log-uniform), about --tokens tokens counted per
 row (prompt + response). Each mode runs
 `klpipe.precompute` end to end (read, validate, forward, write), model loading excluded, and prints
-response tokens/s, tokens fed/s, peak GPU memory, and the share of the GPU's bf16 dense peak that
-the model FLOPs reached over the whole run (2 x the linear weights each token fed really passes
-through; attention scores left out, so a lower bound).
+response tokens/s, tokens fed/s, peak GPU memory, and two shares of the GPU's bf16 dense peak:
+
+  MFU        the FLOPs the mode's method needs (benchmarks/flops.py: linear per fed token, attention
+             per needed causal pair, sliding windows respected, the KV-shared layers on a node's last
+             position alone where the tree skips them, the head per response token) over its seconds;
+             `off` needs the per-row FLOPs, the tree its own. Comparable across modes: the useful work
+  linear     2 x the linear weights each token fed really passed through, over the seconds (attention
+             left out: a lower bound on the work done)
+
+and the tree's speed-up beside its FLOP ratio (the share of the FLOP limit it reached).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import flops  # benchmarks/flops.py: the FLOPs each method needs
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +124,45 @@ def flops_per_token() -> dict:
             "head": 2.0 * model.lm_head.weight.numel()}
 
 
+def model_flops() -> flops.ModelFlops:
+    """The FLOPs E2B's text shape needs, layer by layer, counted on a meta-device copy of the model: each
+    decoder layer's linear weights, its query width (4 x heads x head dim per pair), its window, and whether
+    it is KV-shared (run on a node's last position alone where the tree skips it); the per-layer input
+    projections outside the layers run for every fed token."""
+    import torch
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(e2b_text_config())
+
+    def linear(module) -> int:
+        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+    config = model.config
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    layers = [flops.Layer(2.0 * linear(layer), 4.0 * layer.self_attn.q_proj.out_features,
+                          config.sliding_window if config.layer_types[i] == "sliding_attention" else None,
+                          skippable=i >= first_shared)
+              for i, layer in enumerate(model.model.layers)]
+    outside = linear(model.model) - sum(linear(layer) for layer in model.model.layers)
+    layers.append(flops.Layer(2.0 * outside, 0.0))  # no attention: per-layer input projections
+    return flops.ModelFlops(tuple(layers), 2.0 * model.lm_head.weight.numel())
+
+
+def needed_flops(rollouts: Path, sharing: str) -> tuple[flops.Flops, int]:
+    """(FLOPs the mode's method needs, tokens it feeds): the tree as precompute plans it on this model
+    (prompts cut into nodes of their own, KV-shared layers skipped), or every row whole."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(rollouts, columns=["prompt_ids", "response_ids"])
+    prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    if sharing == "off":
+        segments = flops.per_row(prompts, responses)
+    else:
+        segments = flops.tree(prompts, responses, sharing=sharing, skips_layers=True)
+    return model_flops().method(segments, sum(map(len, responses))), flops.fed_tokens(segments)
+
+
 def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
     import pyarrow.parquet as pq
     import torch
@@ -135,7 +182,11 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
     # AV) are left out: a lower bound on the work done, and so on the share.
     flops = (cost["early"] * forward.fed_tokens + cost["shared"] * (forward.fed_tokens - forward.early_only_tokens)
              + cost["head"] * summary.tokens)
+    needed, counted_fed = needed_flops(rollouts, sharing)
+    if counted_fed != forward.fed_tokens:  # the count's plan is not what ran: say so, do not hide it
+        print(f"  note: {sharing} fed {forward.fed_tokens:,} tokens, flops.py's plan {counted_fed:,}", flush=True)
     return {
+        "needed": needed, "needed_mfu": needed.total / summary.seconds / (peak_tflops * 1e12),
         "sharing": sharing, "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
         "fed": forward.fed_tokens, "padded": forward.padded_tokens, "per_row": forward.per_row_tokens,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -171,13 +222,18 @@ def main() -> None:
                                                                           results[1]["first_rows"]) if len(a))
     print()
     print(f"{'prefix sharing':<16}{'seconds':>9}{'resp tok/s':>12}{'fed tok/s':>12}{'tokens fed':>13}"
-          f"{'per-row tokens':>16}{'peak GPU GiB':>14}{'bf16 peak':>11}")
+          f"{'per-row tokens':>16}{'peak GPU GiB':>14}{'TFLOP':>8}{'attention':>10}{'MFU':>7}{'linear':>8}")
     for r in results:
         print(f"{r['sharing']:<16}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
               f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['per_row']:>16,}{r['peak_gib']:>14.1f}"
-              f"{r['mfu']:>11.1%}")
-    print(f"\nauto / off throughput: {results[1]['seconds'] / results[0]['seconds']:.2f}x; "
-          f"max |auto - off| over the first 16 rows' logprobs: {gap:.3g} (bf16)")
+              f"{r['needed'].total / 1e12:>8.1f}{r['needed'].attention / r['needed'].total:>10.0%}"
+              f"{r['needed_mfu']:>7.1%}{r['mfu']:>8.1%}")
+    speed = results[1]["seconds"] / results[0]["seconds"]
+    flop_ratio = results[1]["needed"].total / results[0]["needed"].total
+    print(f"\nMFU: the FLOPs each mode needs over its seconds, against the bf16 peak {peak:g} TFLOP/s; linear: "
+          "2 x the linear weights each fed token passed through")
+    print(f"auto / off throughput: {speed:.2f}x on {flop_ratio:.2f}x fewer FLOPs needed ({speed / flop_ratio:.0%} of "
+          f"the FLOP limit); max |auto - off| over the first 16 rows' logprobs: {gap:.3g} (bf16)")
 
 
 def pq_rows(path: Path) -> int:

@@ -19,8 +19,10 @@ whole less that start-up (see contenders.py). Both are printed; ratios are of st
                      input order. Needs `pip install trl` (benchmark only; never a klpipe dependency).
 
 Every contender's logprobs for the first rows are checked against (c)'s, so the times compare the
-same numbers. Contenders run in --repeat rounds and keep their fastest. Targets, steady state:
-(a) >= 3x (c), (a) >= 4x (d).
+same numbers. Contenders run in --repeat rounds and keep their fastest. Then the FLOPs each method
+needs (flops.py), GFLOP/s against the machine's fp32 matmul peak, and klpipe's speed ratios beside
+the FLOP ratios. Targets, steady state: (a) >= 3x (c), (a) >= 4x (d); (a) / (b) at least 90% of the
+FLOP ratio.
 """
 
 from __future__ import annotations
@@ -87,11 +89,12 @@ def main() -> None:
     response_tokens = sum(map(len, responses))
     print(f"{len(prompts)} rows in {args.groups} groups of {GROUP_SIZE}: prompts 256-768 tokens, responses 16-256 "
           f"(log-uniform), {response_tokens:,} response tokens; Llama-style 8 x 256, FFN 1024, vocab {VOCAB:,}, "
-          f"fp32, CPU, {os.cpu_count()} threads; each contender in its own process, fastest of {args.repeat} "
-          f"round(s)", flush=True)
+          f"fp32, CPU, {contenders.threads()} threads of {os.cpu_count()} cores; each contender in its own process, "
+          f"fastest of {args.repeat} round(s)", flush=True)
     best = contenders.measure(__file__, args.only or list(CONTENDERS), rollouts_path(args.groups),
                               rollouts_path(args.groups, one_row=True), args.repeat)
     contenders.print_table(best, LABELS, {"floor": 3.0, "trl": 4.0})
+    contenders.print_flops(best, LABELS, MODEL_DIR, prompts, responses, f"GRPO, {args.groups} prompts x {GROUP_SIZE}")
 
 
 if __name__ == "__main__":

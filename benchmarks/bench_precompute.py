@@ -10,7 +10,10 @@ log-uniform lengths 16-512, through a small random Llama-style model with a 32k 
   (c) floor   - minimal work: each sequence alone (no padding), the model body, then the LM head
                 only on response positions, in chunks
 
-Model loading is excluded from every timing. Run: `make bench` or `python benchmarks/bench_precompute.py`.
+Model loading is excluded from every timing. Then the FLOPs each method needs (flops.py: every row
+whole, here for klpipe too, as its prompts are unique), GFLOP/s against the machine's fp32 matmul peak
+at the model's MLP shape, and klpipe's ratios beside the FLOP ratios.
+Run: `make bench` or `python benchmarks/bench_precompute.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import flops  # benchmarks/flops.py: the FLOPs each method needs
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +101,8 @@ def run_klpipe(sharing: str = "auto") -> dict:
                                           prefix_sharing=sharing), log=lambda m: None)
     seconds = time.perf_counter() - started - summary.load_seconds
     assert summary.rows and not summary.skipped
-    return {"seconds": seconds, "padding_efficiency": summary.padding_efficiency}
+    return {"seconds": seconds, "padding_efficiency": summary.padding_efficiency,
+            "fed_tokens": summary.forward.fed_tokens}
 
 
 def load_model():
@@ -176,7 +181,14 @@ def main() -> None:
     prompts, responses = load_rows()
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
     print(f"{len(prompts)} rows, {tokens:,} tokens (log-uniform lengths 16-512), Llama-style model "
-          f"(hidden 512, 8 layers, vocab {VOCAB:,}), fp32, CPU, {os.cpu_count()} threads", flush=True)
+          f"(hidden 512, 8 layers, vocab {VOCAB:,}), fp32, CPU, "
+          f"{os.environ.get('KLPIPE_BENCH_THREADS', os.cpu_count())} threads of {os.cpu_count()} cores", flush=True)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    peak_shape = (2048, config["hidden_size"], config["intermediate_size"])
+    peaks = [flops.matmul_peak(*peak_shape)]  # before and after: a busy neighbour only lowers it
     results = {}
     for name in ("klpipe", "klpipe-off", "naive", "floor"):
         out = subprocess.run([sys.executable, __file__, "--child", name, "--tokens", str(args.tokens)],
@@ -201,6 +213,20 @@ def main() -> None:
     print(f"(a) / (b) peak RSS:   {a['peak_rss_mib'] / b['peak_rss_mib']:.0%}     (target <= 50%)")
     print(f"(a) / (a') throughput: {a['tokens_per_s'] / off['tokens_per_s']:.2f}x   "
           "(unique prompts: auto must cost at most 5%, target >= 0.95x)")
+
+    peaks.append(flops.matmul_peak(*peak_shape))
+    model = flops.ModelFlops.from_dir(MODEL_DIR)
+    scored = sum(map(len, responses))
+    segments = {"klpipe": flops.tree(prompts, responses), "klpipe-off": flops.per_row(prompts, responses)}
+    for name in segments:
+        assert results[name]["fed_tokens"] == flops.fed_tokens(segments[name]), name
+    methods = {name: model.method(segments.get(name, segments["klpipe-off"]), scored) for name in results}
+    labels = {"klpipe": "(a) klpipe precompute", "klpipe-off": "(a') klpipe --prefix-sharing off",
+              "naive": "(b) naive seed-style loop", "floor": "(c) minimal-work floor"}
+    m, k, n = peak_shape
+    flops.print_flops_table(results, labels, methods, (max(peaks), f"{m} x {k} @ {k} x {n}, higher of "
+                            f"{' and '.join(f'{p / 1e9:.0f}' for p in peaks)}"), seconds_key="seconds",
+                            shape="unique prompts")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@
            the whole generation batch, forwarded in batches of 8 in input order. Needs `pip install
            trl` (the benchmarks only; never a klpipe dependency).
 
+Each contender's method needs the FLOPs flops.py counts: klpipe its tree, klpipe before the tree its
+whole prompts once, every other contender each row whole; `print_flops` prints them beside the
+seconds, with the machine's matmul peak.
+
 Each returns the seconds its loop took (model loading excluded), what it fed, and the logprobs of
 the first `checked` rows, which the benchmarks compare across contenders.
 
@@ -29,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import flops  # benchmarks/flops.py: the FLOPs each method needs
 import numpy as np
 
 TRL_BATCH = 8
@@ -72,13 +77,18 @@ def write_rollouts(path: Path, one_row: Path, ids: list[str], prompts: list[list
     path.with_suffix(".tmp").rename(path)
 
 
+def threads() -> int:
+    """The threads every contender (and the matmul peak) runs on: KLPIPE_BENCH_THREADS, else every core."""
+    return int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1))
+
+
 def child(run, path: Path) -> None:
     """A contender's process: run it on `path` and print its RESULT line (what run_child reads)."""
     import resource
 
     import torch
 
-    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    torch.set_num_threads(threads())
     result = run(path)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
@@ -204,7 +214,9 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
     shared and noisy, and a busy neighbour only ever slows a run down). Checks that every contender's
     logprobs agree with the floor's."""
     best: dict[str, dict] = {}
+    PEAKS.clear()  # this measurement's own
     for round_ in range(repeat):
+        note_peak()
         for name in names:
             startup, _ = run_child(script, name, one_row, env_for(name))
             whole, result = run_child(script, name, path, env_for(name))
@@ -213,6 +225,7 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
                   f"steady {whole - startup:.1f}s, in-process {result['seconds']:.1f}s", flush=True)
             if name not in best or result["steady"] < best[name]["steady"]:
                 best[name] = result
+    note_peak()
     reference = best.get("floor") or next(iter(best.values()))
     for name, result in best.items():
         gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
@@ -237,3 +250,36 @@ def print_table(best: dict[str, dict], labels: dict[str, str], targets: dict[str
             goal = f"   (target >= {target:g}x steady)" if target else ""
             print(f"(a) vs {labels[other][:3]}: steady {o['steady'] / a['steady']:.2f}x, "
                   f"whole process {o['whole'] / a['whole']:.2f}x, tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x{goal}")
+
+
+def methods(best: dict[str, dict], model_dir: Path, prompts: list[list[int]], responses: list[list[int]]) -> dict:
+    """The FLOPs each contender's method needs (see flops.py); checks that klpipe fed what its count says."""
+    model = flops.ModelFlops.from_dir(model_dir)
+    scored = sum(map(len, responses))
+    segments = {"klpipe": flops.tree(prompts, responses), "main": flops.whole_prompt(prompts, responses)}
+    every_row = flops.per_row(prompts, responses)
+    for name in ("klpipe", "off", "klpipe-off"):
+        if name in best:
+            fed = flops.fed_tokens(segments.get(name, every_row))
+            assert best[name]["fed_tokens"] == fed, f"{name} fed {best[name]['fed_tokens']:,} tokens, the count {fed:,}"
+    return {name: model.method(segments.get(name, every_row), scored) for name in best}
+
+
+# The fp32 matmul peak, measured before every round and after the last: the machine is shared, and a
+# busy neighbour only ever lowers a measurement, so the table takes the highest.
+PEAK_SHAPE = (2048, 256, 1024)  # a CPU pass's tokens x the benchmark model's MLP up-projection
+PEAKS: list[float] = []
+
+
+def note_peak() -> None:
+    import torch
+
+    torch.set_num_threads(threads())
+    PEAKS.append(flops.matmul_peak(*PEAK_SHAPE))
+
+
+def print_flops(best: dict[str, dict], labels: dict[str, str], model_dir: Path, prompts, responses, shape: str) -> None:
+    m, k, n = PEAK_SHAPE
+    peak = (max(PEAKS), f"{m} x {k} @ {k} x {n}, highest of {len(PEAKS)} measurements: "
+                        f"{', '.join(f'{p / 1e9:.0f}' for p in PEAKS)}")
+    flops.print_flops_table(best, labels, methods(best, model_dir, prompts, responses), peak, shape=shape)

@@ -4,7 +4,9 @@ Every other module is imported in a fresh interpreter where torch, transformers 
 cannot be imported at all, so a stray module-level import fails here, not on a scoring host.
 """
 
+import ast
 import pkgutil
+from pathlib import Path
 
 import klpipe
 from tests.helpers import block_imports, run_python
@@ -35,3 +37,89 @@ def test_the_model_package_is_where_torch_is_imported():
     # The boundary is real: model/ does need torch, so the check above is not vacuous.
     result = run_python(BLOCK_AND_IMPORT, "klpipe.model")
     assert result.returncode != 0 and "No module named 'torch'" in result.stderr
+
+
+def test_no_module_outside_model_imports_torch_even_inside_a_function():
+    # A function-level `import torch` passes the test above and still breaks the boundary: the stage's
+    # torch needs (defaults, versions) go through klpipe.model. `datasets` is a reader's, not the model's.
+    offenders = []
+    for path in sorted(Path(klpipe.__file__).parent.rglob("*.py")):
+        if path.parent.name == "model":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(Path(klpipe.__file__).parent)}:{node.lineno} imports {name}"
+                          for name in names if name.split(".")[0] in ("torch", "transformers")]
+    assert not offenders, offenders
+
+
+def imports_within(package_dir: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the package at `package_dir` it imports, at module level or inside a
+    function (a lazy import still ties the two together), outside `if TYPE_CHECKING:`. `from package
+    import module` counts as the module; a package importing its own submodules (its interface, eager
+    or through a lazy `__getattr__`) is no tie."""
+    top = package_dir.name
+    graph = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text(), str(path))
+        hidden = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                  and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(block)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == top}
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == top:
+                for alias in node.names:
+                    module = Path(package_dir.parent, *f"{node.module}.{alias.name}".split("."))
+                    is_module = module.with_suffix(".py").exists() or (module / "__init__.py").exists()
+                    deps.add(f"{node.module}.{alias.name}" if is_module else node.module)
+        if path.name == "__init__.py":
+            deps = {d for d in deps if not d.startswith(name + ".")}
+        graph[name] = deps - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep in graph and dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    return next((c for node in sorted(graph) if node not in state and (c := visit(node))), None)
+
+
+def test_klpipe_modules_import_each_other_without_cycles():
+    graph = imports_within(Path(klpipe.__file__).parent)
+    assert "klpipe.files.store" in graph["klpipe.files.fingerprint"]  # the graph is read, not empty
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_lazy_import(tmp_path):
+    # As store.py once imported fingerprint.py inside a function while fingerprint.py imported store.py.
+    files = tmp_path / "pkg" / "files"
+    files.mkdir(parents=True)
+    for init in (tmp_path / "pkg", files):
+        (init / "__init__.py").write_text("")
+    (files / "store.py").write_text("def local_copy():\n    from pkg.files.fingerprint import cache_dir\n")
+    (files / "fingerprint.py").write_text("from pkg.files.store import local_copy\n")
+    graph = imports_within(tmp_path / "pkg")
+    assert find_cycle(graph) == ["pkg.files.fingerprint", "pkg.files.store", "pkg.files.fingerprint"]
+    (files / "store.py").write_text("if TYPE_CHECKING:\n    from pkg.files import fingerprint\n")
+    assert find_cycle(imports_within(tmp_path / "pkg")) is None

@@ -146,10 +146,17 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
     assert prefix_tree.HELD_POSITIONS_PER_TOKEN == 8
 
 
-def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch):
+@pytest.mark.parametrize("fault", ["mask", "context"])
+def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault):
     from klpipe.model import tree as tree_module
 
-    # Queries placed three slots later than they are: the causal (and sliding) masks shift.
-    monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
+    if fault == "mask":
+        # Queries placed three slots later than they are: the causal (and sliding) masks shift.
+        monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
+    else:
+        # The context's keys one slot off, as a wrong gather (or a wrong split of context and fed slots) would be.
+        gather = tree_module._gather_context
+        monkeypatch.setattr(tree_module, "_gather_context",
+                            lambda *args: tuple(t.roll(1, dims=-2) for t in gather(*args)))
     problem = check_tree(reference)
     assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")

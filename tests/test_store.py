@@ -20,7 +20,8 @@ import pytest
 from klpipe.errors import InputError, StoreError
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.parquet import open_parquet
-from klpipe.files.store import StorePath, check_output, expand, local_copy, location
+from klpipe.files.download import local_copy
+from klpipe.files.store import StorePath, check_output, expand, location
 from klpipe.files.upload import publish
 from tests.helpers import ROOT, make_rows, provenance, write_cache
 

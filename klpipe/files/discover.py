@@ -12,7 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from klpipe.errors import InputError, OutputError
-from klpipe.files.store import Location, expand, identity, is_remote, location, missing
+from klpipe.files.store import Location, expand, identity, is_remote, location
+from klpipe.files.store_errors import missing
 
 PARQUET_SUFFIXES = (".parquet",)
 

@@ -4,8 +4,9 @@ A local path stays a `pathlib.Path` and takes exactly the code path it always to
 StorePath, which offers the part of Path's interface klpipe uses (`name`, `parent`, `/`,
 `with_name`, `exists`, `is_file`, `is_dir`, `iterdir`, `stat`, `read_text`, `unlink`), so finding
 inputs, default output names, shard parts and their markers work on a store with no code of
-their own. What differs lives here (resolving a URI, reading, errors, downloads) and in upload.py
-(writing, which must never leave half an object under a final name).
+their own. What differs lives here (resolving a URI, reading), in store_errors.py (a store's failures as one
+line), download.py (local copies, for readers that need them) and upload.py (writing, which must
+never leave half an object under a final name).
 
 The filesystem behind a URI is pyarrow's own where pyarrow has one (s3, gs, hdfs, abfs), else
 fsspec's for that protocol (with its package installed), wrapped for pyarrow: one code path
@@ -14,8 +15,7 @@ standard AWS chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKE
 ~/.aws/config and credentials, AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible store),
 AWS_REGION.
 
-Every failure of a store becomes one line naming the URI (StoreError): a missing bucket or key,
-credentials the store does not accept, access denied, an endpoint that cannot be reached.
+Every failure of a store becomes one line naming the URI (StoreError, store_errors.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import fnmatch
 import functools
 import os
 import re
-import shutil
 import tempfile
 import urllib.parse
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from klpipe.errors import InputError, StoreError, first_line
+from klpipe.files.store_errors import StoreOrInputError, missing, store_error
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")
@@ -83,6 +83,11 @@ class StorePath:
     @property
     def name(self) -> str:
         return self.uri.rsplit("/", 1)[1] if self.uri != self._root else self.uri.split("://", 1)[1]
+
+    @property
+    def root(self) -> StorePath:
+        """The bucket (or host) itself."""
+        return self if self.uri == self._root else StorePath(self._root, _rest="")
 
     @property
     def parent(self) -> StorePath:
@@ -282,7 +287,7 @@ def check_output(path: Location) -> None:
     """
     if not is_remote(path):
         return
-    root = location(path._root)
+    root = path.root
     try:
         missing_bucket = not root.exists()
     except StoreError as exc:
@@ -298,100 +303,6 @@ def staging_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def local_copy(path: Location) -> Path:
-    """A local copy of a file or directory on a store, for readers that need one (`datasets`); a local path itself.
-
-    Kept in KLPIPE_CACHE_DIR/downloads under a name made of the URI, size, modification time and
-    ETag, so a rerun (and each pass of one run) downloads an unchanged object once, and a changed
-    one again. Appears atomically: downloaded beside, then renamed.
-    """
-    if not is_remote(path):
-        return path
-    import hashlib
-
-    from klpipe.files.fingerprint import cache_dir, store_fingerprint
-
-    key = hashlib.sha256(f"{path.uri}\0{sorted(store_fingerprint(path).items())}".encode()).hexdigest()[:24]
-    downloads = cache_dir() / "downloads"
-    target = downloads / key / path.name
-    if target.exists():
-        return target
-    try:
-        downloads.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=downloads))
-    except OSError as exc:
-        raise InputError(f"{downloads}: cannot download {path} here ({exc.strerror or exc})") from None
-    try:
-        (scratch / path.name).parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(path.fs_path, str(scratch / path.name), source_filesystem=path.filesystem,
-                        destination_filesystem=pafs.LocalFileSystem(), use_threads=False)
-        try:
-            os.replace(scratch, downloads / key)
-        except OSError:
-            if not target.exists():  # another run renamed the same download into place first: use it
-                raise
-    except FileNotFoundError:
-        raise missing(path) from None
-    except OSError as exc:
-        raise store_error(path, exc) from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
-
-
-# -- errors -------------------------------------------------------------------------------------------
-
-
-def missing(path: StorePath) -> StoreOrInputError:
-    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
-    root = location(path._root)
-    try:
-        bucket_missing = path.uri != root.uri and not root.exists()
-    except StoreError:
-        bucket_missing = False
-    if bucket_missing:
-        return StoreError(f"{path}: no such bucket {root.name!r}")
-    return InputError(f"{path}: no such file or directory")
-
-
-StoreOrInputError = Union[InputError, StoreError]  # noqa: UP007
-
-
-# AWS SDK error names (in pyarrow's messages) → what to tell the user.
-_AWS_ERRORS = {
-    "NO_SUCH_BUCKET": "no such bucket {bucket!r}",
-    "INVALID_ACCESS_KEY_ID": "the store does not accept these credentials: the access key is unknown "
-                             "(check AWS_ACCESS_KEY_ID or AWS_PROFILE)",
-    "SIGNATURE_DOES_NOT_MATCH": "the store does not accept these credentials: the secret key does not match "
-                                "(check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)",
-    "INVALID_CLIENT_TOKEN_ID": "the store does not accept these credentials (check AWS_ACCESS_KEY_ID or AWS_PROFILE)",
-    "EXPIRED_TOKEN": "the credentials have expired (AWS_SESSION_TOKEN or the profile's)",
-    "MISSING_AUTHENTICATION_TOKEN": "no credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
-    "ACCESS_DENIED": "access denied: these credentials may not do this here",
-    "NETWORK_CONNECTION": "cannot reach the store{endpoint} (check AWS_ENDPOINT_URL and the network)",
-}
-
-
-def store_error(path: StorePath, exc: BaseException | str) -> StoreError:
-    """One line naming the URI for a failure of the store, from pyarrow's (or fsspec's) message."""
-    text = exc if isinstance(exc, str) else first_line(exc)
-    code = re.search(r"AWS Error ([A-Z_]+)", text)
-    name = code.group(1) if code else None
-    if name == "ACCESS_DENIED" and "HeadObject" in text:
-        # S3 answers HEAD with a bare 403, for refused credentials as for a refused permission; a
-        # listing says which (one more request, on this error path only).
-        name = _diagnose_denied(path) or name
-    if name in _AWS_ERRORS:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        message = _AWS_ERRORS[name].format(bucket=path._root.split("://", 1)[1],
-                                           endpoint=f" at {endpoint}" if endpoint else "")
-        return StoreError(f"{path}: {message}")
-    # Anything else: the library's own words, less request ids and the "When doing X for key Y" preamble.
-    text = re.sub(r"\s*\(Request ID: [^)]*\)?", "", text)
-    text = re.sub(r"^When [^:]*: ", "", text)
-    return StoreError(f"{path}: store error ({text.strip()})")
-
-
 def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
     """For an error met while reading `path`: the error to raise when the store itself failed (not the
     file's contents), else None, and the caller says what is wrong with the file."""
@@ -403,14 +314,6 @@ def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
         return store_error(path, exc)
     return None
 
-
-def _diagnose_denied(path: StorePath) -> str | None:
-    try:
-        path.filesystem.get_file_info(pafs.FileSelector(path.fs_path, allow_not_found=True))
-    except OSError as exc:
-        code = re.search(r"AWS Error ([A-Z_]+)", first_line(exc))
-        return code.group(1) if code else None
-    return None
 
 
 # -- filesystems --------------------------------------------------------------------------------------

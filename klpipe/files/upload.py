@@ -37,7 +37,8 @@ import uuid
 from pathlib import Path
 
 from klpipe.errors import OutputError, first_line
-from klpipe.files.store import StorePath, location, store_error
+from klpipe.files.store import StorePath, location
+from klpipe.files.store_errors import store_error
 
 READ_BYTES = 8 << 20  # what the child reads from the local file per write
 FLUSH_BYTES = 128 << 20  # the most the child sends before it waits for its parts to be acknowledged

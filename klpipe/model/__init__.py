@@ -5,6 +5,7 @@ head.py       the LM head on selected hidden states, in blocks, fp32 logsumexp
 reference.py  ReferenceModel: rows in, response-token logprobs out
 tree.py       a chunk's prefix tree: every distinct prefix once, continuing its ancestors' keys and values
 probes.py     load-time check of the chunked head against the model's own logits
+runtime.py    what the stage records and sizes from torch: the device's memory, the library versions
 """
 
 from klpipe.model.loading import (

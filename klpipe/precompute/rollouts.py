@@ -29,7 +29,8 @@ from klpipe.files.discover import (
     schema_difference,
 )
 from klpipe.files.parquet import open_parquet
-from klpipe.files.store import Location, local_copy, store_failure
+from klpipe.files.download import local_copy
+from klpipe.files.store import Location, store_failure
 from klpipe.mask import check_mask_type
 from klpipe.precompute.chat import is_messages_type
 
@@ -130,7 +131,7 @@ def _datasets_table(path: Location) -> pa.Table:
     """A memory-mapped Arrow table for JSON Lines or `save_to_disk` input, through `datasets`.
 
     `datasets` reads local files: one on a store is downloaded once into KLPIPE_CACHE_DIR
-    (store.local_copy), and every message still names its URI.
+    (download.local_copy), and every message still names its URI.
     """
     try:
         import datasets  # heavy; only JSON Lines and save_to_disk inputs need it

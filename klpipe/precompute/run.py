@@ -80,9 +80,9 @@ def default_max_cache_mib(device: str) -> int:
     """The prefix tree's cache budget: 2 GiB on CPU, a quarter of the GPU's memory on CUDA."""
     if not device.startswith("cuda"):
         return 2048
-    import torch
+    from klpipe.model.runtime import device_memory_bytes  # torch lives behind this import
 
-    return torch.cuda.get_device_properties(torch.device(device)).total_memory // 4 >> 20
+    return device_memory_bytes(device) // 4 >> 20
 
 
 def default_output(inputs: list[Location], shard: Shard | None = None) -> Location:
@@ -213,10 +213,8 @@ def _check_policy_matches(config: PrecomputeConfig, spec, model_config, tokenize
 def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows, policy_spec=None,
                 policy_config=None) -> cache.Provenance:
     """How this run's cache is made: what a rerun must match to skip or resume it."""
-    import torch
-    import transformers
-
-    from klpipe import model as reference
+    from klpipe import model as reference  # torch lives behind this import
+    from klpipe.model.runtime import library_versions
 
     device, _ = reference.resolve_device(spec.device)
     dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU
@@ -237,7 +235,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         max_tokens_per_batch=config.max_tokens_per_batch or default_max_tokens(device),
         max_cache_mib=config.max_cache_mib if config.max_cache_mib is not None else default_max_cache_mib(device),
         chunk_rows=config.chunk_rows,
-        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        versions=library_versions(),
         tools=config.tools_digest() if rollouts.mode == CHAT else None,
         chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
         policy_model=config.policy,

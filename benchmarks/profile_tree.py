@@ -1,0 +1,151 @@
+"""Where a precompute pass's time goes, tree on and off: linear layers, attention, the context's copies, the head.
+
+    python benchmarks/profile_tree.py build/bench/grpo/llama-8k build/bench/grpo/rollouts-24x8.parquet
+    python benchmarks/profile_tree.py MODEL ROLLOUTS --sharing auto   # one mode
+
+Runs klpipe's own chunk_logprobs on the rows (one chunk, the CPU budgets), in this process, with
+wall-clock timers around the parts (each timer's time includes what it calls; the parts do not nest
+except `attention`, which holds the repeat of GQA's keys and values and the mask's use):
+
+    linear     every nn.Linear of the body (q, k, v, o, MLP)
+    attention  transformers' sdpa attention function (repeat_kv + scaled_dot_product_attention)
+    gather     tree only: each pass's context keys and values copied from the kept nodes (model/tree.py)
+    cat        tree only: context + the pass's new keys and values, per layer (ContextLayer.update)
+    mask       transformers building the 4D attention masks
+    head       the LM head on the needed positions (model/head.py)
+Beside each part: the FLOPs that the pass really computed for it (padding and re-fed tokens included),
+so GFLOP/s per part says which part runs below the machine's matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import flops  # benchmarks/flops.py
+import numpy as np
+
+TIMES: dict[str, float] = defaultdict(float)
+WORK: dict[str, float] = defaultdict(float)  # FLOPs computed, padding included
+
+
+@contextmanager
+def timed(part: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        TIMES[part] += time.perf_counter() - started
+
+
+def instrument() -> None:
+    """Timers around the parts (see the module's docstring); each counts the FLOPs it computes."""
+    import torch
+    import transformers.masking_utils as masking
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from klpipe.model import head, tree
+
+    linear_forward = torch.nn.Linear.forward
+
+    def linear(self, x):
+        with timed("linear"):
+            WORK["linear"] += 2.0 * x.numel() / x.shape[-1] * self.in_features * self.out_features
+            return linear_forward(self, x)
+
+    torch.nn.Linear.forward = linear
+    sdpa = sdpa_attention.sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        with timed("attention"):
+            b, h, t, d = query.shape
+            WORK["attention"] += 4.0 * b * h * t * key.shape[2] * d
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        original = getattr(masking, name)
+
+        def mask(*args, _original=original, **kwargs):
+            with timed("mask"):
+                return _original(*args, **kwargs)
+
+        setattr(masking, name, mask)
+        import transformers.models.llama.modeling_llama as llama
+
+        if hasattr(llama, name):
+            setattr(llama, name, mask)
+    gather = tree._gather_context
+
+    def gather_context(*args, **kwargs):
+        with timed("gather"):
+            return gather(*args, **kwargs)
+
+    tree._gather_context = gather_context
+    update = tree.ContextLayer.update
+
+    def context_update(self, *args, **kwargs):
+        with timed("cat"):
+            return update(self, *args, **kwargs)
+
+    tree.ContextLayer.update = context_update
+    logprobs = head.LMHead.logprobs
+
+    def head_logprobs(self, selected, *args, **kwargs):
+        with timed("head"):
+            WORK["head"] += 2.0 * selected.shape[0] * selected.shape[1] * self.vocab_size
+            return logprobs(self, selected, *args, **kwargs)
+
+    head.LMHead.logprobs = head_logprobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("rollouts", type=Path)
+    parser.add_argument("--sharing", choices=["auto", "off"], default="auto")
+    args = parser.parse_args()
+    import pyarrow.parquet as pq
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1)))
+    from klpipe.model import ModelSpec, ReferenceModel
+    from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
+
+    table = pq.read_table(args.rollouts, columns=["prompt_ids", "response_ids"])
+    prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)) for p, r in zip(prompts, responses)]
+    model = ReferenceModel.load(ModelSpec(str(args.model_dir), device="cpu", dtype="float32"))
+    cache_tokens = (2048 << 20) // model.kv_bytes_per_token
+    chunk_logprobs(model, rows[:16], 2048, 1.0, args.sharing, ForwardStats(), max_cache_tokens=cache_tokens)  # warm
+    instrument()
+    stats = ForwardStats()
+    started = time.perf_counter()
+    chunk_logprobs(model, rows, 2048, 1.0, args.sharing, stats, max_cache_tokens=cache_tokens)
+    whole = time.perf_counter() - started
+    counted = flops.ModelFlops.from_dir(args.model_dir)
+    segments = flops.tree(prompts, responses, sharing=args.sharing)
+    needed = counted.method(segments, sum(map(len, responses)))
+    print(f"{args.rollouts.name}, --prefix-sharing {args.sharing}: {whole:.2f}s, fed {stats.fed_tokens:,} tokens "
+          f"({stats.padded_tokens:,} with padding and re-fed), needed {needed.total / 1e9:.1f} GFLOP "
+          f"({needed.total / whole / 1e9:.0f} GFLOP/s); matmul peak {flops.matmul_peak() / 1e9:.0f} GFLOP/s")
+    needs = {"linear": needed.linear, "attention": needed.attention, "head": needed.head}
+    print(f"{'part':<11}{'seconds':>9}{'share':>8}{'GFLOP done':>12}{'GFLOP needed':>14}{'GFLOP/s done':>14}")
+    for part in ("linear", "attention", "gather", "cat", "mask", "head"):
+        seconds = TIMES.get(part, 0.0)
+        done = WORK.get(part)
+        need = needs.get(part)
+        print(f"{part:<11}{seconds:>9.2f}{seconds / whole:>8.0%}"
+              f"{done / 1e9 if done else 0:>12.1f}{need / 1e9 if need else 0:>14.1f}"
+              f"{(done / seconds / 1e9) if done and seconds else 0:>14.0f}")
+    other = whole - sum(TIMES[p] for p in ("linear", "attention", "gather", "cat", "mask", "head"))
+    print(f"{'other':<11}{other:>9.2f}{other / whole:>8.0%}   (norms, RoPE, MLP activations, planning, Python)")
+
+
+if __name__ == "__main__":
+    main()

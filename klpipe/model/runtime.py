@@ -1,0 +1,16 @@
+"""What the stage records and sizes from torch without importing it: the device's memory, the library versions."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+
+def device_memory_bytes(device: str) -> int:
+    """The total memory of CUDA device `device` (`cuda`, `cuda:N`)."""
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def library_versions() -> dict[str, str]:
+    """The versions that move the numbers, as the cache's provenance records them."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
