@@ -155,17 +155,18 @@ def tree(prompts, responses, chunk_rows: int = 2048, sharing: str = "auto",
     model = SimpleNamespace(prefill_skips_layers=skips_layers)  # what the planner asks of a model
     segments = []
     for rows in _chunks(prompts, responses, chunk_rows):
-        fed = logprobs._fed(rows)
+        needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
+        fed = logprobs._fed(rows, needed)
         wanted = np.flatnonzero([len(r) > 0 for _, r in rows])
         if sharing == "off":
             segments += [Segment(0, len(fed[i])) for i in wanted]
             continue
-        shared, alone = logprobs._worth_a_tree(model, rows, fed, wanted, sharing)
+        shared, alone = logprobs._worth_a_tree(model, rows, fed, needed, wanted, sharing)
         segments += [Segment(0, len(fed[i])) for i in alone]
         if not len(shared):
             continue
-        first = logprobs._first_needed(rows, shared)
-        nodes = logprobs.pruned_tree(rows, fed, shared)
+        first = logprobs._first_needed(rows, needed, shared)
+        nodes = logprobs.pruned_tree(rows, fed, shared, needed)
         if skips_layers:
             nodes = prefix_tree.split_prefixes(nodes, prefix_tree.needs(nodes, first).lowest)
         only_last = prefix_tree.needs(nodes, first).only_last

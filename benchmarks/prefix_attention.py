@@ -52,9 +52,10 @@ def plan(path: Path):
     rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64))
             for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
     model = SimpleNamespace(prefill_skips_layers=False, rope_length_limit=None)
-    fed = logprobs._fed(rows)
-    chosen, _ = logprobs._worth_a_tree(model, rows, fed, np.flatnonzero([len(r) > 0 for _, r in rows]), "auto")
-    tree, passes, _ = logprobs._plan_tree(model, rows, fed, chosen, 2048, 1 << 40, attention=5e-4)
+    needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
+    fed = logprobs._fed(rows, needed)
+    chosen, _ = logprobs._worth_a_tree(model, rows, fed, needed, np.flatnonzero([len(r) > 0 for _, r in rows]), "auto")
+    tree, passes, _ = logprobs._plan_tree(model, rows, fed, needed, chosen, 2048, 1 << 40, attention=5e-4)
     return tree, passes
 
 
