@@ -162,8 +162,8 @@ def _install(inj: _Injector) -> None:
     # Always traced: which chunks were committed before a fault.
     original_write_chunk = workdir.WorkDir.write_chunk
 
-    def write_chunk(self, tokenized, logprobs):
-        original_write_chunk(self, tokenized, logprobs)
+    def write_chunk(self, tokenized, logprobs, policy_logprobs=None):
+        original_write_chunk(self, tokenized, logprobs, policy_logprobs)
         inj.log(f"commit {tokenized.chunk.index}")
         if inj.reached("commit"):
             inj.fire()
