@@ -282,7 +282,7 @@ def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
         streams.append(stream := real_prefetch(items, depth))
         return stream
 
-    def disk_full(self, tokenized, logprobs):
+    def disk_full(self, tokenized, logprobs, policy_logprobs=None):
         raise OSError(28, "No space left on device")
 
     real_prefetch = precompute_module.prefetch
