@@ -222,8 +222,12 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done and checkpoint each one in the work directory."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
-    max_cache_tokens = (work.provenance.max_cache_mib << 20) // model.kv_bytes_per_token
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
+    # Only the tree keeps keys and values (and asks the model what they weigh): rows run whole keep none.
+    max_cache_tokens = ((work.provenance.max_cache_mib << 20) // model.kv_bytes_per_token
+                        if summary.prefix_sharing != "off" else 1 << 62)
+    if model.kernel_note:
+        log(model.kernel_note)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
