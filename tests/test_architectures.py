@@ -5,6 +5,8 @@ groups, multi-turn chains stored a row per turn, duplicates, responses of 0 and 
 The fast half runs in `make test`; the rest is marked `arch` and runs in `make test-arch`.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,136 @@ def test_every_mode_matches_with_temperature(tiny):
         results = chunk_logprobs(reference, rows, 64, 1.5, sharing, ForwardStats())
         ours, own = oracle.errors(rows, results, temperature=1.5)
         assert ours <= own + TOLERANCE, f"{name} {sharing}: {ours:.3g} against the fp32 oracle's {own:.3g}"
+
+
+# -- a hybrid as a user runs it -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return save_tiny("qwen3_5", tmp_path_factory.mktemp("qwen3_5-cli"))
+
+
+def precompute(*args, env=None):
+    from typer.testing import CliRunner
+
+    from klpipe.cli import app
+
+    return CliRunner().invoke(app, ["precompute", *map(str, args)], env={"KLPIPE_PROGRESS": "none", **(env or {})})
+
+
+def cached_rows(path):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path).to_pydict()
+    rows = list(zip(table["prompt_ids"], table["response_ids"]))
+    return rows, [np.asarray(v, dtype=np.float32) for v in table["ref_logprobs"]]
+
+
+def test_a_hybrid_shares_prefixes_through_the_command_line(qwen3_5, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import agent_rollouts
+
+    agent = agent_rollouts(tmp_path / "agent.parquet", tasks=3, group=3, turns=3, system_tokens=40)
+    oracle = Fp64Oracle(AutoModelForCausalLM.from_pretrained(qwen3_5, dtype="float32").eval())
+    fed = {}
+    for sharing in ("off", "auto", "on"):
+        out = tmp_path / f"{sharing}.parquet"
+        result = precompute("-m", qwen3_5, agent, "-o", out, "--device", "cpu", "--prefix-sharing", sharing)
+        assert result.exit_code == 0, result.output
+        assert "prefix sharing off" not in result.stderr
+        fed[sharing] = int(re.search(r"fed ([\d,]+) tokens", result.stderr).group(1).replace(",", ""))
+        ours, own = oracle.errors(*cached_rows(out))
+        assert ours <= own + TOLERANCE
+    assert fed["on"] == fed["auto"] < fed["off"] / 2  # the system prompt and the histories once
+
+
+def test_a_layout_the_tree_does_not_know_falls_back_under_auto_and_is_refused_under_on(qwen3_5, tmp_path,
+                                                                                      monkeypatch):
+    from klpipe.model import tree
+
+    monkeypatch.delitem(tree.CONTINUATIONS, "linear_attention")
+    rows = tmp_path / "rows.parquet"
+    write_rows(rows, agent_rows(512)[:6])
+    why = ("UnknownLayer: the prefix tree does not know how a 'linear_attention' cache layer (layer 0) "
+           "continues a prefix")
+    result = precompute("-m", qwen3_5, rows, "-o", tmp_path / "auto.parquet", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if "prefix sharing" in line] == [
+        f"prefix sharing off: Qwen3_5ForCausalLM cannot share prefixes exactly ({why})"]
+    result = precompute("-m", qwen3_5, rows, "-o", tmp_path / "on.parquet", "--device", "cpu",
+                        "--prefix-sharing", "on")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"Error: --prefix-sharing on: Qwen3_5ForCausalLM cannot share prefixes exactly ({why})"
+
+
+def test_rows_run_whole_ask_nothing_of_the_tree(qwen3_5, tmp_path, monkeypatch):
+    from klpipe.model import ReferenceModel, tree
+
+    def refuse(*args):
+        raise AssertionError("--prefix-sharing off asked the prefix tree")
+
+    for name in ("layer_kinds", "cache_cost"):
+        monkeypatch.setattr(tree, name, refuse)
+    monkeypatch.setattr(ReferenceModel, "kernel_note", "the kernel note")
+    rows = tmp_path / "rows.parquet"
+    write_rows(rows, agent_rows(512)[:6])
+    result = precompute("-m", qwen3_5, rows, "-o", tmp_path / "off.parquet", "--device", "cpu",
+                        "--prefix-sharing", "off")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("the kernel note") == 1
+
+
+def test_a_state_taken_before_a_nodes_pass_ends_is_refused(qwen3_5):
+    """Pads after a node would enter its recurrent state: the planner keeps continued nodes the longest in
+    their pass (exact_ends), and the tree refuses a plan that does not, rather than hand on a wrong state."""
+    from klpipe.model.tree import Wanted, score_tree
+    from klpipe.precompute import prefix_tree
+
+    reference = ReferenceModel.load(ModelSpec(str(qwen3_5), dtype="float32", device="cpu"))
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 512, 10)
+    short, long = np.concatenate([system, [5, 6]]), np.concatenate([system, rng.integers(3, 512, 8)])
+    rows = [(short, [7, 8]), (short, [9, 9]), (long, [4]), (long, [3])]  # two parents of 12 and 18 tokens
+    fed = [np.concatenate([p, r[:-1]]) for p, r in rows]
+    tree = prefix_tree.build_tree(fed)
+    first = np.array([len(p) - 1 for p, _ in rows])
+    need = prefix_tree.needs(tree, first)
+    for exact_ends in (True, False):
+        passes = prefix_tree.plan_passes(tree, need.only_last, 10_000, 10**9, split_by_need=False,
+                                         exact_ends=exact_ends)
+        if exact_ends:
+            results = score_tree(reference, tree, passes, Wanted(first, [np.array(r) for _, r in rows]))
+            assert len(results) == 4
+        else:
+            with pytest.raises(RuntimeError, match="a recurrent state was asked for at a node shorter than its pass"):
+                score_tree(reference, tree, passes, Wanted(first, [np.array(r) for _, r in rows]))
+
+
+def test_transformers_slow_fallbacks_are_named_for_the_log(qwen3_5):
+    import importlib.util
+
+    from tests.helpers import run_python
+
+    if importlib.util.find_spec("fla") or importlib.util.find_spec("causal_conv1d"):
+        pytest.skip("flash-linear-attention or causal-conv1d is installed: transformers falls back to nothing")
+    code = ("import sys\nfrom klpipe.model import ModelSpec, ReferenceModel\n"
+            "r = ReferenceModel.load(ModelSpec(sys.argv[1], dtype='float32', device='cpu'))\n"
+            "print(r.slow_kernels, r.kernel_note)\nr.device = 'cuda:0'\nprint(r.kernel_note)")
+    result = run_python(code, str(qwen3_5))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "('causal_conv1d', 'flash-linear-attention') None"
+    assert lines[1] == ("Qwen3_5ForCausalLM's linear-attention, SSM or convolution layers run transformers' slow "
+                        "reference code on this GPU: pip install causal_conv1d and flash-linear-attention for its "
+                        "kernels")
+    assert "falling back" not in result.stderr  # transformers' own warnings stay out of the log
+
+
+def write_rows(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt_ids": [list(map(int, p)) for p, _ in rows],
+                             "response_ids": [list(map(int, r)) for _, r in rows]}), path)
