@@ -235,3 +235,37 @@ def write_rows(path, rows):
 
     pq.write_table(pa.table({"prompt_ids": [list(map(int, p)) for p, _ in rows],
                              "response_ids": [list(map(int, r)) for _, r in rows]}), path)
+
+
+def test_the_hubs_qwen3_5_layout_loads_as_its_text_model_and_shares(tmp_path):
+    """Qwen3.5's hub checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the text model): klpipe
+    loads the text model and head alone, held to the whole model's own forward, and its tree to fp64."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from tests.architectures import TOKENIZER_FILES
+    from tests.helpers import TINY_LLAMA
+
+    config = transformers.Qwen3_5Config(
+        text_config=ARCHITECTURES["qwen3_5"].config().to_dict(),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    whole = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    whole.save_pretrained(tmp_path)
+    for file in TOKENIZER_FILES:
+        shutil.copy(TINY_LLAMA / file, tmp_path / file)
+    reference = ReferenceModel.load(ModelSpec(str(tmp_path), dtype="float32", device="cpu"))
+    assert type(reference.model).__name__ == "Qwen3_5ForCausalLM" and reference.keeps_state
+    rows = agent_rows(reference.vocab_size, seed=4)[:12]
+    results = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats())
+    worst = 0.0
+    for (prompt, response), values in zip(rows, results):
+        if len(response):
+            ids = torch.tensor([[*prompt, *response]])
+            with torch.no_grad():
+                logprobs = torch.log_softmax(whole(input_ids=ids).logits[0].float(), dim=-1)
+            expected = logprobs[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
+            worst = max(worst, float(np.max(np.abs(values - expected))))
+    assert worst <= TOLERANCE
