@@ -32,6 +32,13 @@ demo: install
 	$(BIN)/klpipe score $(DEMO)/cached.parquet --output $(DEMO)/scored.parquet \
 		--report $(DEMO)/report.json --state $(DEMO)/kl_state.json --plot $(DEMO)/report.png \
 		--kl-target 1.0
+	# Tool-calling trajectories as TRL stores them: ids with a tool_mask, and the same as messages with tools.
+	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls.parquet \
+		--column response_ids=completion_ids --output $(DEMO)/tool_calls.cached.parquet
+	$(BIN)/klpipe score $(DEMO)/tool_calls.cached.parquet --output $(DEMO)/tool_calls.scored.parquet \
+		--report $(DEMO)/tool_calls.report.json
+	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
+		--output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
 
 test: install

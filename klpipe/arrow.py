@@ -36,10 +36,23 @@ def numpy_view(array: pa.Array) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
 
 
-def from_numpy(values: np.ndarray) -> pa.Array:
-    """A non-null Arrow array over a 1-d numeric numpy array's memory (copied only if not contiguous)."""
+def numpy_valid(array: pa.Array) -> np.ndarray:
+    """(len,) bool: True where `array` holds a value, False where it is null."""
+    bitmap = array.buffers()[0]
+    if bitmap is None:
+        return np.ones(len(array), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    return bits[array.offset:array.offset + len(array)].astype(bool)
+
+
+def from_numpy(values: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
+    """An Arrow array over a 1-d numeric numpy array's memory (copied only if not contiguous); null where
+    the bool array `valid` is False, non-null everywhere when it is None."""
     values = np.ascontiguousarray(values)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+    bitmap = None
+    if valid is not None and not valid.all():
+        bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))  # Arrow's validity bits, LSB first
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [bitmap, pa.py_buffer(values)])
 
 
 def is_list_type(kind: pa.DataType) -> bool:
@@ -54,9 +67,10 @@ def offsets_from_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     return offsets
 
 
-def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
-    """A list<values' type> array from zero-based row offsets (rows + 1,) and flat values (tokens,)."""
-    return pa.ListArray.from_arrays(from_numpy(offsets.astype(np.int32, copy=False)), from_numpy(values))
+def list_array(offsets: np.ndarray, values: np.ndarray, valid: np.ndarray | None = None) -> pa.ListArray:
+    """A list<values' type> array from zero-based row offsets (rows + 1,) and flat values (tokens,), a value
+    null where `valid` (tokens,) is False."""
+    return pa.ListArray.from_arrays(from_numpy(offsets.astype(np.int32, copy=False)), from_numpy(values, valid))
 
 
 def list_values(array: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

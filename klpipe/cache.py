@@ -26,8 +26,14 @@ PROMPT_IDS = "prompt_ids"  # token-id mode (preferred: exact)
 RESPONSE_IDS = "response_ids"
 POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy
 REWARD = "reward"
+# 1 where the policy sampled the response token, 0 where it did not (a tool's result inside the
+# completion): KL is taken over the 1s only, and precompute runs no LM head on the 0s (klpipe/mask.py).
+MASK = "mask"
+TRL_MASKS = ("tool_mask", "env_mask")  # the names TRL's GRPOTrainer gives the mask (tools=, rollout_func)
+TOOLS = "tools"  # conversational rows: the tool schemas the chat template rendered (a list, or JSON text)
 
-# Added by precompute: log p_ref(response_ids[i] | prompt_ids + response_ids[:i]), one per response token.
+# Added by precompute: log p_ref(response_ids[i] | prompt_ids + response_ids[:i]), one per response token;
+# null where the mask is 0 (no logprob is computed for a token the policy did not sample).
 REF_LOGPROBS = "ref_logprobs"
 REF_LOGPROBS_TYPE = pa.list_(pa.float32())
 
@@ -61,6 +67,9 @@ class Provenance:
     max_cache_mib: int | None = None  # the prefix tree's cache budget in force: it decides its waves
     chunk_rows: int | None = None  # rows per chunk: the window in which rows are batched and shared
     versions: dict = field(default_factory=dict)  # {"torch": ..., "transformers": ...}
+    # Conversational rows: what else the chat template was given (both are in the tokenizer fingerprint too).
+    tools: str | None = None  # sha256 of the --tools list, as canonical JSON
+    chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs
 
     # The fields that decide what the numbers in ref_logprobs are (the column mapping decides which
     # ids are scored). The others change them at most in float rounding.
@@ -82,7 +91,10 @@ class Provenance:
             elif name == "revision" and str(after).startswith("local:"):
                 found.append(f"the weights of {other.model} changed ({before} → {after})")
             elif name == "tokenizer":
-                found.append("the tokenizer changed")
+                found.append("the tokenizer changed (its vocabulary or settings; for conversational rows its chat "
+                             "template, the tools or the template's options)")
+            elif name == "tools":
+                found.append("the --tools list changed")
             else:
                 found.append(f"{name} {before!r} → {after!r}")
         return found

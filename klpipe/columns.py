@@ -31,11 +31,18 @@ ROLES: dict[str, str] = {
     cache.POLICY_LOGPROBS: "the sampling policy's logprob of each response token",
     cache.REWARD: "each rollout's reward",
     cache.REF_LOGPROBS: "the reference logprobs precompute writes and score reads",
+    cache.MASK: "1 where the policy sampled the response token, 0 for a tool's result (TRL tool_mask, env_mask)",
+    cache.TOOLS: "the tool schemas a conversational row's chat template rendered",
 }
 
 # Other default names a role answers to when neither its own name nor a mapping is there:
 # TRL's prompt-completion datasets call the response `completion`.
-ALIASES: dict[str, tuple[str, ...]] = {cache.RESPONSE: (cache.COMPLETION,)}
+# TRL's GRPOTrainer calls the mask `tool_mask` (tools=) or `env_mask` (rollout_func).
+ALIASES: dict[str, tuple[str, ...]] = {cache.RESPONSE: (cache.COMPLETION,), cache.MASK: cache.TRL_MASKS}
+
+# Roles for which two candidate columns in one file are an error rather than a preference: taking
+# the wrong mask would silently score other tokens.
+AMBIGUOUS_ROLES = (cache.MASK,)
 
 EXAMPLE = "--column reward=score"
 
@@ -80,11 +87,21 @@ class ColumnMap:
         """The column that holds `role` in the user's files."""
         return self.given.get(role) or self.aliases.get(role) or role
 
-    def resolve(self, schema: pa.Schema) -> ColumnMap:
-        """This map with aliases picked for unmapped roles whose default name `schema` lacks."""
+    def resolve(self, schema: pa.Schema, path: object = None) -> ColumnMap:
+        """This map with aliases picked for unmapped roles whose default name `schema` lacks.
+
+        For an ambiguous role (the mask) two candidate columns in `path` are an error listing them.
+        """
         aliases = {}
         for role, alternatives in ALIASES.items():
-            if role in self.given or role in schema.names:
+            if role in self.given:
+                continue
+            if role in AMBIGUOUS_ROLES:
+                found = [name for name in (role, *alternatives) if name in schema.names]
+                if len(found) > 1:
+                    raise InputError(f"{path}: columns {' and '.join(found)} could each be the {role}; "
+                                     f"name the one to use with --column {role}={found[0]}")
+            elif role in schema.names:
                 continue
             found = [name for name in alternatives if name in schema.names]
             if found:

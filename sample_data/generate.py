@@ -50,6 +50,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import copy
+import json
 import random
 import shutil
 from pathlib import Path
@@ -79,6 +80,8 @@ LLAMA_DIR = OUT_DIR / "tiny-llama"
 GEMMA_MM_DIR = OUT_DIR / "tiny-gemma4-mm"
 ROLLOUTS_PATH = OUT_DIR / "rollouts.parquet"
 CONVERSATIONAL_PATH = OUT_DIR / "conversational.parquet"
+TOOL_CALLS_PATH = OUT_DIR / "tool_calls.parquet"  # TRL's ids: prompt_ids, completion_ids, tool_mask
+TOOL_CHAT_PATH = OUT_DIR / "tool_calls_conversational.parquet"  # TRL's messages, tool calls and tools
 
 VOCAB_SIZE = 512
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
@@ -118,10 +121,14 @@ SEED_REWARD = 99
 # tokenization mismatch: with random models a few seeds get there by chance.
 SEED_CHAT_SAMPLING = 2028
 SEED_CHAT_REWARD = 100
+SEED_TOOL_SAMPLING = 2031
+SEED_TOOL_REWARD = 101
 
 # Gemma's layout: `<start_of_turn>ROLE\n...<end_of_turn>\n`, the assistant called `model`, a system
 # message folded into the first user turn, roles that must alternate, and `<bos>` written by the
-# template itself.
+# template itself. Tool use as Qwen's templates render it, in that layout: the tool schemas as JSON
+# lines in the first turn, an assistant's calls as `<tool_call>{...}</tool_call>` after its content,
+# a tool's result as a `tool` turn that answers a call.
 CHAT_TEMPLATE = """\
 {{- bos_token -}}
 {%- if messages and messages[0]['role'] == 'system' -%}
@@ -131,13 +138,32 @@ CHAT_TEMPLATE = """\
     {%- set system_prefix = '' -%}
     {%- set turns = messages -%}
 {%- endif -%}
+{%- if tools -%}
+    {%- set listed = namespace(text='Tools:\\n') -%}
+    {%- for tool in tools -%}
+        {%- set listed.text = listed.text + (tool | tojson(separators=(',', ':'))) + '\\n' -%}
+    {%- endfor -%}
+    {%- set system_prefix = system_prefix + listed.text + '\\n' -%}
+{%- endif -%}
+{%- set state = namespace(previous='') -%}
 {%- for message in turns -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {%- set role = message['role'] -%}
+    {%- if role == 'tool' -%}
+        {%- if state.previous not in ['assistant', 'tool'] -%}
+            {{- raise_exception('A tool message must answer an assistant tool call') -}}
+        {%- endif -%}
+    {%- elif (role == 'user' and state.previous not in ['', 'assistant']) or (role == 'assistant' and state.previous not in ['user', 'tool']) or role not in ['user', 'assistant'] -%}
         {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
     {%- endif -%}
-    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
-    {{- '<start_of_turn>' + role + '\\n' + (system_prefix if loop.first else '') -}}
-    {{- (message['content'] | trim) + '<end_of_turn>\\n' -}}
+    {%- set state.previous = role -%}
+    {{- '<start_of_turn>' + ('model' if role == 'assistant' else role) + '\\n' + (system_prefix if loop.first else '') -}}
+    {{- (message['content'] or '') | trim -}}
+    {%- for call in message.get('tool_calls') or [] -%}
+        {%- set function = call['function'] if call['function'] is defined else call -%}
+        {%- set arguments = function['arguments'] if function['arguments'] is string else (function['arguments'] | tojson) -%}
+        {{- '<tool_call>{\\"name\\": ' + (function['name'] | tojson) + ', \\"arguments\\": ' + arguments + '}</tool_call>' -}}
+    {%- endfor -%}
+    {{- '<end_of_turn>\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<start_of_turn>model\\n' -}}
@@ -154,6 +180,33 @@ CONVERSATIONS = [
          {"role": "user", "content": "Translate the sentence into French: the cat is sleeping on the chair."}]),
     (1, [{"role": "user", "content": "Hello there!"}]),
 ]
+
+# Tool-calling trajectories, one row each, as TRL's GRPOTrainer(tools=...) stores them: a system
+# prompt (character, rules) opens every row, the completion holds the model's call, the tool's
+# result and the model's answer. TOOL_GROUP responses per task.
+TOOL_SYSTEM = "You are Ada, a travel agent. Use a tool for facts that change; never invent one."
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "weather", "description": "Weather now.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "train", "description": "Next train.",
+        "parameters": {"type": "object", "properties": {"from": {"type": "string"}, "to": {"type": "string"}}}}},
+]
+# (user message, the call the model makes, the tool's result)
+TOOL_TASKS = [
+    ("Is it raining in Berlin?", ("weather", {"city": "Berlin"}), "12 C, rain"),
+    ("When is the next train from Paris to Lyon?", ("train", {"from": "Paris", "to": "Lyon"}), "10:30, platform 7"),
+    ("Should I pack a coat for Oslo today?", ("weather", {"city": "Oslo"}), "-3 C, snow"),
+    ("Can I get from Rome to Milan before noon?", ("train", {"from": "Rome", "to": "Milan"}), "08:05"),
+]
+TOOL_GROUP = 8
+# A policy closer to the reference than POLICY_NOISE's: the fixed tool-call text both models read
+# teacher-forced is unlikely under each, and POLICY_NOISE spreads their logprobs of it past the
+# 20 nats at which `klpipe score` warns of a tokenization mismatch.
+TOOL_POLICY_NOISE = 0.05
+TOOL_FIRST_TOKENS = 6  # sampled before the call
+TOOL_ANSWER_TOKENS = 12  # sampled after the result
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -461,7 +514,7 @@ def head_logits_over_cap(model: Gemma4ForCausalLM | Gemma4ForConditionalGenerati
     return (raw.abs() > SOFTCAP).float().mean().item()
 
 
-def make_policy(ref: Gemma4ForCausalLM) -> Gemma4ForCausalLM:
+def make_policy(ref: Gemma4ForCausalLM, noise: float = POLICY_NOISE) -> Gemma4ForCausalLM:
     policy = copy.deepcopy(ref)
     gen = torch.Generator().manual_seed(SEED_POLICY_NOISE)
     with torch.no_grad():
@@ -469,18 +522,18 @@ def make_policy(ref: Gemma4ForCausalLM) -> Gemma4ForCausalLM:
             # Scale by each tensor's own RMS: the x100 head and the O(1) norms
             # get the same relative perturbation.
             rms = param.pow(2).mean().sqrt()
-            param.add_(torch.randn(param.shape, generator=gen) * rms * POLICY_NOISE)
+            param.add_(torch.randn(param.shape, generator=gen) * rms * noise)
     return policy
 
 
 @torch.no_grad()
-def sample_group(policy, prompt_ids: list[int], n: int, gen: torch.Generator):
+def sample_group(policy, prompt_ids: list[int], n: int, gen: torch.Generator, max_new_tokens: int = MAX_NEW_TOKENS):
     """Sample n responses with full forward passes (no KV cache)."""
     seqs = torch.tensor([prompt_ids] * n)
     responses = [[] for _ in range(n)]
     logprobs = [[] for _ in range(n)]
     done = [False] * n
-    for _ in range(MAX_NEW_TOKENS):
+    for _ in range(max_new_tokens):
         logits = policy(input_ids=seqs, use_cache=False).logits[:, -1, :].float()
         logp = torch.log_softmax(logits, dim=-1)
         nxt = torch.multinomial(logp.exp(), 1, generator=gen)
@@ -582,6 +635,90 @@ def build_conversational(tokenizer, ref, policy):
     return rows, worst
 
 
+def tool_mask(tokenizer, prompt: list[dict], completion: list[dict], tools: list) -> list[int]:
+    """1 for the tokens of each assistant message (after its turn's header, to the end of its turn), 0 for a
+    tool's result and the next turn's header: what TRL's tool loop marks, worked out message by message."""
+    def ids(messages, generation_prompt=False):
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                             tokenize=True, return_dict=True)["input_ids"]
+
+    start = len(ids(prompt, generation_prompt=True))
+    whole = ids(prompt + completion)
+    mask = [0] * (len(whole) - start)
+    for k, message in enumerate(completion):
+        if message["role"] == "assistant":
+            begin = len(ids(prompt + completion[:k], generation_prompt=True))
+            end = len(ids(prompt + completion[:k + 1]))
+            mask[begin - start:end - start] = [1] * (end - begin)
+    return mask
+
+
+@torch.no_grad()
+def build_tool_calls(tokenizer, ref, policy):
+    """Tool-calling rows: the model's turn, a call, the tool's result, the model's answer, in one completion."""
+    gen = torch.Generator().manual_seed(SEED_TOOL_SAMPLING)
+    reward_rng = random.Random(SEED_TOOL_REWARD)
+    rows = []
+    worst = 0.0  # largest |policy − ref| on a token the policy sampled
+    for group_id, (question, (name, arguments), result) in enumerate(TOOL_TASKS):
+        prompt = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question}]
+        # Each row's tools column holds the tool its task offers (the tiny models' context is 512 tokens).
+        tools = [tool for tool in TOOLS if tool["function"]["name"] == name]
+        prompt_ids = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+        firsts, _ = sample_group(policy, prompt_ids, TOOL_GROUP, gen, TOOL_FIRST_TOKENS)
+        for g, first in enumerate(firsts):
+            call = {"role": "assistant", "content": tokenizer.decode(first, skip_special_tokens=True),
+                    "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+            answered = [call, {"role": "tool", "name": name, "content": result}]
+            history = tokenizer.apply_chat_template(prompt + answered, tools=tools, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)["input_ids"]
+            [answer], _ = sample_group(policy, history, 1, gen, TOOL_ANSWER_TOKENS)
+            completion = answered + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
+            whole = tokenizer.apply_chat_template(prompt + completion, tools=tools, tokenize=True,
+                                                  return_dict=True)["input_ids"]
+            assert whole[: len(prompt_ids)] == prompt_ids, "the template must keep the prompt as a prefix"
+            assert len(whole) <= 448, len(whole)  # the tiny models' context is 512
+            completion_ids = whole[len(prompt_ids):]
+            mask = tool_mask(tokenizer, prompt, completion, tools)
+            policy_lp = teacher_forced_logprobs(policy, prompt_ids, completion_ids)
+            ref_lp = teacher_forced_logprobs(ref, prompt_ids, completion_ids)
+            worst = max([worst] + [abs(p - r) for p, r, m in zip(policy_lp.tolist(), ref_lp.tolist(), mask) if m])
+            rows.append({
+                "id": f"tool{group_id}-g{g}", "step": group_id // 2, "group_id": group_id,
+                "prompt": prompt, "completion": completion, "tools": json.dumps(tools),
+                "prompt_ids": prompt_ids, "completion_ids": completion_ids, "tool_mask": mask,
+                # TRL's sampler logprob of a tool's token is a placeholder 0.0
+                "policy_logprobs": [lp if m else 0.0 for lp, m in zip(policy_lp.tolist(), mask, strict=True)],
+                "reward": reward_fn(first + answer, tokenizer, reward_rng),
+            })
+    for row in rows:
+        row["sampled_logprobs"] = row["policy_logprobs"]
+    # TRL masks a truncated completion whole (mask_truncated_completions): the last row stands for one.
+    rows[-1]["tool_mask"] = [0] * len(rows[-1]["tool_mask"])
+    rows[-1]["policy_logprobs"] = [0.0] * len(rows[-1]["policy_logprobs"])
+    return rows, worst
+
+
+def write_tool_calls(rows) -> None:
+    """The same trajectories twice: as TRL's ids with a tool_mask, and as TRL's messages with the tools."""
+    ids = pa.schema([("id", pa.string()), ("step", pa.int64()), ("group_id", pa.int64()),
+                     ("prompt_ids", pa.list_(pa.int32())), ("completion_ids", pa.list_(pa.int32())),
+                     ("tool_mask", pa.list_(pa.int8())), ("policy_logprobs", pa.list_(pa.float32())),
+                     ("reward", pa.float64())])
+    pq.write_table(pa.Table.from_pylist([{k: r[k] for k in ids.names} for r in rows], schema=ids), TOOL_CALLS_PATH)
+    call = pa.struct([("type", pa.string()), ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+    message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
+                                  ("tool_calls", pa.list_(call))]))
+    chat = pa.schema([("id", pa.string()), ("step", pa.int64()), ("group_id", pa.int64()), ("prompt", message),
+                      ("completion", message), ("tools", pa.string()), ("policy_logprobs", pa.list_(pa.float32())),
+                      ("reward", pa.float64())])
+    # In message form the roles give the mask, so no row is masked whole.
+    table = pa.Table.from_pylist([{**{k: r[k] for k in chat.names}, "policy_logprobs": r["sampled_logprobs"]}
+                                  for r in rows], schema=chat)
+    pq.write_table(table, TOOL_CHAT_PATH)
+
+
 def write_conversational(rows) -> None:
     messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     schema = pa.schema(
@@ -640,6 +777,8 @@ def main() -> None:
     write_parquet(rows)
     conversational, worst_diff = build_conversational(tokenizer, gemma, policy)
     write_conversational(conversational)
+    tool_rows, tool_worst = build_tool_calls(tokenizer, gemma, make_policy(gemma, TOOL_POLICY_NOISE).eval())
+    write_tool_calls(tool_rows)
 
     # Last, and from its own seed: nothing above depends on it.
     gemma_mm = build_gemma_mm()
@@ -663,6 +802,10 @@ def main() -> None:
     print(f"responses ending in <eos>: {n_eos}/{len(rows)}")
     print(f"mean per-token KL estimate mean(policy_lp - ref_lp): {mean_kl:.3f} nats over {kl_terms.numel()} tokens")
     print(f"responses that round-trip text -> ids: {round_trip}/{len(rows)}")
+    tool_tokens = sum(len(r["tool_mask"]) for r in tool_rows)
+    print(f"tool-calling rows: {len(tool_rows)}, {tool_tokens} completion tokens, "
+          f"{sum(sum(r['tool_mask']) for r in tool_rows)} of them the policy's, largest |policy - ref| there "
+          f"{tool_worst:.1f} nats")
     print(f"conversational rows: {len(conversational)}, rendered response lengths: "
           f"{[len(r['policy_logprobs']) for r in conversational]}, largest |policy - ref| {worst_diff:.1f} nats")
     # Checked after printing so a failed retune still shows the numbers.
@@ -670,6 +813,7 @@ def main() -> None:
     assert len(set(lengths)) > 3, lengths
     assert 0.5 <= mean_kl <= 6.0, mean_kl
     assert worst_diff < 20.0, worst_diff
+    assert tool_worst < 20.0, tool_worst
     for path in sorted(OUT_DIR.rglob("*")):
         if path.is_file() and path.name != Path(__file__).name:
             size = path.stat().st_size

@@ -26,7 +26,11 @@ def with_template(tokenizer, template):
 
 
 def render(tokenizer, prompts, completions):
-    return ChatRenderer(tokenizer, "prompt", "completion").render(prompts, completions)
+    """(prompt ids, response ids) per row; every mask all 1, as rows without tool messages have."""
+    prompt_lists, response_lists, masks = ChatRenderer(tokenizer, "prompt", "completion").render(prompts, completions)
+    for response, mask in zip(response_lists, masks, strict=True):
+        assert mask.dtype == bool and len(mask) == len(response) and mask.all()
+    return prompt_lists, response_lists
 
 
 def fails(tokenizer, prompts, completions) -> tuple[int, str]:

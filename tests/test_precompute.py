@@ -43,7 +43,8 @@ def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kw
     ("max_tokens_per_batch", 0, "--max-tokens-per-batch must be at least 1"),
     ("progress", "fancy", "--progress must be auto, bar, log or none, not 'fancy'"),
     ("columns", {"rewards": "score"}, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, "
-                                      "response, prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs"),
+                                      "response, prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs, "
+                                          "mask, tools"),
 ])
 def test_the_config_refuses_bad_arguments(option, value, message):
     with pytest.raises(InputError) as excinfo:
@@ -347,10 +348,12 @@ def test_conversational_rollouts_are_rendered_with_the_chat_template(tmp_path, m
     source = pq.read_table(CONVERSATIONAL)
     assert summary.prefix_sharing == "auto"
     assert summary.forward.per_row_tokens == per_row_tokens(table)
-    assert table.column_names == source.column_names + ["prompt_ids", "response_ids", "ref_logprobs"]
+    # The mask the roles give: every token the assistant's, since no row holds a tool message.
+    assert table.column_names == source.column_names + ["prompt_ids", "response_ids", "mask", "ref_logprobs"]
     assert table.select(source.column_names).equals(source.replace_schema_metadata(None))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for row in table.to_pylist():
+        assert row["mask"] == [1] * len(row["response_ids"])
         whole = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True,
                                               return_dict=True)["input_ids"]
         alone = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,

@@ -88,6 +88,16 @@ def precompute_command(
     column: Annotated[list[str] | None, typer.Option(
         "--column", metavar="ROLE=NAME", help=COLUMN_HELP,
         envvar="KLPIPE_COLUMN", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
+    tools: Annotated[str | None, typer.Option(
+        "--tools", metavar="FILE.json",
+        help="Conversational rows: a JSON list of tool schemas the chat template renders for every row, as "
+             "GRPOTrainer(tools=...) does. A per-row `tools` column gives each row its own instead.",
+        envvar="KLPIPE_TOOLS", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(
+        "--chat-template-kwargs", metavar="JSON",
+        help="Conversational rows: keyword arguments for the chat template, TRL's chat_template_kwargs, "
+             "e.g. '{\"enable_thinking\": false}'.",
+        envvar="KLPIPE_CHAT_TEMPLATE_KWARGS", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
 ):
     """Cache the reference model's logprob of every response token.
 
@@ -113,6 +123,7 @@ def precompute_command(
     """
     from klpipe.columns import parse_columns
     from klpipe.precompute import precompute
+    from klpipe.precompute.config import parse_template_kwargs, read_tools
     from klpipe.sharding import resolve_shard
 
     shard = resolve_shard(shard_index, num_shards)
@@ -122,7 +133,8 @@ def precompute_command(
         chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing, work_dir=work_dir,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
-        shard=shard, columns=parse_columns(column),
+        shard=shard, columns=parse_columns(column), tools=read_tools(tools),
+        chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
     )
     summary = precompute(config, log=_stderr)
     if summary.skipped:

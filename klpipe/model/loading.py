@@ -164,9 +164,10 @@ def vocab_and_context(config) -> tuple[int, int | None]:
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
 
 
-def tokenizer_fingerprint(tokenizer, chat_template: bool = False) -> str:
+def tokenizer_fingerprint(tokenizer, chat_template: bool = False, chat_options: dict | None = None) -> str:
     """sha256 over everything that decides token ids: vocabulary, merges, normalisation, special tokens,
-    and, with `chat_template` (conversational rollouts, which it renders), the chat template."""
+    and, with `chat_template` (conversational rollouts, which it renders), the chat template and
+    `chat_options` (the tools given to every row, the template's keyword arguments)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         payload = backend.to_str()
@@ -175,6 +176,8 @@ def tokenizer_fingerprint(tokenizer, chat_template: bool = False) -> str:
     payload += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
     if chat_template:
         payload += json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
+        if chat_options and any(chat_options.values()):  # none given: the fingerprint earlier caches have
+            payload += json.dumps(chat_options, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

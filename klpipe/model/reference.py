@@ -106,14 +106,24 @@ class ReferenceModel:
         return self._cache_cost
 
     @torch.inference_mode()
-    def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0) -> list[np.ndarray]:
-        """log p(response[i] | prompt + response[:i]) for each (prompt_ids, response_ids) row, as float32."""
-        # The last response token is only ever a target, never context: feed one token less.
-        inputs = [np.concatenate([p, r])[:-1] if len(r) else p[:0] for p, r in rows]
+    def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0,
+                    needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """log p(response[i] | prompt + response[:i]) for each (prompt_ids, response_ids) row, as float32.
+
+        With `needed` (a bool per response token, per row), only the marked tokens' logprobs are
+        computed, the others NaN: the body still reads every token up to the last marked one, but
+        only the marked positions reach the LM head.
+        """
+        if needed is None:
+            needed = [np.ones(len(r), dtype=bool) for _, r in rows]
+        wanted = [np.flatnonzero(n) for n in needed]  # response indices to score
+        # A response token is only ever a target after the last one scored: feed up to it, less it.
+        inputs = [np.concatenate([p, r[:int(w[-1])]]) if len(w) else p[:0] for (p, r), w in zip(rows, wanted)]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
+        results = [np.full(len(r), np.nan, dtype=np.float32) for _, r in rows]
         if longest == 0:
-            return [np.zeros(0, dtype=np.float32) for _ in rows]
+            return results
         # Right padding: with causal attention no real token can see a pad, so no attention mask
         # is needed and position ids stay 0..n-1, exactly as in an unpadded single-row pass.
         batch = np.zeros((len(rows), longest), dtype=np.int64)
@@ -122,17 +132,21 @@ class ReferenceModel:
         input_ids = torch.from_numpy(batch).to(self.input_device)
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
 
-        # Position prompt_len - 1 + i predicts response token i.
-        return self.targets_logprobs(hidden, [len(p) - 1 for p, _ in rows], [r for _, r in rows], temperature)
+        # Position prompt_len - 1 + j predicts response token j.
+        positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted)]
+        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature)
+        for values, w, out in zip(scored, wanted, results):
+            out[w] = values
+        return results
 
-    def targets_logprobs(self, hidden: torch.Tensor, starts: list[int], targets: list[np.ndarray],
+    def targets_logprobs(self, hidden: torch.Tensor, positions: list[np.ndarray], targets: list[np.ndarray],
                          temperature: float) -> list[np.ndarray]:
-        """Row k's logprobs of targets[k], predicted by hidden[k, starts[k] : starts[k] + len(targets[k])].
+        """Row k's logprobs of targets[k], predicted by hidden[k, positions[k]].
 
         Only those positions reach the LM head, all rows' at once: (tokens, H), never (B, T, V).
         """
         row_index = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(targets)])
-        position = np.concatenate([np.arange(s, s + len(t)) for s, t in zip(starts, targets)])
+        position = np.concatenate(positions).astype(np.int64)
         selected = hidden[torch.from_numpy(row_index).to(hidden.device), torch.from_numpy(position).to(hidden.device)]
         flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))
         logprobs = self.head.logprobs(selected, flat, temperature).numpy()

@@ -46,16 +46,19 @@ if TYPE_CHECKING:  # the plan's types: precompute/ plans, model/ runs, and never
 
 @dataclass
 class Wanted:
-    """The hidden states a chunk's rows need: row r, positions first[r] .. len(sequence r) - 1."""
+    """The hidden states a chunk's rows need: row r, positions base[r] + j for each response token j that
+    needed[r] marks (all of them without a mask), all between first[r] and len(sequence r) - 1."""
 
-    first: np.ndarray  # (rows,) int64 the first needed position (a row's prompt length − 1)
-    targets: list[np.ndarray]  # (rows,) the tokens those positions predict: the row's response
+    first: np.ndarray  # (rows,) int64 the first needed position, which the planner runs from
+    base: np.ndarray  # (rows,) int64 the position that predicts response token 0: the prompt's length − 1
+    targets: list[np.ndarray]  # (rows,) the row's response: position base + j predicts targets[j]
+    needed: list[np.ndarray] | None = None  # (rows,) bool per response token: the logprobs to compute
 
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
     """log p(response tokens) of every row of `tree`, each node computed once, as float32 per row."""
-    results = [np.zeros(len(t), dtype=np.float32) for t in wanted.targets]
+    results = [np.full(len(t), np.nan, dtype=np.float32) for t in wanted.targets]
     rows_of = _rows_through(tree)
     kinds = reference.layer_kinds
     layout = pass_layout(reference)
@@ -131,6 +134,8 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
             if low >= high:
                 continue
             p = np.arange(low, high)
+            if wanted.needed is not None:  # a masked token is context only: no head for it
+                p = p[wanted.needed[r][p - wanted.base[r]]]
             batch_row.append(np.full(len(p), k))
             slot.append(slot_of_start[k] + p - start)
             row.append(np.full(len(p), r))
@@ -143,7 +148,7 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
     unique, which = np.unique(key, return_inverse=True)
     selected = hidden[torch.from_numpy(unique // width).to(hidden.device),
                       torch.from_numpy(unique % width).to(hidden.device)]  # (n, H)
-    offset = position - wanted.first[row]  # index into each row's response
+    offset = position - wanted.base[row]  # index into each row's response
     targets = np.array([wanted.targets[r][o] for r, o in zip(row.tolist(), offset.tolist())], dtype=np.int64)
     logprobs = reference.head.logprobs(selected, torch.from_numpy(targets), temperature,
                                        rows=torch.from_numpy(which.astype(np.int64))).numpy()

@@ -15,11 +15,24 @@ so `prompt_ids + response_ids` is exactly `tokenizer.apply_chat_template(prompt 
 A template that renders the prompt differently once a completion follows, or a tokenizer that
 merges tokens across the boundary, has no such split: that row is an error, never a guess.
 
+Tool use is carried as messages, as in TRL's datasets: an assistant message with `tool_calls`, a
+`tool` message with the result, the next assistant message, all inside the completion. Their
+tokens are split the same way, at every message boundary, into a mask (klpipe/mask.py): an
+assistant's tokens (what its message renders to, from the end of its turn's header to the end of
+its turn) are 1; what the template writes for a tool's result, and around it up to the next
+assistant turn (the turn markers, the next turn's generation prompt), is 0. The tool schemas reach
+the template as `tools=`, from a per-row column or one list for every row (`--tools`), with the
+trainer's `chat_template_kwargs`; a template that renders no trace of the tools it is given is an
+error, since the policy saw them and the reference would not.
+
 No torch here: only the tokenizer (and jinja2, through transformers) is used.
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pyarrow as pa
 
 from klpipe.arrow import is_list_type
@@ -27,7 +40,8 @@ from klpipe.errors import first_line
 
 # The last prompt message's role decides how TRL renders the prompt.
 GENERATION_PROMPT_ROLES = ("user", "tool")  # add_generation_prompt=True
-CONTINUED_ROLE = "assistant"  # continue_final_message=True
+CONTINUED_ROLE = "assistant"  # continue_final_message=True; the policy's own messages
+TOOL_ROLE = "tool"  # a tool's result: context for the policy, never sampled by it
 
 
 class ChatError(Exception):
@@ -44,39 +58,67 @@ def is_messages_type(kind: pa.DataType) -> bool:
 
 
 class ChatRenderer:
-    """Renders conversational rows into (prompt_ids, response_ids) with the tokenizer's chat template."""
+    """Renders conversational rows into (prompt_ids, response_ids, mask) with the tokenizer's chat template."""
 
-    def __init__(self, tokenizer, prompt_column: str, response_column: str):
+    def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
+                 template_kwargs: dict | None = None, tools_column: str = "tools"):
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
+        self.tools_column = tools_column
+        self.tools = tools  # one list of tool schemas for every row (--tools), or None
+        self.template_kwargs = dict(template_kwargs or {})  # TRL's chat_template_kwargs
+        self._renders_tools: dict[str, bool] = {}  # tools as JSON -> whether the template shows them
 
     @property
     def has_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render(self, prompts: list, completions: list) -> tuple[list[list[int]], list[list[int]]]:
-        """(prompt ids, response ids) per row, from each row's prompt and completion messages."""
+    def render(self, prompts: list, completions: list, row_tools: list | None = None
+               ) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
+        """(prompt ids, response ids, mask) per row, from each row's prompt and completion messages and tools.
+
+        `row_tools` holds each row's tools column value (a list of schemas, JSON text, or None).
+        """
         if not self.has_template:
             raise ChatError(0, f"{self.prompt_column} holds chat messages, but the tokenizer has no chat template "
                                "to render them with; use a tokenizer that has one, or give prompt_ids and response_ids")
         texts: list[str] = []
+        layout: list[tuple[int, list[tuple[int, int]]]] = []  # per row: first text, assistant spans as text pairs
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-            texts.extend(self._texts(row, prompt, completion))
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # [prompt, whole] per row
-        prompt_lists, response_lists = [], []
-        for row in range(len(prompts)):
-            prompt_ids, whole_ids = ids[2 * row], ids[2 * row + 1]
-            if whole_ids[: len(prompt_ids)] != prompt_ids:
-                raise ChatError(row, f"the tokens of the rendered {self.prompt_column} are not a prefix of those of "
-                                     "the whole conversation (the tokenizer merges across the boundary); give "
-                                     "prompt_ids and response_ids instead")
+            tools = self._row_tools(row, None if row_tools is None else row_tools[row])
+            row_texts, spans = self._texts(row, prompt, completion, tools)
+            layout.append((len(texts), spans))
+            texts.extend(row_texts)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # [prompt, whole, boundaries...] per row
+        prompt_lists, response_lists, masks = [], [], []
+        for row, (first, spans) in enumerate(layout):
+            prompt_ids, whole_ids = ids[first], ids[first + 1]
+            for boundary in ids[first: first + 2 + 2 * len(spans)]:
+                if whole_ids[: len(boundary)] != boundary:
+                    raise ChatError(row, f"the tokens of the rendered {self.prompt_column} are not a prefix of "
+                                         "those of the whole conversation (the tokenizer merges across the boundary); "
+                                         "give prompt_ids and response_ids instead" if boundary is prompt_ids else
+                                         "the tokens of the conversation up to a message of the "
+                                         f"{self.response_column} are not a prefix of those of the whole conversation "
+                                         "(the tokenizer merges across the boundary); give prompt_ids, response_ids "
+                                         "and a mask instead")
+            mask = np.zeros(len(whole_ids) - len(prompt_ids), dtype=bool)
+            for start, end in spans:  # indices of the texts that open and close an assistant message
+                mask[len(ids[first + start]) - len(prompt_ids): len(ids[first + end]) - len(prompt_ids)] = True
             prompt_lists.append(prompt_ids)
             response_lists.append(whole_ids[len(prompt_ids):])
-        return prompt_lists, response_lists
+            masks.append(mask)
+        return prompt_lists, response_lists, masks
 
-    def _texts(self, row: int, prompt, completion) -> tuple[str, str]:
-        """(rendered prompt, rendered prompt + completion) for one row, as TRL renders them."""
+    def _apply(self, messages: list[dict], tools, **options) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options,
+                                                  **self.template_kwargs)
+
+    def _texts(self, row: int, prompt, completion, tools) -> tuple[list[str], list[tuple[int, int]]]:
+        """The texts to tokenize for one row, as TRL renders them: the prompt, the whole conversation, then
+        for each assistant message of the completion the text up to its start and up to its end; and, per
+        assistant message, the indices of those two texts."""
         prompt = self._messages(row, prompt, self.prompt_column)
         completion = self._messages(row, completion, self.response_column)
         last_role = prompt[-1]["role"]
@@ -84,11 +126,27 @@ class ChatRenderer:
             raise ChatError(row, f"the last {self.prompt_column} message has role {last_role!r}; TRL renders "
                                  f"prompts that end with a {', '.join(GENERATION_PROMPT_ROLES)} or "
                                  f"{CONTINUED_ROLE} message")
+        self._check_roles(row, prompt, completion)
         continued = last_role == CONTINUED_ROLE
         try:
-            prompt_text = self.tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=not continued, continue_final_message=continued)
-            whole_text = self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+            prompt_text = self._apply(prompt, tools, add_generation_prompt=not continued,
+                                      continue_final_message=continued)
+            whole_text = self._apply(prompt + completion, tools)
+            texts, spans = [prompt_text, whole_text], []
+            for k, message in enumerate(completion):
+                if message["role"] != CONTINUED_ROLE:
+                    continue
+                # The assistant's own tokens start after its turn's header, which the trainer wrote
+                # (the generation prompt), and end with its turn.
+                start = (prompt_text if k == 0
+                         else self._apply(prompt + completion[:k], tools, add_generation_prompt=True))
+                end = whole_text if k == len(completion) - 1 else self._apply(prompt + completion[:k + 1], tools)
+                spans.append((len(texts), len(texts) + 1))
+                texts += [start, end]
+            if tools is not None:
+                self._check_renders_tools(row, tools)
+        except ChatError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template is user code: jinja errors, raise_exception, ...
             raise ChatError(row, f"the chat template failed: {first_line(exc)}") from None
         if not whole_text.startswith(prompt_text):
@@ -96,7 +154,54 @@ class ChatRenderer:
                                  f"{self.prompt_column} + {self.response_column}, so the response tokens cannot be "
                                  "told apart (TRL refuses such a template too); give prompt_ids and response_ids "
                                  "instead")
-        return prompt_text, whole_text
+        if not all(whole_text.startswith(text) for text in texts[2:]):
+            raise ChatError(row, f"the chat template renders the conversation up to a message of the "
+                                 f"{self.response_column} differently once more messages follow, so the assistant's "
+                                 "tokens cannot be told apart from the tools'; give prompt_ids, response_ids and a "
+                                 "mask instead")
+        return texts, spans
+
+    def _check_roles(self, row: int, prompt: list[dict], completion: list[dict]) -> None:
+        """The completion is what the policy sampled and the tools answered: assistant messages and tool results,
+        opening with the assistant; a tool result answers an assistant's tool call."""
+        if completion[0]["role"] != CONTINUED_ROLE:
+            raise ChatError(row, f"the {self.response_column} opens with a {completion[0]['role']!r} message; it must "
+                                 "open with the assistant's, which the policy sampled")
+        for message in completion:
+            if message["role"] not in (CONTINUED_ROLE, TOOL_ROLE):
+                raise ChatError(row, f"the {self.response_column} holds a {message['role']!r} message; it holds the "
+                                     f"assistant's messages and the tools' results ({TOOL_ROLE!r} messages)")
+        previous = None
+        for message in prompt + completion:
+            if message["role"] == TOOL_ROLE and not (previous is not None and (
+                    previous["role"] == TOOL_ROLE or (previous["role"] == CONTINUED_ROLE and previous.get("tool_calls")))):
+                raise ChatError(row, "a tool message answers no tool call: it must follow an assistant message with "
+                                     "tool_calls, or another tool message")
+            previous = message
+
+    def _check_renders_tools(self, row: int, tools: list) -> None:
+        """A template that ignores `tools` would score the policy against a prompt it never saw."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._renders_tools:
+            probe = [{"role": "user", "content": "x"}]
+            self._renders_tools[key] = (self._apply(probe, tools, add_generation_prompt=True)
+                                        != self._apply(probe, None, add_generation_prompt=True))
+        if not self._renders_tools[key]:
+            raise ChatError(row, "the chat template renders nothing of the tools it is given, so the reference "
+                                 "would not see the tool schemas the policy saw; use the policy's chat template")
+
+    def _row_tools(self, row: int, value) -> list | None:
+        """This row's tool schemas: its tools column (a list, or JSON text), else --tools, else None."""
+        if value is None:
+            return self.tools
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ChatError(row, f"{self.tools_column} is not valid JSON ({exc})") from None
+        if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+            raise ChatError(row, f"{self.tools_column} must be a list of tool schemas (JSON objects)")
+        return [_without_nones(tool) for tool in value]
 
     @staticmethod
     def _messages(row: int, value, column: str) -> list[dict]:
@@ -109,6 +214,17 @@ class ChatRenderer:
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ChatError(row, f"{column} holds a message without a role")
             # Arrow gives every message every key seen in the column, None where a message had
-            # none; templates test for keys (`'tool_calls' in message`), so the Nones go.
-            messages.append({k: v for k, v in message.items() if v is not None or k in ("role", "content")})
+            # none; templates test for keys (`'tool_calls' in message`), so the Nones go, inside
+            # tool calls too.
+            messages.append({k: (_without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
+                             if v is not None or k in ("role", "content")})
         return messages
+
+
+def _without_nones(value):
+    """`value` with the None-valued keys of its dicts removed, at every depth: what Arrow's struct columns add."""
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
+    return value

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 # skips layers); on: every row through the tree; off: every row on its own (the per-row path).
 SHARING_MODES = ("auto", "on", "off")
 
+# apply_chat_template's own arguments, which klpipe sets row by row: not for --chat-template-kwargs.
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+                                "return_dict", "return_tensors", "padding", "truncation", "max_length"})
+
 
 @dataclass
 class PrecomputeConfig:
@@ -43,6 +47,19 @@ class PrecomputeConfig:
     shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
     columns: dict[str, str] = field(default_factory=dict)  # role -> the input's column name (--column)
     work_dir: Path | None = None  # where work directories go; None: beside a local output, KLPIPE_CACHE_DIR/work for a remote one
+    # Conversational rows: the tool schemas every row's template renders (GRPOTrainer(tools=...)), read from
+    # --tools FILE.json; a per-row tools column instead gives each row its own.
+    tools: list | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)  # TRL's chat_template_kwargs, e.g. enable_thinking
+
+    def tools_digest(self) -> str | None:
+        """sha256 of the --tools list as canonical JSON (provenance), or None without one."""
+        if self.tools is None:
+            return None
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.tools, sort_keys=True).encode()).hexdigest()
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -55,6 +72,14 @@ class PrecomputeConfig:
             raise InputError("--max-cache-mib must not be negative")
         if self.prefix_sharing not in SHARING_MODES:
             raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
+        reserved = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise InputError(f"--chat-template-kwargs: {', '.join(reserved)} is set by klpipe itself, as TRL sets it; "
+                             "leave it out")
+        if self.tools is not None and not (isinstance(self.tools, list)
+                                           and all(isinstance(tool, dict) for tool in self.tools)):
+            raise InputError("--tools: the file must hold a JSON list of tool schemas (objects), as "
+                             "GRPOTrainer(tools=...) renders them")
         if self.progress not in PROGRESS_MODES:
             raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
                              f"not {self.progress!r}")
@@ -73,3 +98,36 @@ class PrecomputeConfig:
                 raise InputError(f"--work-dir {self.work_dir}: the work directory holds the checkpoints a rerun "
                                  "resumes from and must be on local disk")
             self.work_dir = Path(self.work_dir)
+
+
+def read_tools(path: str | Path | None) -> list | None:
+    """The --tools file: a JSON list of tool schemas (the JSON GRPOTrainer(tools=...) renders), or None."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"--tools {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise InputError(f"--tools {path}: not valid JSON ({exc})") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InputError(f"--tools {path}: must hold a JSON list of tool schemas (objects)")
+    return tools
+
+
+def parse_template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs: a JSON object, as TRL's chat_template_kwargs (`{"enable_thinking": false}`)."""
+    if not text:
+        return {}
+    import json
+
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise InputError(f"--chat-template-kwargs: not valid JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise InputError(f"--chat-template-kwargs: must be a JSON object, e.g. '{{\"enable_thinking\": false}}', "
+                         f"not {text!r}")
+    return options

@@ -46,7 +46,7 @@ class ForwardStats:
 
 def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
                    sharing: str, stats: ForwardStats, check_stop: Callable[[], None] = lambda: None,
-                   max_cache_tokens: int = 1 << 62) -> list[np.ndarray]:
+                   max_cache_tokens: int = 1 << 62, needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Reference logprobs of every (prompt ids, response ids) row of a chunk, in the chunk's row order.
 
     `sharing`: "off" runs every row on its own; "on" runs every row through the prefix tree;
@@ -54,11 +54,17 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     model's prefill skips layers). `max_cache_tokens` bounds the keys and values the tree keeps
     alive at once, in tokens. `check_stop` runs after every forward pass, so a preempted run
     abandons the chunk quickly.
+
+    `needed` (a bool per response token, per row: the mask) says which logprobs are wanted. The
+    others are fed as context but never reach the LM head, and come back NaN; a row's tokens after
+    its last needed one are not fed at all, and a row with none needed is not run.
     """
-    results = [np.zeros(len(response), dtype=np.float32) for _, response in rows]
-    fed = _fed(rows)
+    results = [np.full(len(response), np.nan if needed is not None else 0.0, dtype=np.float32) for _, response in rows]
+    if needed is None:
+        needed = [np.ones(len(response), dtype=bool) for _, response in rows]
+    fed = _fed(rows, needed)
     stats.per_row_tokens += sum(len(f) for f in fed)
-    wanted = np.flatnonzero([len(r) > 0 for _, r in rows])
+    wanted = np.flatnonzero([bool(n.any()) for n in needed])
     limit = model.rope_length_limit  # a RoPE whose frequencies change past it, for the whole batch
     long = np.array([limit is not None and len(fed[i]) > limit for i in wanted], dtype=bool)
     alone = wanted[long]  # past the limit, a row runs whole with rows like it, never sharing a prefix
@@ -66,33 +72,46 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     if sharing == "off":
         alone, candidates = wanted, candidates[:0]
     if len(candidates):
-        candidates, shared_nothing = _worth_a_tree(model, rows, fed, candidates, sharing)
+        candidates, shared_nothing = _worth_a_tree(model, rows, fed, needed, candidates, sharing)
         alone = np.sort(np.concatenate([alone, shared_nothing]))
         if len(candidates):
-            _run_tree(model, rows, fed, candidates, max_tokens, max_cache_tokens, temperature, stats, check_stop,
-                      results)
-    _run_alone(model, rows, fed, alone, long_rows=set(wanted[long].tolist()), max_tokens=max_tokens,
+            _run_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens, temperature, stats,
+                      check_stop, results)
+    _run_alone(model, rows, fed, needed, alone, long_rows=set(wanted[long].tolist()), max_tokens=max_tokens,
                temperature=temperature, stats=stats, check_stop=check_stop, results=results)
     return results
 
 
-def _fed(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    """What each row feeds the model: its prompt and response less the last token, which is only ever a
-    target; nothing for a row without a response."""
-    return [np.concatenate([p, r[:-1]]) if len(r) else p[:0] for p, r in rows]
+def _fed(rows: list[tuple[np.ndarray, np.ndarray]], needed: list[np.ndarray]) -> list[np.ndarray]:
+    """What each row feeds the model: its prompt and its response up to the last token whose logprob is needed,
+    less that token, which is only ever a target; nothing for a row that needs none."""
+    fed = []
+    for (prompt, response), need in zip(rows, needed, strict=True):
+        last = np.flatnonzero(need)
+        fed.append(np.concatenate([prompt, response[:int(last[-1])]]) if len(last) else prompt[:0])
+    return fed
 
 
-def _first_needed(rows, chosen: np.ndarray) -> np.ndarray:
-    """Each chosen row's first needed position: its prompt's last, which predicts the first response token."""
-    return np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64)
+def _first_needed(rows, needed, chosen: np.ndarray) -> np.ndarray:
+    """Each chosen row's first needed position: the one that predicts its first needed response token (the
+    prompt's last position, without a mask)."""
+    return np.array([len(rows[i][0]) - 1 + int(np.argmax(needed[i])) for i in chosen], dtype=np.int64)
 
 
-def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
+def _wanted(rows, needed, chosen: np.ndarray):
+    from klpipe.model.tree import Wanted  # torch lives behind this import
+
+    return Wanted(first=_first_needed(rows, needed, chosen),
+                  base=np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64),
+                  targets=[rows[i][1] for i in chosen], needed=[needed[i] for i in chosen])
+
+
+def _worth_a_tree(model, rows, fed, needed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
     """(rows for the tree, rows to run whole): under "auto", on a model that skips no layers, a row that
     shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
     if sharing != "auto" or model.prefill_skips_layers:
         return candidates, candidates[:0]
-    tree = pruned_tree(rows, fed, candidates)
+    tree = pruned_tree(rows, fed, candidates, needed)
     kids = tree.children()
     ending = np.bincount(tree.end_node, minlength=tree.num_nodes)
     shares = np.array([tree.parent[n] != prefix_tree.ROOT or bool(kids[n]) or ending[n] > 1
@@ -100,19 +119,21 @@ def _worth_a_tree(model, rows, fed, candidates: np.ndarray, sharing: str) -> tup
     return candidates[shares], candidates[~shares]
 
 
-def pruned_tree(rows, fed, chosen: np.ndarray, context_cost: int = prefix_tree.CONTEXT_COST):
+def pruned_tree(rows, fed, chosen: np.ndarray, needed=None, context_cost: int = prefix_tree.CONTEXT_COST):
     """The tree of rows `chosen` over what they feed (`fed`), with the nodes not worth a pass folded away: what
-    precompute runs (benchmarks/prefix_savings.py counts it)."""
-    first = _first_needed(rows, chosen)
+    precompute runs (benchmarks/prefix_savings.py counts it). `needed` as for chunk_logprobs (default: all)."""
+    needed = needed if needed is not None else [np.ones(len(r), dtype=bool) for _, r in rows]
+    first = _first_needed(rows, needed, chosen)
     tree = prefix_tree.build_tree([fed[i] for i in chosen])
     return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=context_cost)
 
 
-def _plan_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int, attention: float,
-               context_cost: int = prefix_tree.CONTEXT_COST, min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX):
+def _plan_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
+               attention: float, context_cost: int = prefix_tree.CONTEXT_COST,
+               min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX):
     """(tree, passes, first needed positions) for rows `chosen`: the chunk's runs and the load-time probe's."""
-    first = _first_needed(rows, chosen)
-    tree = pruned_tree(rows, fed, chosen, context_cost)
+    first = _first_needed(rows, needed, chosen)
+    tree = pruned_tree(rows, fed, chosen, needed, context_cost)
     if model.prefill_skips_layers:
         tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=min_prefix)
     need = prefix_tree.needs(tree, first)
@@ -124,12 +145,12 @@ def _plan_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_
     return tree, passes, first
 
 
-def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
+def _run_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
               temperature: float, stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
-    from klpipe.model.tree import Wanted, score_tree  # torch lives behind this import
+    from klpipe.model.tree import score_tree  # torch lives behind this import
 
-    tree, passes, first = _plan_tree(model, rows, fed, chosen, max_tokens, max_cache_tokens, model.attention_cost)
-    logprobs = score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]), temperature, check_stop)
+    tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen, max_tokens, max_cache_tokens, model.attention_cost)
+    logprobs = score_tree(model, tree, passes, _wanted(rows, needed, chosen), temperature, check_stop)
     for i, values in zip(chosen.tolist(), logprobs):
         results[i] = values
     for step in passes:
@@ -141,7 +162,7 @@ def _run_tree(model, rows, fed, chosen: np.ndarray, max_tokens: int, max_cache_t
     stats.tree_rows += len(chosen)
 
 
-def _run_alone(model, rows, fed, alone: np.ndarray, long_rows: set, max_tokens: int, temperature: float,
+def _run_alone(model, rows, fed, needed, alone: np.ndarray, long_rows: set, max_tokens: int, temperature: float,
                stats: ForwardStats, check_stop, results: list[np.ndarray]) -> None:
     """Rows run whole, batched by length; rows past a length-dependent RoPE's limit only with each other."""
     if not len(alone):
@@ -154,7 +175,8 @@ def _run_alone(model, rows, fed, alone: np.ndarray, long_rows: set, max_tokens: 
         batches = plan_batches(lengths[group], max_tokens)
         for batch in batches:
             chosen = alone[group[batch]]
-            for i, values in zip(chosen.tolist(), model.score_batch([rows[i] for i in chosen], temperature)):
+            scored = model.score_batch([rows[i] for i in chosen], temperature, [needed[i] for i in chosen])
+            for i, values in zip(chosen.tolist(), scored):
                 results[i] = values
             check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
         real, padded = padding_efficiency(lengths[group], batches)
@@ -212,12 +234,13 @@ def check_tree(model) -> str | None:
     chosen = np.array([i for i, (_, r) in enumerate(rows) if len(r)])
     got = [np.zeros(len(r), dtype=np.float32) for _, r in rows]
     try:
-        from klpipe.model.tree import Wanted, score_tree
+        from klpipe.model.tree import score_tree
 
         # Every level kept, and tiny budgets: many passes of mixed contexts (see above).
-        tree, passes, first = _plan_tree(model, rows, _fed(rows), chosen, max_tokens=prefix // 2 + 24,
-                                         max_cache_tokens=prefix + 16, attention=0.0, context_cost=0, min_prefix=1)
-        for i, values in zip(chosen, score_tree(model, tree, passes, Wanted(first, [rows[i][1] for i in chosen]))):
+        needed = [np.ones(len(r), dtype=bool) for _, r in rows]
+        tree, passes, _ = _plan_tree(model, rows, _fed(rows, needed), needed, chosen, max_tokens=prefix // 2 + 24,
+                                     max_cache_tokens=prefix + 16, attention=0.0, context_cost=0, min_prefix=1)
+        for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         from klpipe.errors import first_line

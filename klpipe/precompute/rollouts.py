@@ -30,6 +30,7 @@ from klpipe.files.discover import (
 )
 from klpipe.files.parquet import open_parquet
 from klpipe.files.store import Location, local_copy, store_failure
+from klpipe.mask import check_mask_type
 from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
@@ -61,6 +62,11 @@ class Rollouts:
     def num_rows(self) -> int:
         return sum(f.num_rows for f in self.files)
 
+    @property
+    def has_mask(self) -> bool:
+        """Whether the rows carry a mask column (conversational rows get one derived from their roles)."""
+        return self.columns.name(cache.MASK) in self.schema.names
+
 
 @dataclass
 class Chunk:
@@ -87,9 +93,11 @@ def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None 
                 f"{other.path}: columns differ from {first.path} "
                 f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
-    columns = (columns or ColumnMap()).resolve(first.schema)
+    columns = (columns or ColumnMap()).resolve(first.schema, first.path)
     columns.check_present(first.path, first.schema, outputs=(cache.REF_LOGPROBS,))
     mode = _detect_mode(first.path, first.schema, columns)
+    if columns.name(cache.MASK) in first.schema.names:
+        check_mask_type(first.path, first.schema, columns.name(cache.MASK))
     return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns, skipped=skipped)
 
 

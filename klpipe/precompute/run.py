@@ -19,7 +19,10 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+
 from klpipe import __version__, cache, sharding
+from klpipe.arrow import is_list_type
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files.discover import output_beside, refuse_overwriting_inputs
@@ -49,7 +52,7 @@ OUTPUT_SUFFIX = ".cached.parquet"
 class PrecomputeSummary:
     output: Location
     rows: int = 0  # rows scored in this run
-    tokens: int = 0  # response tokens scored in this run
+    tokens: int = 0  # response tokens scored in this run (the policy's own: a mask's 0s get no logprob)
     forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
     prefix_sharing: str = "off"  # the mode in force once the model is loaded (auto may fall back to off)
     seconds: float = 0.0  # scoring time, model loading excluded
@@ -102,6 +105,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
             f"{', '.join(str(p) for p in rollouts.skipped)}")
+    _check_chat_options(config, rollouts)
     shard = config.shard
     destination = config.output if config.output is not None else default_output(config.inputs, shard)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
@@ -128,7 +132,8 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
-    tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions)
+    tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
+                              template_kwargs=config.chat_template_kwargs)
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
@@ -178,7 +183,8 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
     return cache.Provenance(
         model=config.model,
         revision=reference.weights_fingerprint(spec, model_config),
-        tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT),
+        tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT,
+                                                  chat_options=_chat_options(config, rollouts)),
         dtype=str(dtype).removeprefix("torch."),
         temperature=float(config.temperature),
         klpipe_version=__version__,
@@ -191,7 +197,37 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         max_cache_mib=config.max_cache_mib if config.max_cache_mib is not None else default_max_cache_mib(device),
         chunk_rows=config.chunk_rows,
         versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        tools=config.tools_digest() if rollouts.mode == CHAT else None,
+        chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
     )
+
+
+def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
+    """--tools and --chat-template-kwargs act on conversational rows' rendering; a tools column and --tools
+    would each say which tools a row saw."""
+    if rollouts.mode != CHAT:
+        given = [name for name, value in (("--tools", config.tools),
+                                          ("--chat-template-kwargs", config.chat_template_kwargs)) if value]
+        if given:
+            raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
+                             f"messages), which {rollouts.files[0].path} does not hold")
+        return
+    tools_column = rollouts.columns.name(cache.TOOLS)
+    if tools_column in rollouts.schema.names:
+        if config.tools is not None:
+            raise InputError(f"{rollouts.files[0].path}: has a {tools_column} column and --tools was given; each "
+                             "says which tools a row saw: drop one")
+        kind = rollouts.schema.field(tools_column).type
+        if not (is_list_type(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise InputError(f"{rollouts.files[0].path}: column {tools_column} must be a list of tool schemas or "
+                             f"their JSON text, found {kind}")
+
+
+def _chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
+    """What else decides a conversational row's tokens: the --tools list and the template's options."""
+    if rollouts.mode != CHAT:
+        return None
+    return {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
 
 
 def _already_done(output: Location, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
@@ -238,10 +274,11 @@ def _run_chunks(model, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config
         with closing(prefetch(map(tokenize, chunks))) as stream:
             for tokenized in stream:
                 pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
+                needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
                 logprobs = chunk_logprobs(model, pairs, max_tokens, config.temperature, summary.prefix_sharing,
-                                          summary.forward, stop.check, max_cache_tokens)
+                                          summary.forward, stop.check, max_cache_tokens, needed=needed)
                 work.write_chunk(tokenized, logprobs)
-                response_tokens = int(tokenized.response_lengths().sum())
+                response_tokens = tokenized.scored_tokens()
                 summary.rows += tokenized.num_rows
                 summary.tokens += response_tokens
                 progress.update(tokenized.num_rows, response_tokens)

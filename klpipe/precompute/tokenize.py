@@ -20,6 +20,7 @@ from klpipe.arrow import (
     offsets_from_lengths,
 )
 from klpipe.errors import InputError
+from klpipe.mask import read_mask
 from klpipe.precompute.chat import ChatError, ChatRenderer
 from klpipe.precompute.rollouts import CHAT, TOKEN_IDS, Chunk, Rollouts
 from klpipe.rows import row_name
@@ -33,6 +34,9 @@ class TokenizedChunk:
     prompt_offsets: np.ndarray  # (rows + 1,)
     response_ids: np.ndarray
     response_offsets: np.ndarray
+    # (response tokens,) bool: 1 where the policy sampled the token (klpipe/mask.py); None: every token.
+    mask: np.ndarray | None = None
+    derived_mask: bool = False  # the mask came from a conversation's roles and is written to the cache
 
     @property
     def num_rows(self) -> int:
@@ -49,27 +53,40 @@ class TokenizedChunk:
         return (self.prompt_ids[self.prompt_offsets[i]:self.prompt_offsets[i + 1]],
                 self.response_ids[self.response_offsets[i]:self.response_offsets[i + 1]])
 
+    def row_mask(self, i: int) -> np.ndarray | None:
+        """Row i's mask (a bool per response token), or None when the rows have none."""
+        if self.mask is None:
+            return None
+        return self.mask[self.response_offsets[i]:self.response_offsets[i + 1]]
+
+    def scored_tokens(self) -> int:
+        """Response tokens whose logprob is computed: the mask's 1s, or every one."""
+        return int(self.response_offsets[-1]) if self.mask is None else int(np.count_nonzero(self.mask))
+
 
 class ChunkTokenizer:
     """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
 
-    def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None):
+    def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None,
+                 tools: list | None = None, template_kwargs: dict | None = None):
         self.rollouts = rollouts
         self.names = rollouts.columns.name  # role -> the user's column
         self.tokenizer = tokenizer  # only used in text and chat modes
-        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE))
+        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE), tools=tools,
+                                 template_kwargs=template_kwargs, tools_column=self.names(cache.TOOLS))
         self.vocab_size = vocab_size
         self.max_positions = max_positions
 
     def __call__(self, chunk: Chunk) -> TokenizedChunk:
         table = chunk.table
         names = self.names
+        derived = None  # conversational rows: the mask their roles give
         if self.rollouts.mode == TOKEN_IDS:
             prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS))
             response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS))
         else:
             if self.rollouts.mode == CHAT:
-                prompt_lists, response_lists = self._render_chat(chunk)
+                prompt_lists, response_lists, derived = self._render_chat(chunk)
             else:
                 prompt_lists, response_lists = self._tokenize_text(chunk)
             prompt, prompt_off = _flatten(prompt_lists)
@@ -77,7 +94,33 @@ class ChunkTokenizer:
             table = self._with_ids(table, prompt, prompt_off, response, response_off)
         tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off)
         self._validate(tokenized)
+        self._read_mask(tokenized, derived)
         return tokenized
+
+    def _read_mask(self, t: TokenizedChunk, derived: list[np.ndarray] | None) -> None:
+        """The chunk's mask: the mask column, checked against the response tokens; for conversational rows, the
+        mask their roles give, checked against the column when there is one too."""
+        name = self.names(cache.MASK)
+        lengths = t.response_lengths()
+        against = self.names(cache.RESPONSE_IDS)
+        given = None
+        if name in t.chunk.table.column_names:
+            given = read_mask(t.chunk.table.column(name), lengths, name, against,
+                              lambda i: self._row_name(t.chunk, i))
+        if derived is None:
+            t.mask = given
+            return
+        flat = np.concatenate(derived) if derived else np.zeros(0, dtype=bool)
+        if given is not None:
+            differs = np.flatnonzero(given != flat)
+            if len(differs):
+                row = int(np.searchsorted(t.response_offsets, differs[0], side="right") - 1)
+                token = int(differs[0] - t.response_offsets[row])
+                self._fail(t.chunk, row, f"{name} differs from the mask the conversation's roles give (response token "
+                                         f"{token}: {int(given[differs[0]])} in {name}, {int(flat[differs[0]])} "
+                                         "from the roles; 1 is an assistant's token, 0 a tool's)")
+        t.mask = flat
+        t.derived_mask = given is None
 
     def _tokenize_text(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
         prompts = self._texts(chunk, self.names(cache.PROMPT))
@@ -97,10 +140,12 @@ class ChunkTokenizer:
                             for text, ids in zip(prompts, prompt_lists, strict=True)]
         return prompt_lists, response_lists
 
-    def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]]]:
+    def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
+        tools = self.names(cache.TOOLS)
         try:
             return self.chat.render(chunk.table.column(self.names(cache.PROMPT)).to_pylist(),
-                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist())
+                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist(),
+                                    chunk.table.column(tools).to_pylist() if tools in chunk.table.column_names else None)
         except ChatError as exc:
             self._fail(chunk, exc.row, str(exc))
 
@@ -166,11 +211,14 @@ class ChunkTokenizer:
                 )
 
     def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
+        raise InputError(f"{self._row_name(chunk, row)}: {problem}")
+
+    def _row_name(self, chunk: Chunk, row: int) -> str:
         # A chunk may span input files: each row knows its own file and its index there.
         path = self.rollouts.files[int(chunk.file_index[row])].path
         id_column = self.names(cache.ID)
         row_id = chunk.table.column(id_column)[row].as_py() if id_column in chunk.table.column_names else None
-        raise InputError(f"{row_name(path, int(chunk.file_row[row]), row_id)}: {problem}")
+        return row_name(path, int(chunk.file_row[row]), row_id)
 
 
 def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -29,6 +29,7 @@ from klpipe.files.atomic import atomic_output
 from klpipe.files.fingerprint import cache_dir
 from klpipe.files.parquet import open_parquet, parquet_writer, write_table
 from klpipe.files.store import Location, identity, is_remote
+from klpipe.mask import MASK_TYPE
 from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
 
@@ -70,6 +71,7 @@ class WorkDir:
             "mode": rollouts.mode,
         }
         self.ref_logprobs = rollouts.columns.name(cache.REF_LOGPROBS)  # the column written
+        self.mask_column = rollouts.columns.name(cache.MASK)  # written for conversational rows that have none
         self.output_schema = self._output_schema(rollouts)
         self._lock_file = None
 
@@ -81,6 +83,9 @@ class WorkDir:
                     schema = schema.set(schema.get_field_index(name), pa.field(name, TOKEN_ID_TYPE))
                 else:
                     schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
+        mask = rollouts.columns.name(cache.MASK)
+        if rollouts.mode == CHAT and mask not in schema.names:  # the mask the conversation's roles give
+            schema = schema.append(pa.field(mask, MASK_TYPE))
         if self.ref_logprobs in schema.names:
             raise InputError(f"{rollouts.files[0].path}: already has a {self.ref_logprobs} column; "
                              "is this a cache? precompute reads rollouts")
@@ -140,8 +145,13 @@ class WorkDir:
     def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray]) -> None:
         offsets = offsets_from_lengths([len(x) for x in logprobs])
         values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
-        column = list_array(offsets, values)  # cache.REF_LOGPROBS_TYPE
-        table = tokenized.table.append_column(self.ref_logprobs, column)
+        # Null where the mask is 0: no logprob was computed for a token the policy did not sample.
+        column = list_array(offsets, values, valid=tokenized.mask)  # cache.REF_LOGPROBS_TYPE
+        table = tokenized.table
+        if tokenized.derived_mask:
+            table = table.append_column(self.mask_column,
+                                        list_array(tokenized.response_offsets, tokenized.mask.astype(np.int8)))
+        table = table.append_column(self.ref_logprobs, column)
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
         with atomic_output(path) as tmp:

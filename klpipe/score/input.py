@@ -22,10 +22,12 @@ from klpipe.arrow import (
     first_null_in_lists,
     is_list_type,
     list_values,
+    numpy_valid,
     numpy_view,
 )
 from klpipe.cache import (
     ID,
+    MASK,
     POLICY_LOGPROBS,
     REF_LOGPROBS,
     REWARD,
@@ -39,6 +41,7 @@ from klpipe.errors import InputError, first_line
 from klpipe.files.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
 from klpipe.files.parquet import leaf_index, open_parquet
 from klpipe.files.store import Location, expand, store_failure
+from klpipe.mask import check_mask_type, kept_offsets, read_mask
 from klpipe.rows import RowLocator
 from klpipe.score.kl import RowKL
 from klpipe.sharding import is_shard_directory, shard_parts
@@ -46,12 +49,23 @@ from klpipe.sharding import is_shard_directory, shard_parts
 
 @dataclass
 class Logprobs:
-    """One record batch's checked values, flat: what the KL math reads."""
+    """One record batch's checked values, flat: what the KL math reads.
 
-    policy: np.ndarray  # (tokens,) policy logprob of each response token
+    With a mask, `policy`, `ref` and `offsets` hold the tokens the policy sampled (mask 1) alone, and
+    `keep` says which of the response's tokens they are.
+    """
+
+    policy: np.ndarray  # (tokens,) policy logprob of each scored response token
     ref: np.ndarray  # (tokens,) reference logprob of the same token
     offsets: np.ndarray  # (rows + 1,) zero-based row offsets, shared by both
     reward: np.ndarray  # (rows,) float64
+    keep: np.ndarray | None = None  # (response tokens,) bool: the mask, when the cache has one
+    response_offsets: np.ndarray | None = None  # (rows + 1,) row offsets into `keep`
+
+    @property
+    def masked_tokens(self) -> int:
+        """Response tokens not scored: those the policy did not sample."""
+        return 0 if self.keep is None else int(len(self.keep) - np.count_nonzero(self.keep))
 
 
 def expand_cache_inputs(paths: list[str | Path | Location]) -> tuple[list[Location], list[Location]]:
@@ -71,20 +85,23 @@ def expand_cache_inputs(paths: list[str | Path | Location]) -> tuple[list[Locati
     return found, skipped
 
 
-def open_caches(files: list[Location], columns: ColumnMap) -> pa.Schema:
-    """Check that every input is a cache score can read and that they belong together; their schema.
+def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, ColumnMap]:
+    """Check that every input is a cache score can read and that they belong together; their schema, and
+    `columns` with the roles found under other names (the mask's TRL names) resolved.
 
     `columns` names each role's column (columns.for_caches).
     """
     provenances = []
     first_schema: pa.Schema | None = None
+    resolved = columns
     for path in files:
         provenance = read_provenance(path)  # also rejects files that are not parquet
         provenances.append((str(path), provenance))
         with open_parquet(path) as reader:
             schema = reader.schema_arrow
         columns.check_present(path, schema)
-        _check_columns(path, schema, columns)
+        resolved = columns.resolve(schema, path)
+        _check_columns(path, schema, resolved)
         if first_schema is None:
             first_schema = schema
         elif not schema.remove_metadata().equals(first_schema.remove_metadata()):
@@ -93,7 +110,7 @@ def open_caches(files: list[Location], columns: ColumnMap) -> pa.Schema:
                 "score caches with the same columns together"
             )
     check_compatible(provenances)
-    return first_schema
+    return first_schema, resolved
 
 
 def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int,
@@ -154,16 +171,36 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, column
             f"{ref_offsets[i + 1] - ref_offsets[i]}; both must cover the same response tokens "
             "(rerun `klpipe precompute` with the policy's tokenization)"
         )
+    mask_name = columns.name(MASK)
+    keep = None
+    if mask_name in batch.schema.names:
+        # The values at a 0 are never read: TRL writes 0.0 there, others NaN, precompute a null.
+        keep = read_mask(batch.column(mask_name), np.diff(offsets), mask_name, policy_name, rows.name)
     for name, array in ((policy_name, policy), (ref_name, ref)):
-        i = first_null_in_lists(array)
+        i = _first_null_kept(array, keep, offsets)
         if i is not None:
-            raise InputError(f"{rows.name(i)}: {name} holds a null")
+            raise InputError(f"{rows.name(i)}: {name} holds a null" + (" where the mask is 1" if keep is not None else ""))
     reward = numpy_view(batch.column(reward_name)).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
     if bad_reward.any():
         i = int(np.flatnonzero(bad_reward)[0])
         raise InputError(f"{rows.name(i)}: {reward_name} is {_describe(reward[i])}")
-    return Logprobs(policy_values, ref_values, offsets, reward)
+    if keep is None:
+        return Logprobs(policy_values, ref_values, offsets, reward)
+    return Logprobs(policy_values[keep], ref_values[keep], kept_offsets(keep, offsets), reward, keep, offsets)
+
+
+def _first_null_kept(array: pa.Array, keep: np.ndarray | None, offsets: np.ndarray) -> int | None:
+    """The row holding the first null value of a list array, among the values `keep` marks (all without it)."""
+    if keep is None:
+        return first_null_in_lists(array)
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    values = array.flatten()  # honours slicing
+    if not values.null_count:
+        return None
+    nulls = np.flatnonzero(~numpy_valid(values) & keep)
+    return None if not len(nulls) else int(np.searchsorted(offsets, nulls[0], side="right") - 1)
 
 
 def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimator: str, columns: ColumnMap) -> None:
@@ -206,6 +243,8 @@ def _check_columns(path: Path, schema: pa.Schema, columns: ColumnMap) -> None:
     reward_type = schema.field(reward).type
     if not (pa.types.is_floating(reward_type) or pa.types.is_integer(reward_type)):
         raise InputError(f"{path}: {reward} must be numeric, got {reward_type}")
+    if columns.name(MASK) in schema.names:
+        check_mask_type(path, schema, columns.name(MASK))
     if step in schema.names:
         step_type = schema.field(step).type
         if not (pa.types.is_integer(step_type) or pa.types.is_string(step_type) or pa.types.is_large_string(step_type)):

@@ -41,6 +41,9 @@ class RunTotals:
     """Running totals over a whole scoring run: what the summary and the histogram are made of."""
 
     rows: int = 0
+    tokens: int = 0  # response tokens scored: the policy's own (mask 1) where the caches have a mask
+    masked_tokens: int = 0  # response tokens the mask left out: tools' results
+    rows_without_tokens: int = 0  # rows with no token to score (an empty response, or masked whole): KL 0
     row_kls: list[np.ndarray] = field(default_factory=list)  # (rows,) per batch: percentiles, histogram
     reward_sums: list[float] = field(default_factory=list)
     adjusted_sums: list[float] = field(default_factory=list)
@@ -83,7 +86,8 @@ def build_report(*, inputs: list[Path], output: Path, settings: dict, controller
     """The report JSON: the run's settings, summary, per-step entries, histogram and warnings."""
     kls = totals.all_kls()
     rows = totals.rows
-    summary = {"rows": rows, "batches": batch_count}
+    summary = {"rows": rows, "batches": batch_count, "tokens": totals.tokens, "masked_tokens": totals.masked_tokens,
+               "rows_without_tokens": totals.rows_without_tokens}
     summary.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
     summary.update(
         {
@@ -204,7 +208,10 @@ def render_table(report: dict, console) -> None:
         f"kl_coeff {summary['kl_coeff_before']:.5g} → {summary['kl_coeff_after']:.5g} "
         f"({summary['kl/adaptation_count']} adaptations in all); "
         f"reward {summary['reward_mean_before']:.4f} → {summary['reward_mean_after']:.4f}; "
-        f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows",
+        f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows"
+        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out (tool results)"
+           + (f", {summary['rows_without_tokens']:,} rows with none (KL 0)" if summary['rows_without_tokens'] else "")
+           if summary.get("masked_tokens") else ""),
         markup=False,
         highlight=False,
     )

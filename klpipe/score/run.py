@@ -105,7 +105,7 @@ def score(config: ScoreConfig) -> ScoreResult:
 
         metrics.require_tensorboardx(config.tensorboard)
     names = for_caches(config.columns, files)  # role -> the caches' column names
-    schema = open_caches(files, names)
+    schema, names = open_caches(files, names)
     warnings: list[str] = []
     if skipped:
         warnings.append(f"skipped {len(skipped)} file(s) that klpipe score wrote into an input directory, so "
@@ -301,11 +301,15 @@ def _score_batch(
     kl = estimate.kl
     reward = logprobs.reward
     steps = batch.column(names.name(STEP)) if batches.has_steps else None
-    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1, np.diff(logprobs.offsets))
+    coeffs = batches.coefficients(steps, kl, reward, estimate.negative_k1, np.diff(logprobs.offsets))  # scored tokens
     penalty = coeffs * kl
     adjusted = reward - penalty
 
+    scored_tokens = np.diff(logprobs.offsets)
     totals.rows += len(kl)
+    totals.tokens += int(logprobs.offsets[-1])
+    totals.masked_tokens += logprobs.masked_tokens
+    totals.rows_without_tokens += int(np.count_nonzero(scored_tokens == 0))
     totals.row_kls.append(kl)
     totals.reward_sums.append(float(np.sum(reward)))
     totals.adjusted_sums.append(float(np.sum(adjusted)))
@@ -319,5 +323,14 @@ def _score_batch(
     columns = [batch.column(i) for i, f in enumerate(batch.schema) if f.name not in replaced]
     columns += [from_numpy(kl), from_numpy(coeffs), from_numpy(penalty), from_numpy(adjusted)]
     if config.per_token:
-        columns.append(list_array(estimate.offsets, estimate.token_kl))
+        columns.append(_per_token_column(estimate, logprobs))
     return columns
+
+
+def _per_token_column(estimate, logprobs) -> pa.Array:
+    """`kl_per_token`: one value per response token, aligned with the response; null where the mask is 0."""
+    if logprobs.keep is None:
+        return list_array(estimate.offsets, estimate.token_kl)
+    values = np.zeros(len(logprobs.keep), dtype=np.float64)
+    values[logprobs.keep] = estimate.token_kl
+    return list_array(logprobs.response_offsets, values, valid=logprobs.keep)
