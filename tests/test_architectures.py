@@ -202,11 +202,11 @@ def test_a_state_taken_before_a_nodes_pass_ends_is_refused(qwen3_5):
         passes = prefix_tree.plan_passes(tree, need.only_last, 10_000, 10**9, split_by_need=False,
                                          exact_ends=exact_ends)
         if exact_ends:
-            results = score_tree(reference, tree, passes, Wanted(first, [np.array(r) for _, r in rows]))
+            results = score_tree(reference, tree, passes, Wanted(first, first, [np.array(r) for _, r in rows]))
             assert len(results) == 4
         else:
             with pytest.raises(RuntimeError, match="a recurrent state was asked for at a node shorter than its pass"):
-                score_tree(reference, tree, passes, Wanted(first, [np.array(r) for _, r in rows]))
+                score_tree(reference, tree, passes, Wanted(first, first, [np.array(r) for _, r in rows]))
 
 
 def test_transformers_slow_fallbacks_are_named_for_the_log(qwen3_5):
@@ -269,3 +269,20 @@ def test_the_hubs_qwen3_5_layout_loads_as_its_text_model_and_shares(tmp_path):
             expected = logprobs[len(prompt) - 1:-1].gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
             worst = max(worst, float(np.max(np.abs(values - expected))))
     assert worst <= TOLERANCE
+
+
+def test_a_hybrid_with_a_mask_scores_only_the_policys_tokens(qwen3_5):
+    """Tool results (mask 0) are context only: on a hybrid too, the tree and rows run whole give the oracle's
+    numbers on mask 1 and NaN on mask 0."""
+    reference = ReferenceModel.load(ModelSpec(str(qwen3_5), dtype="float32", device="cpu"))
+    oracle = Fp64Oracle(reference.model)
+    rows = agent_rows(reference.vocab_size, seed=5)
+    rng = np.random.default_rng(6)
+    needed = [rng.random(len(r)) < 0.6 for _, r in rows]
+    expected, own = oracle.expected(rows)
+    for sharing in ("off", "on"):
+        results = chunk_logprobs(reference, rows, 96, 1.0, sharing, ForwardStats(), needed=needed)
+        for values, exact, need in zip(results, expected, needed):
+            assert np.isnan(values[~need]).all()
+            if need.any():
+                assert np.max(np.abs(values[need] - exact[need])) <= own + TOLERANCE
