@@ -200,8 +200,9 @@ def check_tree(model) -> str | None:
     window in every row, two tasks after it, responses of length 0, 1 and several, a row whose
     prompt is the bare system prompt, a second turn whose prompt holds the first turn's prompt and
     response, duplicates, and a row that shares nothing. Tiny budgets make several passes, contexts
-    of different lengths in one pass, nodes that feed the end of their context again, and waves
-    that drop keys and values while their rows still need others.
+    of different lengths in one pass, nodes of different lengths side by side (padded after, or, on
+    Gemma 4, feeding the end of their context again), and waves that drop keys, values and states
+    while their rows still need others.
     """
     from klpipe.model.loading import text_config
 
