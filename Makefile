@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-faults test-slurm test-s3 bench sample-data clean
+.PHONY: install demo test test-arch test-faults test-slurm test-s3 bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
+# against an fp64 oracle. About three minutes on 2 CPU cores.
+test-arch: install
+	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults

@@ -114,7 +114,7 @@ def test_the_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, mo
     # Both tiny models accept unknown keyword arguments and drop them: a cache passed under a name
     # the model does not know is silently ignored, and a node then runs without its context.
     monkeypatch.setattr(reference, "cache_argument", "not_a_cache_argument")
-    assert check_tree(reference) == ("RuntimeError: the model's forward wrote no keys or values into the cache "
+    assert check_tree(reference) == ("RuntimeError: the model's forward wrote no keys, values or states into the cache "
                                      "it was given")
 
 
@@ -134,8 +134,8 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
     peak = []
     real = tree_module._run_pass
 
-    def run_pass(reference, tree, step, kinds, kept, *args):
-        real(reference, tree, step, kinds, kept, *args)
+    def run_pass(reference, tree, step, kinds, layout, kept, *args):
+        real(reference, tree, step, kinds, layout, kept, *args)
         peak.append(sum(int(tree.end[n] - tree.start[n]) for n in kept))
 
     monkeypatch.setattr(tree_module, "_run_pass", run_pass)

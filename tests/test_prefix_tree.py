@@ -76,18 +76,21 @@ def test_needs_and_split_prefixes_against_brute_force(sequences, data):
         assert after.only_last[node] and split.end[node] - split.start[node] > 2
 
 
-@given(SEQUENCES, st.data(), st.integers(1, 60), st.integers(0, 40), st.booleans())
+@given(SEQUENCES, st.data(), st.integers(1, 60), st.integers(0, 40), st.booleans(), st.booleans(), st.integers(0, 6))
 @settings(max_examples=300, deadline=None)
-def test_passes_run_every_node_once_after_its_parent_within_the_budgets(sequences, data, budget, cache, split):
+def test_passes_run_every_node_once_after_its_parent_within_the_budgets(sequences, data, budget, cache, split,
+                                                                        exact_ends, node_tokens):
     tree = build_tree(sequences)
     only_last = needs(tree, firsts(sequences, data)).only_last
-    passes = plan_passes(tree, only_last, budget, cache, split_by_need=split)
+    passes = plan_passes(tree, only_last, budget, cache, split_by_need=split, exact_ends=exact_ends,
+                         node_tokens=node_tokens)
     ran = [int(n) for p in passes for n in p.nodes]
     assert sorted(ran) == list(range(1, tree.num_nodes))  # every node once
     done, live, released = {ROOT}, {}, set()
     kids = tree.children()
     length = tree.end - tree.start
-    chain = max((sum(length[a] for a in tree.path(n) if kids[a]) for n in range(tree.num_nodes)), default=0)
+    chain = max((sum(length[a] + node_tokens for a in tree.path(n) if kids[a]) for n in range(tree.num_nodes)),
+                default=0)
     for p in passes:
         nodes = p.nodes.tolist()
         for node in nodes:
@@ -95,13 +98,15 @@ def test_passes_run_every_node_once_after_its_parent_within_the_budgets(sequence
             assert all(a in live for a in tree.path(int(tree.parent[node])))  # its context is still kept
         if split:
             assert len({bool(only_last[n]) for n in nodes}) == 1
+        if exact_ends:  # a node that others continue ends at its pass's last position: no pads after it
+            assert all(length[n] == length[nodes].max() for n in nodes if kids[n])
         assert p.only_last == bool(only_last[nodes].all())
         held = -(-tree.start[nodes] // prefix_tree.HELD_POSITIONS_PER_TOKEN)
         assert len(nodes) * int((length[nodes] + held).max()) <= budget or len(nodes) == 1
         done.update(nodes)
-        live.update({n: int(length[n]) for n in nodes if kids[n]})
+        live.update({n: int(length[n]) + node_tokens for n in nodes if kids[n]})
         # The keys and values kept at once: the budget, unless one chain of nodes is longer on its own.
-        assert sum(live.values()) <= max(cache, chain) + int(length[nodes].max())
+        assert sum(live.values()) <= max(cache, chain) + int(length[nodes].max()) + node_tokens
         for node in p.release:
             assert all(d in done for d in descendants(kids, node))  # only once every descendant ran
             released.add(node)

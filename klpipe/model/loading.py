@@ -10,7 +10,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +239,60 @@ def load_model(spec: ModelSpec):
     model.eval()
     model.requires_grad_(False)
     return model, device, dtype
+
+
+# transformers' own words when a hybrid layer's kernel package is missing (integrations/hub_kernels.py).
+_FALLBACK = re.compile(r"falling back to its reference PyTorch implementation because `([^`]+)` is not installed")
+
+
+@contextmanager
+def kernel_fallbacks():
+    """Within the block, the packages transformers says it runs its slow reference code without
+    (flash-linear-attention, causal-conv1d, mamba-ssm), collected in order from its own warnings,
+    which load_model otherwise keeps out of the log. transformers says so once per process, at a
+    layer's first forward."""
+    found: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            match = _FALLBACK.search(record.getMessage())
+            if match and match.group(1) not in found:
+                found.append(match.group(1))
+
+    logger = logging.getLogger("transformers")
+    saved = logger.level, [(handler, handler.level) for handler in logger.handlers]
+    for handler, level in saved[1]:  # what reached the log before still does; nothing more
+        handler.setLevel(max(level, logger.getEffectiveLevel()))
+    collect = Collect(logging.WARNING)
+    logger.addHandler(collect)
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield found
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(saved[0])
+        for handler, level in saved[1]:
+            handler.setLevel(level)
+
+
+def decoder_body(model):
+    """The causal LM's decoder body (embeddings, layers, final norm), found as transformers finds it.
+
+    `get_decoder()` first. Some causal LMs (Llama 4's) name a base-model prefix they do not have, so
+    that both `get_decoder()` and `base_model` return the whole model, head included; their body is
+    then the one child model that holds the input embeddings.
+    """
+    from transformers import PreTrainedModel
+
+    body = model.get_decoder()
+    if body is not model:
+        return body
+    embeddings = model.get_input_embeddings()
+    holders = [child for _, child in model.named_children()
+               if isinstance(child, PreTrainedModel) and any(m is embeddings for m in child.modules())]
+    if len(holders) != 1:
+        raise ModelError(f"{type(model).__name__}: cannot tell its decoder body from its LM head")
+    return holders[0]
 
 
 @dataclass

@@ -24,7 +24,7 @@ class ReferenceModel:
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.body = model.base_model  # everything up to (and including) the final norm
+        self.body = loading.decoder_body(model)  # everything up to (and including) the final norm
         config = loading.text_config(model.config)
         self.head = LMHead(model, config, device, logits_budget)
         self.vocab_size = self.head.vocab_size
@@ -42,14 +42,18 @@ class ReferenceModel:
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = loading.rope_length_limit(config)
         self.attention_cost = attention_cost(self.body)
-        self._kv_bytes_per_token: int | None = None
+        self._layer_kinds = None
+        self._cache_cost = None
+        self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
 
     @classmethod
     def load(cls, spec: ModelSpec) -> ReferenceModel:
         """Load `spec` safely (loading.py) and check the chunked head against the model's own logits."""
         model, device, dtype = loading.load_model(spec)
         reference = cls(model, device, dtype)
-        reference.check_head()
+        with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
+            reference.check_head()
+        reference.slow_kernels = tuple(missing)
         return reference
 
     @property
@@ -60,13 +64,46 @@ class ReferenceModel:
         probes.check_head(self)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values a token holds across the layers that store them (measured once)."""
-        if self._kv_bytes_per_token is None:
-            from klpipe.model.tree import kv_bytes_per_token
+    def kernel_note(self) -> str | None:
+        """One line for the log where a GPU runs hybrid layers in transformers' slow reference code."""
+        if not self.slow_kernels or not str(self.device).startswith("cuda"):
+            return None
+        names = " and ".join(self.slow_kernels)
+        return (f"{type(self.model).__name__}'s linear-attention, SSM or convolution layers run transformers' slow "
+                f"reference code on this GPU: pip install {names} for its kernels")
 
-            self._kv_bytes_per_token = kv_bytes_per_token(self)
-        return self._kv_bytes_per_token
+    @property
+    def layer_kinds(self):
+        """How each decoder layer continues a prefix (tree.layer_kinds); raises for a layout the tree does not know.
+        Only the prefix tree asks: rows run whole need none of it."""
+        if self._layer_kinds is None:
+            from klpipe.model.tree import layer_kinds
+
+            self._layer_kinds = layer_kinds(self.model)
+        return self._layer_kinds
+
+    @property
+    def keeps_state(self) -> bool:
+        """Some layer continues a prefix from a recurrent or convolution state, taken only at a pass's end."""
+        return any(kind.continuation.state for kind in self.layer_kinds)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values a token holds across the layers that store them (measured once; at least 1)."""
+        return max(self._measured_cost().kv_bytes_per_token, 1)
+
+    @property
+    def state_tokens_per_node(self) -> int:
+        """A node's recurrent and convolution states, in tokens' worth of keys and values (the cache budget's unit)."""
+        cost = self._measured_cost()
+        return -(-cost.state_bytes_per_node // self.kv_bytes_per_token)
+
+    def _measured_cost(self):
+        if self._cache_cost is None:
+            from klpipe.model.tree import cache_cost
+
+            self._cache_cost = cache_cost(self)
+        return self._cache_cost
 
     @torch.inference_mode()
     def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0,

@@ -1,24 +1,33 @@
 """Running a chunk's prefix tree (precompute/prefix_tree.py): every node once, continuing its ancestors'
-keys and values, with transformers' own attention masks and no per-architecture code.
+state, with transformers' own attention masks and no per-architecture code.
 
-A pass runs several nodes side by side, aligned at the right so that every row ends at the last
-position (a model that skips layers for positions nobody needs, Gemma 4's KV-shared layers, then
-skips them for every row alike):
+What a layer continues a prefix from depends on its kind, and one table says how (`CONTINUATIONS`):
+an attention layer from the keys and values of every context position it can see, a linear-attention,
+SSM or short-convolution layer from its recurrent state and convolution window at the prefix's last
+token, a KV-shared layer from nothing of its own.
 
-    row:  [ pads | context, from the cache | pads | fed tokens ]
-          └──────────── C ───────────────┘ └─────── T ───────┘
+A pass runs several nodes side by side in one of two layouts (`Layout`):
 
-The context is a node's path from the root as keys and values that earlier passes computed; the
-fed tokens are the node's own tokens. A node shorter than the pass's longest feeds the end of its
-context again instead of pads (so nothing ever sits between a context and its tokens); only a
-row with too little context to fill T has pads before its fed tokens, and every pad is at the
-left. Real tokens are therefore contiguous in the cache's slots, and a sliding window measured in
-slots, as transformers measures it, is the window in tokens. Pads carry position 0 and an
-attention mask of 0, so no position id ever exceeds a row's real ones (a dynamic or long RoPE picks
-its frequencies from the largest position in the batch).
+    left  (the default):  [ pads | context, from the cache | fed tokens | pads ]
+    right (Gemma 4):      [ pads | context, from the cache | pads | fed tokens ]
+                          └──────────── C ───────────────┘ └─────── T ───────┘
 
-Each node's own keys and values are kept, cut to its real tokens, while any of its descendants is
-still to run; `Pass.release` says when they go.
+The context is a node's path from the root, as the state that earlier passes computed; the fed
+tokens are the node's own. On the left, each node feeds exactly its own tokens, straight after its
+context, and shorter nodes end in pads that no earlier position sees (every layer is causal). A
+recurrent layer's state is taken at the end of the pass, so a node that others continue must be as
+long as its pass's longest (the planner's `exact_ends`); pads never enter a state. On the right,
+every row ends at the last position, so that a model that skips layers for positions nobody needs
+(Gemma 4's KV-shared layers) skips them for every row alike: a node shorter than the pass's longest
+feeds the end of its context again instead of pads, and only a row with too little context to fill T
+has pads before its fed tokens. That layout is for attention-only models: re-fed tokens would advance a
+recurrent state twice. In both, real tokens are contiguous in the cache's slots, so a sliding window
+or an attention chunk measured in slots, as transformers measures them, is the window in tokens. Pads
+carry position 0 and an attention mask of 0, so no position id ever exceeds a row's real ones (a
+dynamic or long RoPE picks its frequencies from the largest position in the batch).
+
+Each node's own state is kept (keys and values cut to its real tokens) while any of its descendants
+is still to run; `Pass.release` says when it goes.
 """
 
 from __future__ import annotations
@@ -28,8 +37,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import Cache, DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
 if TYPE_CHECKING:  # the plan's types: precompute/ plans, model/ runs, and never the other way round
     from klpipe.precompute.prefix_tree import Pass, Tree
@@ -51,28 +60,37 @@ def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temper
     """log p(response tokens) of every row of `tree`, each node computed once, as float32 per row."""
     results = [np.full(len(t), np.nan, dtype=np.float32) for t in wanted.targets]
     rows_of = _rows_through(tree)
-    kinds = layer_kinds(reference.model)
-    kept: dict[int, list] = {}  # node -> per layer (keys, values) of its own tokens, or None
+    kinds = reference.layer_kinds
+    layout = pass_layout(reference)
+    kept: dict[int, list[Kept]] = {}  # node -> per layer, the state its own tokens leave
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
     with torch.inference_mode():
         for step in passes:
-            _run_pass(reference, tree, step, kinds, kept, parent_of_kept, rows_of, wanted, temperature, results)
+            _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
+                      results)
             for node in step.release:
                 kept.pop(node, None)
             check_stop()
     return results
 
 
+def pass_layout(reference) -> str:
+    """"right" where the model skips layers for positions nobody needs (every row must end at the last position),
+    "left" otherwise (each node feeds exactly its own tokens): see the module's docstring."""
+    return "right" if reference.prefill_skips_layers and not reference.keeps_state else "left"
+
+
 # -- one pass ---------------------------------------------------------------------------------------
 
 
-def _run_pass(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows_of, wanted: Wanted,
+def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, parents: set, rows_of, wanted: Wanted,
               temperature: float, results: list[np.ndarray]) -> None:
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
     fed_len = int(own.max())
-    cached = np.maximum(start - (fed_len - own), 0)  # (b,) context positions read from the cache
+    # Context positions read from the cache; on the right, a short node feeds the end of its context again.
+    cached = np.maximum(start - (fed_len - own), 0) if layout == "right" else start.copy()  # (b,)
     context = int(cached.max())
     b = len(nodes)
     device = reference.input_device
@@ -80,28 +98,32 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows
     ids = np.zeros((b, fed_len), dtype=np.int64)
     positions = np.zeros((b, fed_len), dtype=np.int64)
     mask = np.zeros((b, context + fed_len), dtype=np.int64)
+    first = np.zeros(b, dtype=np.int64)  # the slot of each node's first own token among the fed ones
     for k, node in enumerate(nodes):
         fed = tree.tokens(node, start=int(cached[k]))  # the node's tokens, after any end of its context fed again
-        ids[k, fed_len - len(fed):] = fed
-        positions[k, fed_len - len(fed):] = np.arange(cached[k], end[k])
+        at = fed_len - len(fed) if layout == "right" else 0
+        ids[k, at:at + len(fed)] = fed
+        positions[k, at:at + len(fed)] = np.arange(cached[k], end[k])
         mask[k, context - cached[k]:context] = 1
-        mask[k, context + fed_len - len(fed):] = 1
+        mask[k, context + at:context + at + len(fed)] = 1
+        first[k] = at + start[k] - cached[k]
     cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept)
     extra = {}
-    if step.only_last and reference.prefill_skips_layers:
+    if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
     out = reference.body(input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
                          position_ids=torch.from_numpy(positions).to(device), use_cache=True,
                          **{reference.cache_argument: cache}, **extra)
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
     for k, node in enumerate(nodes):
-        if node in parents:  # descendants continue it: keep its own tokens' keys and values
-            kept[node] = cache.new_of(k, int(own[k]))
-    _gather_logprobs(reference, tree, step, hidden, rows_of, wanted, temperature, results)
+        if node in parents:  # descendants continue it: keep the state its own tokens leave
+            kept[node] = cache.state_of(k, int(first[k]), int(own[k]), fed_len)
+    slot_of_start = first - (fed_len - hidden.shape[1])  # hidden's slot of each node's first own token
+    _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
 
 
-def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, rows_of, wanted: Wanted,
-                     temperature: float, results: list[np.ndarray]) -> None:
+def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, slot_of_start: np.ndarray, rows_of,
+                     wanted: Wanted, temperature: float, results: list[np.ndarray]) -> None:
     """The logprobs of every row's needed positions that fall inside this pass's nodes."""
     batch_row, slot, row, position = [], [], [], []
     width = hidden.shape[1]
@@ -115,7 +137,7 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, ro
             if wanted.needed is not None:  # a masked token is context only: no head for it
                 p = p[wanted.needed[r][p - wanted.base[r]]]
             batch_row.append(np.full(len(p), k))
-            slot.append(width - (end - p))
+            slot.append(slot_of_start[k] + p - start)
             row.append(np.full(len(p), r))
             position.append(p)
     if not batch_row:
@@ -134,15 +156,24 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, ro
         results[r][o] = value
 
 
-def kv_bytes_per_token(reference) -> int:
-    """Bytes of keys and values one token holds in the layers that store them: one token's forward, measured."""
-    cache = ContextCache(layer_kinds(reference.model), 0, [[]], np.zeros(1, dtype=np.int64), None, {})
+@dataclass(frozen=True)
+class CacheCost:
+    """What the tree keeps for a node, in bytes: keys and values per token, and recurrent and convolution
+    states per node, whatever its length."""
+
+    kv_bytes_per_token: int
+    state_bytes_per_node: int
+
+
+def cache_cost(reference) -> CacheCost:
+    """Bytes one token holds as keys and values, and one node as states: one token's forward, measured."""
+    cache = ContextCache(reference.layer_kinds, 0, [[]], np.zeros(1, dtype=np.int64), None, {})
     one = torch.zeros((1, 1), dtype=torch.long, device=reference.input_device)
     with torch.inference_mode():
         reference.body(input_ids=one, attention_mask=torch.ones_like(one), position_ids=torch.zeros_like(one),
                        use_cache=True, **{reference.cache_argument: cache})
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-               for kv in cache.new_of(0, 1) if kv is not None for k, v in [kv])
+    kept = cache.state_of(0, 0, 1, 1)
+    return CacheCost(sum(layer.kv_bytes() for layer in kept), sum(layer.state_bytes() for layer in kept))
 
 
 def _rows_through(tree: Tree) -> list[list[int]]:
@@ -155,32 +186,76 @@ def _rows_through(tree: Tree) -> list[list[int]]:
     return through
 
 
-# -- the cache a pass reads ---------------------------------------------------------------------------
+# -- what each kind of layer continues a prefix from -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a layer needs of a prefix to continue it exactly."""
+
+    keys_values: str | None = None  # "full" or "sliding": the keys and values of the context positions it sees
+    state: bool = False  # its recurrent state and convolution window at the context's last token
+
+
+# transformers' cache layer types (cache_utils.get_layer_types_and_kwargs, as DynamicCache lays out a config),
+# and how each continues a prefix. A type not here has no tree: --prefix-sharing auto runs rows whole.
+CONTINUATIONS = {
+    "full_attention": Continuation(keys_values="full"),
+    "sliding_attention": Continuation(keys_values="sliding"),  # the last window - 1 positions
+    # Llama 4: the chunk mask is not a window; the context stays whole and the mask picks the chunk.
+    "chunked_attention": Continuation(keys_values="full"),
+    "dummy": Continuation(),  # Gemma 4's KV-shared layers, Nemotron-H's MLP layers: nothing of their own
+    # Gated DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2 (Nemotron-H): a recurrent state and a convolution window.
+    "linear_attention": Continuation(state=True),
+    "conv": Continuation(state=True),  # LFM2's short convolutions: a convolution window
+    "hybrid": Continuation(keys_values="full", state=True),  # Falcon-H1: attention and Mamba-2 side by side
+    "hybrid_sliding": Continuation(keys_values="sliding", state=True),
+}
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    kind: str  # "full", "sliding" or "none" (a layer that stores nothing: Gemma 4's KV-shared layers)
+    continuation: Continuation
     window: int | None = None  # sliding: the window, in tokens
+    states: int = 1  # recurrent and convolution states the layer keeps (transformers' number_of_states)
+
+
+class UnknownLayer(NotImplementedError):
+    """A cache layer type the prefix tree does not know how to continue."""
 
 
 def layer_kinds(model) -> list[LayerKind]:
-    """What each decoder layer keeps, as transformers' own DynamicCache lays it out for this config."""
+    """How each decoder layer continues a prefix, from the layer types transformers' DynamicCache reads off
+    the config; a type not in CONTINUATIONS raises UnknownLayer."""
     config = model.config.get_text_config(decoder=True)
-    layer_types = getattr(config, "layer_types", None)
+    types, kwargs = get_layer_types_and_kwargs(config)
     kinds = []
-    for index, layer in enumerate(DynamicCache(config=model.config).layers):
-        if isinstance(layer, DummyLayer):
-            kinds.append(LayerKind("none"))
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            sliding = layer_types is None or layer_types[index] == "sliding_attention"
-            # Chunked attention shares the class; its mask is not a window, so its context stays whole.
-            kinds.append(LayerKind("sliding", layer.sliding_window) if sliding else LayerKind("full"))
-        elif type(layer) is DynamicLayer:
-            kinds.append(LayerKind("full"))
-        else:
-            raise NotImplementedError(f"a {type(layer).__name__} cache layer (layer {index})")
+    for index, (kind, extra) in enumerate(zip(types, kwargs)):
+        if kind not in CONTINUATIONS:
+            raise UnknownLayer(f"the prefix tree does not know how a {kind!r} cache layer (layer {index}) "
+                               "continues a prefix")
+        continuation = CONTINUATIONS[kind]
+        window = extra.get("sliding_window") if continuation.keys_values == "sliding" else None
+        kinds.append(LayerKind(continuation, window, int(extra.get("number_of_states", 1))))
     return kinds
+
+
+# -- the cache a pass reads ---------------------------------------------------------------------------
+
+
+@dataclass
+class Kept:
+    """One layer's state after a node's own tokens: what its descendants continue from."""
+
+    keys: torch.Tensor | None = None  # (h, own length, d)
+    values: torch.Tensor | None = None  # (h, own length, d_v)
+    states: tuple | None = None  # per state index, (convolution window (C, K) or None, recurrent state or None)
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.states or () for t in pair if t is not None)
 
 
 class ContextLayer(CacheLayerMixin):
@@ -194,14 +269,14 @@ class ContextLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, full_length: int, sliding: bool):
-        super().__init__()
+        CacheLayerMixin.__init__(self)
         self.context_keys, self.context_values = keys, values  # (b, h, c, d), c <= full_length
         self.full_length = full_length  # slots before the fed tokens: the queries' offset
         self.is_sliding = sliding
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, *args, **kwargs) -> None:
         pass  # built whole in __init__
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -222,6 +297,48 @@ class ContextLayer(CacheLayerMixin):
         return -1
 
 
+class StateLayer(LinearAttentionLayer):
+    """A linear-attention, SSM or short-convolution layer's states at each row's context end (its parent's
+    last token; zeros, as a fresh prefill starts, for a row without context), as a cache that had run the
+    context would hold them. The model updates them in place with the pass's own tokens."""
+
+    def __init__(self, states: list[tuple] | None, number_of_states: int = 1):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self.written = False
+        for index, (conv, recurrent) in enumerate(states or ()):
+            if conv is not None:
+                self.conv_states[index], self.conv_kernel_size[index] = conv, conv.shape[-1]
+                self.is_conv_states_initialized[index] = True
+                self.dtype, self.device = conv.dtype, conv.device
+            if recurrent is not None:
+                self.recurrent_states[index] = recurrent
+                self.is_recurrent_states_initialized[index] = True
+            self.has_previous_state[index] = True
+
+    def update_conv_state(self, *args, **kwargs):
+        self.written = True
+        return LinearAttentionLayer.update_conv_state(self, *args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        self.written = True
+        return LinearAttentionLayer.update_recurrent_state(self, *args, **kwargs)
+
+    def states_of(self, row: int) -> tuple:
+        return tuple((self.conv_states[i][row].clone() if self.is_conv_states_initialized[i] else None,
+                      self.recurrent_states[i][row].clone() if self.is_recurrent_states_initialized[i] else None)
+                     for i in range(self.number_of_states))
+
+
+class ContextAndStateLayer(StateLayer, ContextLayer):
+    """A layer with attention and a recurrent path side by side (Falcon-H1): both continuations at once."""
+
+    def __init__(self, keys, values, full_length: int, sliding: bool, states, number_of_states: int = 1):
+        ContextLayer.__init__(self, keys, values, full_length, sliding)
+        StateLayer.__init__(self, states, number_of_states)
+
+    lazy_initialization = StateLayer.lazy_initialization  # the recurrent path's (keys come whole)
+
+
 class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
@@ -229,38 +346,54 @@ class ContextCache(Cache):
                  tree: Tree, kept: dict):
         layers = []
         for index, kind in enumerate(kinds):
-            if kind.kind == "none":
-                layers.append(DummyLayer())
-                continue
-            # A sliding layer's queries see at most the window's last `window - 1` context slots.
-            held = context if kind.kind == "full" else min(context, kind.window - 1)
+            attention, state = kind.continuation.keys_values, kind.continuation.state
             keys = values = None
-            if held:
-                keys, values = _gather_context(index, held, ancestors, cached, tree, kept)
-            layers.append(ContextLayer(keys, values, context, sliding=kind.kind == "sliding"))
+            if attention is not None:
+                # A sliding layer's queries see at most the window's last `window - 1` context slots.
+                held = context if attention == "full" else min(context, kind.window - 1)
+                if held:
+                    keys, values = _gather_context(index, held, ancestors, cached, tree, kept)
+            states = _gather_states(index, ancestors, kept) if state else None
+            if attention is not None and state:
+                layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states))
+            elif attention is not None:
+                layers.append(ContextLayer(keys, values, context, sliding=attention == "sliding"))
+            elif state:
+                layers.append(StateLayer(states, kind.states))
+            else:
+                layers.append(DummyLayer())
         super().__init__(layers=layers)
 
-    def new_of(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Batch row `row`'s last `length` fed tokens' keys and values, per layer (None where none)."""
-        kept_row = []
+    def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
+        """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
+        of the pass's `fed`."""
+        kept_row, written = [], False
         for layer in self.layers:
+            kept = Kept()
             new = getattr(layer, "new", None)
-            if new is None:
-                kept_row.append(None)
-                continue
-            keys, values = new  # (b, h, T, d)
-            kept_row.append((keys[row, :, keys.shape[-2] - length:].clone(),
-                             values[row, :, values.shape[-2] - length:].clone()))
-        if all(kv is None for kv in kept_row):
+            if new is not None:
+                keys, values = new  # (b, h, T, d)
+                kept.keys = keys[row, :, first:first + length].clone()
+                kept.values = values[row, :, first:first + length].clone()
+                written = True
+            if isinstance(layer, StateLayer):
+                if first + length != fed:
+                    # A state is the one after the pass's last position: pads after the node would be in it.
+                    raise RuntimeError("a recurrent state was asked for at a node shorter than its pass")
+                kept.states = layer.states_of(row)
+                written = written or layer.written
+            kept_row.append(kept)
+        if not written:
             # A forward that takes its cache under another name drops it silently (**kwargs).
-            raise RuntimeError("the model's forward wrote no keys or values into the cache it was given")
+            raise RuntimeError("the model's forward wrote no keys, values or states into the cache it was given")
         return kept_row
 
 
 def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: np.ndarray, tree: Tree,
                     kept: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, h, held, d) keys and values: each row's last `held` context positions, left-padded with zeros."""
-    sample_keys, sample_values = next(kept[a][layer] for path in ancestors for a in path if kept[a][layer] is not None)
+    sample = next(kept[a][layer] for path in ancestors for a in path if kept[a][layer].keys is not None)
+    sample_keys, sample_values = sample.keys, sample.values
     heads, dim, device = sample_keys.shape[0], sample_keys.shape[-1], sample_keys.device
     keys = torch.zeros((len(ancestors), heads, held, dim), dtype=sample_keys.dtype, device=device)
     values = torch.zeros((len(ancestors), heads, held, sample_values.shape[-1]), dtype=sample_values.dtype,
@@ -272,8 +405,24 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
             low, high = max(int(tree.start[node]), first), min(int(tree.end[node]), stop)
             if low >= high:
                 continue
-            node_keys, node_values = kept[node][layer]  # (h, own length, d), on this layer's device
+            node_kept = kept[node][layer]  # (h, own length, d), on this layer's device
             at = held - (stop - low)  # slot of position `low`, counted from the left of the held slots
-            keys[row, :, at:at + high - low] = node_keys[:, low - tree.start[node]:high - tree.start[node]]
-            values[row, :, at:at + high - low] = node_values[:, low - tree.start[node]:high - tree.start[node]]
+            keys[row, :, at:at + high - low] = node_kept.keys[:, low - tree.start[node]:high - tree.start[node]]
+            values[row, :, at:at + high - low] = node_kept.values[:, low - tree.start[node]:high - tree.start[node]]
     return keys, values
+
+
+def _gather_states(layer: int, ancestors: list[list[int]], kept: dict) -> list[tuple] | None:
+    """Per state index, (b, ...) convolution windows and recurrent states: each row's parent's (the state at its
+    context's last token), zeros for a row without context; None when no row has one (a fresh prefill)."""
+    parents = [path[-1] if path else None for path in ancestors]
+    sample = next((kept[p][layer].states for p in parents if p is not None), None)
+    if sample is None:
+        return None
+    stacked = []
+    for index, pair in enumerate(sample):
+        stacked.append(tuple(
+            None if like is None else torch.stack([kept[p][layer].states[index][which] if p is not None
+                                                   else torch.zeros_like(like) for p in parents])
+            for which, like in enumerate(pair)))
+    return stacked

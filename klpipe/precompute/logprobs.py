@@ -62,8 +62,9 @@ class ChunkPlan:
 
 
 def plan_key(model) -> tuple:
-    """What a plan depends on besides the rows and the budgets."""
-    return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost)
+    """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it)."""
+    return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost, model.keeps_state,
+            model.state_tokens_per_node if model.keeps_state else 0)
 
 
 def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
@@ -201,8 +202,11 @@ def _plan_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, ma
     if model.prefill_skips_layers:
         tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=min_prefix)
     need = prefix_tree.needs(tree, first)
+    exact_ends = model.keeps_state  # a recurrent state is handed on only from a pass's last position
     passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
-                                     split_by_need=model.prefill_skips_layers, attention=attention)
+                                     split_by_need=model.prefill_skips_layers, attention=attention,
+                                     exact_ends=exact_ends,
+                                     node_tokens=model.state_tokens_per_node if exact_ends else 0)
     return tree, passes, first
 
 
@@ -229,6 +233,7 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int) -> tupl
 # context shifted would show), at least this long, and never longer than PROBE_MAX_PREFIX.
 PROBE_MIN_PREFIX = 40
 PROBE_MAX_PREFIX = 1024
+PROBE_LONGEST_ROW = 30  # what the probe's longest row feeds beyond the system prompt (turn two's, below)
 
 
 def check_tree(model) -> str | None:
@@ -238,15 +243,20 @@ def check_tree(model) -> str | None:
     window in every row, two tasks after it, responses of length 0, 1 and several, a row whose
     prompt is the bare system prompt, a second turn whose prompt holds the first turn's prompt and
     response, duplicates, and a row that shares nothing. Tiny budgets make several passes, contexts
-    of different lengths in one pass, nodes that feed the end of their context again, and waves
-    that drop keys and values while their rows still need others.
+    of different lengths in one pass, nodes of different lengths side by side (padded after, or, on
+    Gemma 4, feeding the end of their context again), and waves that drop keys, values and states
+    while their rows still need others.
     """
     from klpipe.model.loading import text_config
 
     config = text_config(model.model.config)
-    window = getattr(config, "sliding_window", None) or 0
+    window = max(getattr(config, "sliding_window", None) or 0, getattr(config, "attention_chunk_size", None) or 0)
     limit = getattr(config, "max_position_embeddings", None) or 4096
     prefix = int(min(max(window + 8, PROBE_MIN_PREFIX), PROBE_MAX_PREFIX, limit // 4))
+    if model.rope_length_limit is not None:
+        # Rows past a long RoPE's limit never share (chunk_logprobs runs them whole, with each other):
+        # the probe's rows, the longest PROBE_LONGEST_ROW past the prefix, stay within it.
+        prefix = min(prefix, model.rope_length_limit - PROBE_LONGEST_ROW)
     rng = np.random.default_rng(1)
 
     def tokens(n: int) -> np.ndarray:

@@ -228,7 +228,8 @@ class Pass:
 
 
 def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_tokens: int,
-                split_by_need: bool, attention: float = 0.0) -> list[Pass]:
+                split_by_need: bool, attention: float = 0.0, exact_ends: bool = False,
+                node_tokens: int = 0) -> list[Pass]:
     """Every node but the root in passes that respect the budgets, each after its parent's.
 
     Subtrees are taken in waves whose inner nodes' keys and values fit `max_cache_tokens`, each wave
@@ -237,15 +238,22 @@ def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_to
     longer than either budget still runs, alone. Within a level, nodes are cut into passes by the
     token budget, pricing attention at `attention` fed tokens per position attended (`cut_level`).
     With `split_by_need`, nodes that need only their last position run in passes of their own.
+    With `exact_ends` (a model whose recurrent layers hand on only the state after a pass's last
+    position), a node that others continue runs only with nodes no longer than itself: nodes with
+    children run in passes of one length each, leaves wherever they fit. Each kept node costs
+    `node_tokens` of the cache budget beyond its length (its recurrent and convolution states).
     """
     kids = tree.children()
     length = tree.end - tree.start
-    inner = _inner_tokens(kids, length)
+    inner = _inner_tokens(kids, length, node_tokens)
     passes: list[Pass] = []
+    continued = np.array([bool(k) for k in kids], dtype=bool)
 
     def run_level(nodes: list[int]) -> None:
         nodes = np.asarray(nodes, dtype=np.int64)
         groups = [nodes[only_last[nodes]], nodes[~only_last[nodes]]] if split_by_need else [nodes]
+        if exact_ends:
+            groups = [part for group in groups for part in _by_exact_end(group, length, continued)]
         for group in groups:
             if len(group):
                 for batch in cut_level(length[group], tree.start[group], max_tokens, attention):
@@ -265,7 +273,7 @@ def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_to
                     run_wave(wave)
                 wave, held = [], 0
                 run_level([root])
-                schedule(kids[root], max(budget - int(length[root]), 0))
+                schedule(kids[root], max(budget - int(length[root]) - node_tokens, 0))
             elif held + inner[root] > budget:
                 run_wave(wave)
                 wave, held = [root], int(inner[root])
@@ -326,8 +334,20 @@ def _cut(order: np.ndarray, length: np.ndarray, context: np.ndarray, max_tokens:
     return cheapest_cut(order, last_pass)
 
 
-def _inner_tokens(kids: list[list[int]], length: np.ndarray) -> np.ndarray:
-    """Tokens of the nodes with children in each subtree: the most keys and values it holds at once."""
+def _by_exact_end(nodes: np.ndarray, length: np.ndarray, continued: np.ndarray) -> list[np.ndarray]:
+    """`nodes` in groups where no continued node is shorter than another node: one group per length of the
+    continued nodes, each with the leaves no longer than it (the longest first), then the other leaves."""
+    groups, leaves = [], nodes[~continued[nodes]]
+    for size in sorted(set(length[nodes[continued[nodes]]].tolist()), reverse=True):
+        fits = length[leaves] <= size
+        groups.append(np.concatenate([nodes[continued[nodes] & (length[nodes] == size)], leaves[fits]]))
+        leaves = leaves[~fits]
+    return groups + [leaves]
+
+
+def _inner_tokens(kids: list[list[int]], length: np.ndarray, node_tokens: int = 0) -> np.ndarray:
+    """Tokens of the nodes with children in each subtree (each `node_tokens` more): the most its kept state
+    holds at once."""
     inner = np.zeros(len(kids), dtype=np.int64)
     order, stack = [], [ROOT]
     while stack:
@@ -335,5 +355,5 @@ def _inner_tokens(kids: list[list[int]], length: np.ndarray) -> np.ndarray:
         order.append(node)
         stack.extend(kids[node])
     for node in reversed(order):  # children before parents
-        inner[node] = (length[node] if kids[node] else 0) + sum(inner[k] for k in kids[node])
+        inner[node] = (length[node] + node_tokens if kids[node] else 0) + sum(inner[k] for k in kids[node])
     return inner
