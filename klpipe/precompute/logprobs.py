@@ -61,8 +61,11 @@ class ChunkPlan:
     masked: bool = False  # whether a mask said which logprobs are needed (else every one is)
 
 
-def plan_key(model) -> tuple:
-    """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it)."""
+def plan_key(model, sharing: str) -> tuple:
+    """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it).
+    Rows run whole (`off`) ask nothing of the tree, so neither does their key."""
+    if sharing == "off":
+        return (model.prefill_skips_layers, model.rope_length_limit, "off")
     return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost, model.keeps_state,
             model.state_tokens_per_node if model.keeps_state else 0)
 
@@ -109,7 +112,7 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
             tree, passes, _ = _plan_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens,
                                          model.attention_cost)
     batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens)
-    return ChunkPlan(plan_key(model), needed, fed, candidates, tree, passes, batches, padded, masked)
+    return ChunkPlan(plan_key(model, sharing), needed, fed, candidates, tree, passes, batches, padded, masked)
 
 
 def plan_stats(plan: ChunkPlan, stats: ForwardStats) -> None:
@@ -129,7 +132,7 @@ def plan_stats(plan: ChunkPlan, stats: ForwardStats) -> None:
 def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float,
              check_stop: Callable[[], None] = lambda: None) -> list[np.ndarray]:
     """`model`'s logprobs of every row of the chunk, by `plan` (made for a model of the same plan_key)."""
-    if plan.key != plan_key(model):
+    if plan.key != plan_key(model, "off" if plan.key[-1] == "off" else "auto"):
         raise ValueError("a chunk plan runs only on models with the plan_key it was made for")
     results = [np.full(len(response), np.nan if plan.masked else 0.0, dtype=np.float32) for _, response in rows]
     if plan.tree is not None:

@@ -331,7 +331,7 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 policy_logprobs = None
                 if policy is not None:
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
-                    same = plan_key(policy) == plan.key and policy_sharing == summary.prefix_sharing
+                    same = plan_key(policy, policy_sharing) == plan.key and policy_sharing == summary.prefix_sharing
                     policy_plan = plan if same else plan_chunk(policy, pairs, max_tokens, policy_sharing,
                                                                policy_cache_tokens, needed)
                     policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, stop.check)
