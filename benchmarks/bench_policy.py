@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import ROOT, VOCAB, build_model  # noqa: E402
 
 WORK = ROOT / "build" / "bench_policy"
-SYSTEM, TASKS, GROUP = 512, 16, 8
+SYSTEM, TASKS, GROUP = 512, 12, 8
 
 
 def build_inputs() -> tuple[Path, Path]:

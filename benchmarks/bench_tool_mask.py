@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import ROOT, VOCAB, build_model  # noqa: E402
 
 WORK = ROOT / "build" / "bench_tool_mask"
-SYSTEM, TASKS, GROUP = 512, 24, 8
+SYSTEM, TASKS, GROUP = 512, 12, 8
 CALL, RESULT, ANSWER = 48, 192, 64  # completion: the call (1s), the tool's result and header (0s), the answer (1s)
 
 

@@ -47,10 +47,10 @@ class ForwardStats:
 @dataclass
 class ChunkPlan:
     """How a chunk's rows run: which rows go through the prefix tree and its passes, which run whole and in
-    which batches. It depends on the rows, the budgets and three properties of the model (`plan_key`), so
+    which batches. It depends on the rows, the budgets and a few properties of the model (`plan_key`), so
     a second model with the same properties (a policy fine-tuned from the reference) runs the same plan."""
 
-    key: tuple  # plan_key(model) of the model it was made for
+    key: tuple  # plan_key of the model and mode it was made for
     needed: list[np.ndarray]  # (rows,) bool per response token: the logprobs to compute
     fed: list[np.ndarray]  # (rows,) what each row feeds
     tree_rows: np.ndarray  # rows through the tree
