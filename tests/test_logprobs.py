@@ -154,9 +154,14 @@ def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatc
         # Queries placed three slots later than they are: the causal (and sliding) masks shift.
         monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
     else:
-        # The context's keys one slot off, as a wrong gather (or a wrong split of context and fed slots) would be.
+        # The context's keys one slot off from their values, as a wrong gather would pair them. (Rolling keys and
+        # values together is no fault for a row that sees its whole context: attention sums over its slots.)
         gather = tree_module._gather_context
-        monkeypatch.setattr(tree_module, "_gather_context",
-                            lambda *args: tuple(t.roll(1, dims=-2) for t in gather(*args)))
+
+        def shifted(*args):
+            keys, values = gather(*args)
+            return keys.roll(1, dims=-2), values
+
+        monkeypatch.setattr(tree_module, "_gather_context", shifted)
     problem = check_tree(reference)
     assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")
