@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-arch test-faults test-slurm test-s3 bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,10 @@ test: install
 
 # The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.
+# The slowest end-to-end tests (-m slow): kill -9 and resume, peak memory, a fresh install, the sharing modes.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
 test-arch: install
 	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
 

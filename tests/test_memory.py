@@ -12,11 +12,14 @@ comparison would measure that ramp rather than growth with the input.
 
 import os
 
+import pytest
+
 from tests.helpers import TINY_LLAMA, WIDE, peak_rss_mib, write_wide_rows
 
 GROWTH = 1.3  # the larger run's peak RSS may be at most this multiple of the smaller run's
 
 
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_input(tmp_path):
     # precompute: 30 MB and 240 MB (8×); --chunk-rows 256 keeps its own pipeline (a few 5 MB chunks) small.
     rollouts = [write_wide_rows(tmp_path / f"rollouts-{n}.parquet", n) for n in (1_500, 12_000)]

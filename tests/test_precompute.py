@@ -176,6 +176,7 @@ def test_jsonl_and_save_to_disk_inputs_match_parquet(tmp_path):
     assert from_jsonl.column("id").to_pylist() == source.column("id").to_pylist()
 
 
+@pytest.mark.slow
 def test_directory_of_files_keeps_file_then_row_order(tmp_path):
     source = pq.read_table(ROLLOUTS)
     folder = tmp_path / "day"
@@ -229,6 +230,7 @@ def change_one_weight(model_dir: Path, name: str) -> None:
         fh.write(np.float32(value + 1.0).tobytes())
 
 
+@pytest.mark.slow
 def test_changed_weights_are_never_reused(tmp_path, monkeypatch):
     """A model updated in its directory (fine-tuned, LoRA-merged) is another model: an existing output
     and a resumable work directory of the old one are refused, naming the model, never reused."""
@@ -316,6 +318,7 @@ def test_work_dir_from_another_column_mapping_is_named():
     assert _run_difference(previous, current) == "columns {'reward': 'score'} → {}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_dir", [TINY_GEMMA, TINY_LLAMA], ids=["gemma4", "llama"])
 def test_prefix_sharing_modes_match_oracle_and_count_what_they_fed(tmp_path, models, model_dir):
     source = pq.read_table(agent_rollouts(tmp_path / "agent.parquet"))

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from tests.helpers import TINY_GEMMA, kill_9_after_chunks, repeated_rollouts, run_cli
@@ -14,6 +15,7 @@ def many_rollouts(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_resumes_to_identical_output(tmp_path):
     source = many_rollouts(tmp_path)
     out = tmp_path / "cached.parquet"
