@@ -46,7 +46,8 @@ test: install
 
 # The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.
-# The slowest end-to-end tests (-m slow): kill -9 and resume, peak memory, a fresh install, the sharing modes.
+# The slowest end-to-end tests (-m slow): kill -9 and resume, peak memory, a fresh install, the sharing modes,
+# the sbatch examples against single-process runs.
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 

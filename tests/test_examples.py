@@ -160,6 +160,7 @@ def run_array(script: Path, tasks: range, cwd: Path, env: dict, only: list[int] 
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tasks", [range(0, 2), range(10, 13)], ids=["2-shards", "3-shards-from-10"])
 def test_sbatch_array_then_score_equals_single_process(tmp_path, single, tasks):
     env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
@@ -223,6 +224,7 @@ def wait_for_first_chunk(task: subprocess.Popen, work: Path) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_sbatch_task_stopped_by_usr1_is_requeued_and_resumes(tmp_path, spawn):
     """Slurm's time-limit warning mid-run: the task exits 75 and requeues itself; the rerun resumes."""
     rollouts = long_rollouts(tmp_path)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from klpipe.cli import app
@@ -430,6 +431,7 @@ def test_conversational_prompt_with_a_text_completion(tmp_path):
                              "string; TRL's conversational format has both as messages", tmp_path)
 
 
+@pytest.mark.slow
 def test_a_cache_written_into_the_input_directory_is_not_read_as_rollouts(tmp_path):
     rollouts = tmp_path / "day"
     rollouts.mkdir()
