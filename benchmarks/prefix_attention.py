@@ -51,7 +51,7 @@ def plan(path: Path):
     table = pq.read_table(path, columns=["prompt_ids", "response_ids"])
     rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64))
             for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
-    model = SimpleNamespace(prefill_skips_layers=False, rope_length_limit=None)
+    model = SimpleNamespace(prefill_skips_layers=False, rope_length_limit=None, keeps_state=False, state_tokens_per_node=0)
     needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
     fed = logprobs._fed(rows, needed)
     chosen, _ = logprobs._worth_a_tree(model, rows, fed, needed, np.flatnonzero([len(r) > 0 for _, r in rows]), "auto")

@@ -108,6 +108,26 @@ def test_every_mode_matches_with_temperature(tiny):
 # -- a hybrid as a user runs it -------------------------------------------------------------------------
 
 
+# Where the tree's full-attention layers attend over the context in place (klpipe/model/cascade.py): every sdpa
+# model with such a layer. Mistral's layers all slide; GPT-OSS's sinks run eager; DeepSeek-V3's attention expands
+# MLA latents from its cache, so it gets its context gathered.
+IN_PLACE = {"falcon_h1", "gemma3", "lfm2", "llama", "llama4", "nemotron_h", "phi3", "qwen3", "qwen3_5", "qwen3_moe",
+            "qwen3_next"}
+
+
+def test_full_attention_layers_attend_in_place_where_that_is_exact(tiny):
+    from klpipe.model import cascade
+
+    name, reference, _ = tiny
+    rows = agent_rows(reference.vocab_size, seed=5)
+    cascade.CALLS.clear()
+    chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats())
+    assert (cascade.CALLS["cascade"] > 0) == (name in IN_PLACE), dict(cascade.CALLS)
+    assert cascade.CALLS["gathered"] == 0
+    # DeepSeek-V3's first pass hands the tree back to the gathered way; GPT-OSS never left eager attention.
+    assert reference.cascade == (name not in {"deepseek_v3", "gpt_oss"})
+
+
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory):
     return save_tiny("qwen3_5", tmp_path_factory.mktemp("qwen3_5-cli"))

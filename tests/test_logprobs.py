@@ -146,22 +146,31 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
     assert prefix_tree.HELD_POSITIONS_PER_TOKEN == 8
 
 
-@pytest.mark.parametrize("fault", ["mask", "context"])
+@pytest.mark.parametrize("fault", ["queries", "context"])
 def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault):
+    from klpipe.model import cascade
     from klpipe.model import tree as tree_module
 
-    if fault == "mask":
+    if fault == "queries" and reference.cascade:
+        # The Llama's full-attention layers attend in place (cascade.py): its own part made non-causal.
+        flash = cascade._flash
+        monkeypatch.setattr(cascade, "_flash", lambda q, k, v, p, causal, **kw: flash(q, k, v, p, False, **kw))
+    elif fault == "queries":
         # Queries placed three slots later than they are: the causal (and sliding) masks shift.
         monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
     else:
-        # The context's keys one slot off from their values, as a wrong gather would pair them. (Rolling keys and
-        # values together is no fault for a row that sees its whole context: attention sums over its slots.)
-        gather = tree_module._gather_context
+        # Each kept node's keys one slot off from their values, as a wrong cut would pair them; both ways of
+        # attending read them. (Rolling keys and values together is no fault for a row that sees its whole
+        # context: attention sums over its slots.)
+        state_of = tree_module.ContextCache.state_of
 
-        def shifted(*args):
-            keys, values = gather(*args)
-            return keys.roll(1, dims=-2), values
+        def shifted(self, *args):
+            kept = state_of(self, *args)
+            for layer in kept:
+                if layer.keys is not None:
+                    layer.keys = layer.keys.roll(1, dims=-2)
+            return kept
 
-        monkeypatch.setattr(tree_module, "_gather_context", shifted)
+        monkeypatch.setattr(tree_module.ContextCache, "state_of", shifted)
     problem = check_tree(reference)
     assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")

@@ -12,7 +12,7 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import loading, probes
+from klpipe.model import cascade, loading, probes
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 
@@ -42,6 +42,9 @@ class ReferenceModel:
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = loading.rope_length_limit(config)
         self.attention_cost = attention_cost(self.body)
+        # The tree's full-attention layers attend over each row's context where it lies (cascade.py): on CPU under
+        # sdpa, in the left layout (a model whose prefill skips layers takes the right one, and shares its keys).
+        self.cascade = not self.prefill_skips_layers and cascade.enable(model, config)
         self._layer_kinds = None
         self._cache_cost = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)

@@ -40,6 +40,8 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer, get_layer_types_and_kwargs
 
+from klpipe.model import cascade
+
 if TYPE_CHECKING:  # the plan's types: precompute/ plans, model/ runs, and never the other way round
     from klpipe.precompute.prefix_tree import Pass, Tree
 
@@ -58,6 +60,18 @@ class Wanted:
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
     """log p(response tokens) of every row of `tree`, each node computed once, as float32 per row."""
+    if reference.cascade:
+        try:
+            return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
+        except cascade.NotInPlace:
+            # A model that attends over what it makes of its cache (DeepSeek's MLA latents) gets its context
+            # gathered, as transformers' own sdpa reads it; nothing computed so far is kept.
+            reference.cascade = False
+    return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
+
+
+def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float,
+                check_stop) -> list[np.ndarray]:
     results = [np.full(len(t), np.nan, dtype=np.float32) for t in wanted.targets]
     rows_of = _rows_through(tree)
     kinds = reference.layer_kinds
@@ -107,13 +121,18 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
         mask[k, context - cached[k]:context] = 1
         mask[k, context + at:context + at + len(fed)] = 1
         first[k] = at + start[k] - cached[k]
-    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept)
+    in_place = reference.cascade and layout == "left"
+    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
-    out = reference.body(input_ids=torch.from_numpy(ids).to(device), attention_mask=torch.from_numpy(mask).to(device),
-                         position_ids=torch.from_numpy(positions).to(device), use_cache=True,
-                         **{reference.cache_argument: cache}, **extra)
+    with cascade.active(cache):
+        out = reference.body(input_ids=torch.from_numpy(ids).to(device),
+                             attention_mask=torch.from_numpy(mask).to(device),
+                             position_ids=torch.from_numpy(positions).to(device), use_cache=True,
+                             **{reference.cache_argument: cache}, **extra)
+    if any(getattr(layer, "pending", False) for layer in cache.layers):
+        raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
     for k, node in enumerate(nodes):
         if node in parents:  # descendants continue it: keep the state its own tokens leave
@@ -195,12 +214,13 @@ class Continuation:
 
     keys_values: str | None = None  # "full" or "sliding": the keys and values of the context positions it sees
     state: bool = False  # its recurrent state and convolution window at the context's last token
+    cascade: bool = False  # plain causal attention over every context position: cascade.py may attend in place
 
 
 # transformers' cache layer types (cache_utils.get_layer_types_and_kwargs, as DynamicCache lays out a config),
 # and how each continues a prefix. A type not here has no tree: --prefix-sharing auto runs rows whole.
 CONTINUATIONS = {
-    "full_attention": Continuation(keys_values="full"),
+    "full_attention": Continuation(keys_values="full", cascade=True),
     "sliding_attention": Continuation(keys_values="sliding"),  # the last window - 1 positions
     # Llama 4: the chunk mask is not a window; the context stays whole and the mask picks the chunk.
     "chunked_attention": Continuation(keys_values="full"),
@@ -208,7 +228,7 @@ CONTINUATIONS = {
     # Gated DeltaNet (Qwen3.5, Qwen3-Next), Mamba-2 (Nemotron-H): a recurrent state and a convolution window.
     "linear_attention": Continuation(state=True),
     "conv": Continuation(state=True),  # LFM2's short convolutions: a convolution window
-    "hybrid": Continuation(keys_values="full", state=True),  # Falcon-H1: attention and Mamba-2 side by side
+    "hybrid": Continuation(keys_values="full", state=True, cascade=True),  # Falcon-H1: attention and Mamba-2
     "hybrid_sliding": Continuation(keys_values="sliding", state=True),
 }
 
@@ -268,27 +288,41 @@ class ContextLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False
 
-    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, full_length: int, sliding: bool):
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, full_length: int, sliding: bool,
+                 cascade=None, gather=None, held: int = 0):
         CacheLayerMixin.__init__(self)
         self.context_keys, self.context_values = keys, values  # (b, h, c, d), c <= full_length
         self.full_length = full_length  # slots before the fed tokens: the queries' offset
         self.is_sliding = sliding
+        self.held = held if keys is None else keys.shape[-2]  # context slots the mask covers
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None
         self.is_initialized = True
+        # With a cascade (cascade.PassContexts), `update` hands back the pass's own keys alone and the
+        # attention function reads the context where it lies; `gather` makes the slots for a call it cannot take.
+        self.cascade, self.gather, self.pending = cascade, gather, False
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         pass  # built whole in __init__
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.new = (key_states, value_states)
+        if self.cascade is not None:
+            self.pending = True
+            return key_states, value_states
+        return self.whole(key_states, value_states)
+
+    def whole(self, key_states, value_states):
+        """The context's slots and the pass's own, as the mask lays them out."""
+        if self.gather is not None:
+            self.context_keys, self.context_values = self.gather()
+            self.gather = None
         if self.context_keys is None:
             return key_states, value_states
         return (torch.cat([self.context_keys, key_states], dim=-2),
                 torch.cat([self.context_values, value_states], dim=-2))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        held = 0 if self.context_keys is None else self.context_keys.shape[-2]
-        return held + query_length, self.full_length - held  # a sliding layer holds the last slots only
+        return self.held + query_length, self.full_length - self.held  # a sliding layer holds the last slots only
 
     def get_seq_length(self) -> int:
         return self.full_length
@@ -332,8 +366,9 @@ class StateLayer(LinearAttentionLayer):
 class ContextAndStateLayer(StateLayer, ContextLayer):
     """A layer with attention and a recurrent path side by side (Falcon-H1): both continuations at once."""
 
-    def __init__(self, keys, values, full_length: int, sliding: bool, states, number_of_states: int = 1):
-        ContextLayer.__init__(self, keys, values, full_length, sliding)
+    def __init__(self, keys, values, full_length: int, sliding: bool, states, number_of_states: int = 1,
+                 cascade=None, gather=None, held: int = 0):
+        ContextLayer.__init__(self, keys, values, full_length, sliding, cascade, gather, held)
         StateLayer.__init__(self, states, number_of_states)
 
     lazy_initialization = StateLayer.lazy_initialization  # the recurrent path's (keys come whole)
@@ -343,21 +378,32 @@ class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
     def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
-                 tree: Tree, kept: dict):
+                 tree: Tree, kept: dict, in_place: bool = False):
+        """`in_place`: full-attention layers leave each row's context where it lies, for cascade.py's attention
+        (only in the left layout, where a row sees every position of its path: `cached` is each node's start)."""
         layers = []
+        parents = _by_parent(ancestors) if in_place else None
         for index, kind in enumerate(kinds):
             attention, state = kind.continuation.keys_values, kind.continuation.state
             keys = values = None
+            contexts = gather = None
+            held = 0
             if attention is not None:
                 # A sliding layer's queries see at most the window's last `window - 1` context slots.
                 held = context if attention == "full" else min(context, kind.window - 1)
-                if held:
+                if in_place and kind.continuation.cascade:
+                    contexts = cascade.PassContexts(parents, kept, index)
+                    if held:
+                        gather = (lambda index=index, held=held:
+                                  _gather_context(index, held, ancestors, cached, tree, kept))
+                elif held:
                     keys, values = _gather_context(index, held, ancestors, cached, tree, kept)
             states = _gather_states(index, ancestors, kept) if state else None
             if attention is not None and state:
-                layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states))
+                layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states,
+                                                   contexts, gather, held))
             elif attention is not None:
-                layers.append(ContextLayer(keys, values, context, sliding=attention == "sliding"))
+                layers.append(ContextLayer(keys, values, context, attention == "sliding", contexts, gather, held))
             elif state:
                 layers.append(StateLayer(states, kind.states))
             else:
@@ -410,6 +456,17 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
             keys[row, :, at:at + high - low] = node_kept.keys[:, low - tree.start[node]:high - tree.start[node]]
             values[row, :, at:at + high - low] = node_kept.values[:, low - tree.start[node]:high - tree.start[node]]
     return keys, values
+
+
+def _by_parent(ancestors: list[list[int]]) -> list[tuple]:
+    """The pass's rows with context, grouped by parent: (their batch rows, a tensor or a slice for all; the path)."""
+    groups: dict[int, list[int]] = {}
+    for row, path in enumerate(ancestors):
+        if path:
+            groups.setdefault(path[-1], []).append(row)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == len(ancestors):
+        return [(slice(None), ancestors[0])]
+    return [(torch.tensor(rows), ancestors[rows[0]]) for rows in groups.values()]
 
 
 def _gather_states(layer: int, ancestors: list[list[int]], kept: dict) -> list[tuple] | None:

@@ -1,0 +1,152 @@
+"""Attention over a shared prefix without copying it into every row: cascade attention for the prefix tree.
+
+A tree pass (tree.py) runs several nodes side by side, each continuing its ancestors' keys and values.
+Gathering every row's context into slots of its own and attending through a 4D mask costs a copy of
+the context per row and per layer, and a masked kernel that computes the whole rectangle, pads
+included: on CPU that ran attention at a third of the rate rows run whole get (benchmarks/profile_tree.py).
+
+Here a row's attention is split by where its keys lie, and the parts are merged exactly by their
+log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
+
+    own      each row's queries over the pass's own keys, causal: in the left layout a node's real
+             tokens come first in its slots, so the causal kernel needs no mask (pads come after them)
+    context  for every parent in the pass, the queries of all its children stacked (and all query heads
+             of a KV head) over the parent's path, the kept keys and values read where they lie: one
+             unmasked product per parent, shared by its siblings
+
+Only the pieces this module knows are exact take that way: a full-attention layer (no window, no
+chunk), no softcap, sinks or position bias, one head size, torch's CPU flash kernel (which returns the
+log-sum-exp). Any other call in a tree pass gets the context gathered as before and transformers' own
+sdpa with its mask; every call outside a tree pass is transformers' sdpa untouched.
+
+The attention function is registered with transformers (`AttentionInterface.register`) under NAME,
+with sdpa's mask, and a model is switched to it only where it runs sdpa on CPU in the left layout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "klpipe_cascade_sdpa"
+
+# What each attention call in a tree pass took: "cascade" or "gathered" (tests read it; cheap to keep).
+CALLS: Counter = Counter()
+
+class NotInPlace(RuntimeError):
+    """A model whose attention does not read what its cache's update returned: the context must be gathered."""
+
+
+_PASS: ContextVar = ContextVar("klpipe_tree_pass", default=None)  # the running pass's ContextCache
+
+# Keyword arguments that reach the attention function without changing what it computes. Anything
+# else with a value (softcap, s_aux, sliding_window, position_bias, ...) takes the gathered way.
+_HARMLESS = {"position_ids", "cache_position", "use_cache", "output_attentions", "return_dict", "shared_kv_states",
+             "position_embeddings", "is_causal", "logits_to_keep"}
+
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+               **kwargs):
+    cache = _PASS.get()
+    layer = None
+    if cache is not None and isinstance(getattr(module, "layer_idx", None), int) and module.layer_idx < len(cache.layers):
+        layer = cache.layers[module.layer_idx]
+    if getattr(layer, "pending", False):  # this layer's update just handed over the pass's own keys only
+        layer.pending = False
+        if key is not layer.new[0] or value is not layer.new[1]:
+            # The model attends over something made from what its cache handed back (DeepSeek's MLA expands
+            # latents): its context is not the kept keys. tree.score_tree runs the tree again without us.
+            raise NotInPlace(f"{type(module).__name__} attends over keys its cache did not hand back")
+        if _exact_here(module, query, key, value, dropout, kwargs):
+            CALLS["cascade"] += 1
+            return layer.cascade.attend(query, key, value, scaling), None
+        CALLS["gathered"] += 1
+        key, value = layer.whole(key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _exact_here(module, query, key, value, dropout: float, kwargs: dict) -> bool:
+    if _flash is None or dropout or not getattr(module, "is_causal", True) or query.device.type != "cpu":
+        return False
+    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[1] % key.shape[1]:
+        return False
+    return not any(value is not None and value is not False for name, value in kwargs.items() if name not in _HARMLESS)
+
+
+AttentionInterface.register(NAME, _attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the mask is sdpa's: outside a pass it is sdpa
+
+
+def enable(model, text_config) -> bool:
+    """Switch `model` to the cascade attention function where that is exact and known: sdpa on CPU. True if so."""
+    if getattr(text_config, "_attn_implementation", None) != "sdpa" or _flash is None:
+        return False
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, KeyError, AttributeError, NotImplementedError):
+        return False
+    return getattr(text_config, "_attn_implementation", None) == NAME
+
+
+@contextmanager
+def active(cache):
+    """Attention calls inside read `cache` (a tree pass's ContextCache)."""
+    token = _PASS.set(cache)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+
+
+class PassContexts:
+    """One pass's rows grouped by parent, for every layer: each group's rows and the nodes of its path."""
+
+    def __init__(self, parents: list[tuple[torch.Tensor | slice, list[int]]], kept: dict, layer: int):
+        self.parents = parents  # (rows with this parent: an index tensor, or a slice for all), path from the root
+        self.kept = kept
+        self.layer = layer
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """(b, T, H, d) attention of query (b, H, T, d) over each row's path and its own keys (b, h, T, d)."""
+        b, heads, fed, dim = query.shape
+        kv_heads = key.shape[1]
+        groups = heads // kv_heads
+        scale = scaling if scaling is not None else dim ** -0.5
+        own_k, own_v = key, value
+        if groups > 1:  # the own part is causal, so query heads cannot be stacked: repeat the (short) keys
+            own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
+        out, lse = _flash(query, own_k, own_v, 0.0, True, scale=scale)  # (b, H, T, d), (b, H, T) float32
+        if not self.parents:
+            return out.transpose(1, 2).contiguous()
+        out = out.float()
+        for rows, path in self.parents:
+            keys = [self.kept[node][self.layer].keys for node in path]
+            values = [self.kept[node][self.layer].values for node in path]
+            context_k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)  # (h, C, d)
+            context_v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+            q = query[rows]  # (r, H, T, d)
+            r = q.shape[0]
+            # Every query of these rows sees every context position: all of them, all heads of a KV head, one product.
+            stacked = q.reshape(r, kv_heads, groups * fed, dim).transpose(0, 1).reshape(1, kv_heads, r * groups * fed, dim)
+            part, part_lse = _flash(stacked, context_k[None], context_v[None], 0.0, False, scale=scale)
+            part = part.reshape(kv_heads, r, groups * fed, dim).transpose(0, 1).reshape(r, heads, fed, dim).float()
+            part_lse = part_lse.reshape(kv_heads, r, groups * fed).transpose(0, 1).reshape(r, heads, fed)
+            own_lse = lse[rows]
+            merged = torch.logaddexp(own_lse, part_lse)
+            out[rows] = (out[rows] * torch.exp(own_lse - merged).unsqueeze(-1)
+                         + part * torch.exp(part_lse - merged).unsqueeze(-1))
+            lse[rows] = merged
+        return out.to(query.dtype).transpose(1, 2).contiguous()

@@ -1,0 +1,115 @@
+"""Cascade attention (klpipe/model/cascade.py): a tree pass's rows attend over their context where it lies.
+
+Against naive softmax attention over each row's explicit keys, and end to end against the fp32 oracle,
+both when the cascade takes a call and when it hands it back to transformers' sdpa over gathered slots.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from klpipe.model import ModelSpec, ReferenceModel, cascade
+from klpipe.model.tree import Kept, _by_parent
+from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, worst_error
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def naive(q, keys, values, own):
+    """One row: q (H, T, d) over context keys (h, C, d) then its `own` real slots' keys (h, own, d), causal
+    over its own, softmax in fp64."""
+    groups = HEADS // KV_HEADS
+    k = keys.repeat_interleave(groups, dim=0).double()
+    v = values.repeat_interleave(groups, dim=0).double()
+    q = q[:, :own].double()
+    scores = q @ k.transpose(-1, -2) * DIM ** -0.5
+    context = k.shape[1] - own
+    allowed = torch.arange(k.shape[1])[None, :] <= context + torch.arange(own)[:, None]
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def test_attend_matches_naive_attention_over_each_rows_own_path():
+    torch.manual_seed(0)
+    layer = 0
+    lengths = {1: 30, 2: 7, 3: 12, 4: 1}  # nodes' own lengths: 2 and 3 continue 1; 4 continues 2
+    kept = {n: [Kept(keys=torch.randn(KV_HEADS, m, DIM), values=torch.randn(KV_HEADS, m, DIM))]
+            for n, m in lengths.items()}
+    paths = [[1, 2], [1, 2], [1], [1, 2, 4], [], [1, 3]]  # rows' ancestors: four parents and a row without one
+    own = np.array([5, 9, 1, 6, 9, 3])  # real fed slots per row; the rest of T = 9 are pads after them
+    fed = int(own.max())
+    q = torch.randn(len(paths), HEADS, fed, DIM)
+    k = torch.randn(len(paths), KV_HEADS, fed, DIM)
+    v = torch.randn(len(paths), KV_HEADS, fed, DIM)
+    parents = _by_parent(paths)
+    assert len(parents) == 4 and all(isinstance(rows, torch.Tensor) for rows, _ in parents)
+    out = cascade.PassContexts(parents, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
+    worst = 0.0
+    for row, path in enumerate(paths):
+        keys = torch.cat([kept[n][layer].keys for n in path] + [k[row, :, :own[row]]], dim=1)
+        values = torch.cat([kept[n][layer].values for n in path] + [v[row, :, :own[row]]], dim=1)
+        expected = naive(q[row], keys, values, int(own[row]))  # (H, own, d)
+        got = out[row, :own[row]].transpose(0, 1)
+        worst = max(worst, float((got.double() - expected).abs().max()))
+    assert worst < 1e-5
+
+
+def test_one_parent_for_every_row_is_one_slice():
+    assert _by_parent([[3, 5], [3, 5], [3, 5]]) == [(slice(None), [3, 5])]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
+
+
+def agent_rows(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, 40)
+    rows = []
+    for task in (3, 11):
+        prompt = np.concatenate([system, rng.integers(0, vocab, task)])
+        rows += [(prompt, rng.integers(0, vocab, n)) for n in (1, 6, 17)]
+    rows.append((np.concatenate([*rows[1], rng.integers(0, vocab, 4)]), rng.integers(0, vocab, 5)))  # a second turn
+    rows.append((rng.integers(0, vocab, 9), rng.integers(0, vocab, 4)))  # shares nothing
+    return rows
+
+
+def test_the_llama_attends_in_place_on_cpu_and_matches_the_oracle(llama):
+    assert llama.cascade and llama.model.config._attn_implementation == cascade.NAME
+    rows = agent_rows(llama.vocab_size)
+    cascade.CALLS.clear()
+    results = chunk_logprobs(llama, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
+    assert worst_error(llama.model, rows, results) <= 1e-4
+    assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0
+    cascade.CALLS.clear()
+    llama.score_batch(rows)  # rows run whole: transformers' sdpa, untouched
+    assert not cascade.CALLS
+
+
+def test_a_call_the_cascade_cannot_take_gets_the_gathered_slots(llama, monkeypatch):
+    monkeypatch.setattr(cascade, "_exact_here", lambda *args: False)
+    rows = agent_rows(llama.vocab_size, seed=1)
+    cascade.CALLS.clear()
+    results = chunk_logprobs(llama, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
+    assert worst_error(llama.model, rows, results) <= 1e-4
+    assert cascade.CALLS["gathered"] > 0 and cascade.CALLS["cascade"] == 0
+
+
+@pytest.mark.parametrize("kwargs, exact", [({}, True), ({"position_ids": 1, "sliding_window": None}, True),
+                                           ({"softcap": 30.0}, False), ({"s_aux": 1}, False),
+                                           ({"sliding_window": 8}, False), ({"anything_new": 1}, False)])
+def test_only_plain_causal_attention_takes_the_cascade(kwargs, exact):
+    module = torch.nn.Module()
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    assert cascade._exact_here(module, q, kv, kv, 0.0, kwargs) is exact
+    assert not cascade._exact_here(module, q, kv, kv, 0.1, {})  # dropout
+    assert not cascade._exact_here(module, q, kv, torch.zeros(1, 2, 3, 4), 0.0, {})  # another value head size
+    module.is_causal = False
+    assert not cascade._exact_here(module, q, kv, kv, 0.0, {})
+
+
+def test_gemma4_keeps_its_right_layout_and_transformers_sdpa():
+    # Its KV-shared layers read the full keys update returns, and its prefill skips layers: no cascade.
+    gemma = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    assert not gemma.cascade and gemma.model.config.get_text_config()._attn_implementation != cascade.NAME
