@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contenders as bench  # noqa: E402
 from contenders import ROOT, VOCAB, build_model  # noqa: E402
 
 WORK = ROOT / "build" / "bench_policy"
@@ -94,20 +95,12 @@ def main() -> None:
         "one pass": lambda path: precompute(path, ref, policy),
         "two runs": lambda path: precompute(path, ref) + precompute(path, policy),
     }
-    best: dict[str, tuple[float, float]] = {}
-    for _ in range(args.repeat):  # interleaved, so a slow spell of the machine hits both
-        for name, run in contenders.items():
-            whole, start = run(data), run(one)
-            previous = best.get(name, (whole, start))  # noise only ever adds time: the fastest of each
-            best[name] = (min(previous[0], whole), min(previous[1], start))
+    runs = {name: (lambda run=run: (run(data), run(one), {})) for name, run in contenders.items()}
+    best = bench.fastest(runs, args.repeat)
     print(f"{TASKS * GROUP} rows, a {SYSTEM}-token system prompt; best of {args.repeat}, each run its own process")
-    print(f"{'contender':<10} {'whole s':>8} {'start-up s':>10} {'steady s':>9}")
-    for name, (whole, start) in best.items():
-        print(f"{name:<10} {whole:>8.2f} {start:>10.2f} {whole - start:>9.2f}")
-    (one_whole, one_start), (two_whole, two_start) = best["one pass"], best["two runs"]
-    print(f"two runs ÷ one pass: steady {(two_whole - two_start) / (one_whole - one_start):.2f}x, "
-          f"whole {two_whole / one_whole:.2f}x")
-
+    bench.print_steady(best)
+    one, two = best["one pass"], best["two runs"]
+    print(f"two runs ÷ one pass: steady {two['steady'] / one['steady']:.2f}x, whole {two['whole'] / one['whole']:.2f}x")
 
 if __name__ == "__main__":
     main()

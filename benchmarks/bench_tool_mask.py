@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contenders  # noqa: E402
 from contenders import ROOT, VOCAB, build_model  # noqa: E402
 
 WORK = ROOT / "build" / "bench_tool_mask"
@@ -92,19 +93,13 @@ def main() -> None:
     policy = sum(sum(m) for m in masks)
     print(f"{len(masks)} rows, {tokens:,} completion tokens, {policy:,} the policy's ({policy / tokens:.0%}); "
           f"best of {args.repeat}, each contender its own process")
-    best = {}
-    for _ in range(args.repeat):  # interleaved, so a slow spell of the machine hits both
-        for name in ("mask", "no mask"):
-            whole, start = run_once(paths[name]), run_once(paths[name + " one row"])
-            previous = best.get(name, (whole, start))  # noise only ever adds time: the fastest of each
-            best[name] = (min(previous[0], whole), min(previous[1], start))
-    print(f"{'contender':<10} {'whole s':>8} {'start-up s':>10} {'steady s':>9}")
-    for name, (whole, start) in best.items():
-        print(f"{name:<10} {whole:>8.2f} {start:>10.2f} {whole - start:>9.2f}")
-    (mask_whole, mask_start), (plain_whole, plain_start) = best["mask"], best["no mask"]
-    print(f"no mask ÷ mask: steady {(plain_whole - plain_start) / (mask_whole - mask_start):.2f}x, "
-          f"whole {plain_whole / mask_whole:.2f}x")
-
+    runs = {name: (lambda name=name: (run_once(paths[name]), run_once(paths[name + " one row"]), {}))
+            for name in ("mask", "no mask")}
+    best = contenders.fastest(runs, args.repeat)
+    contenders.print_steady(best)
+    masked, plain = best["mask"], best["no mask"]
+    print(f"no mask ÷ mask: steady {plain['steady'] / masked['steady']:.2f}x, "
+          f"whole {plain['whole'] / masked['whole']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import flops  # benchmarks/flops.py: the FLOPs each method needs
@@ -189,7 +190,7 @@ def parser(doc: str, names: list[str]) -> argparse.ArgumentParser:
     """The options both benchmarks take: which contenders, how many rounds, and a child's own."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=names, help="run only these contenders")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; each contender keeps its fastest")
     parser.add_argument("--child", choices=names, help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     return parser
@@ -208,24 +209,48 @@ def run_child(script: str, name: str, path: Path, env: dict[str, str] | None = N
     return wall, json.loads(line[0][7:])
 
 
-def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: int,
-            env_for=lambda name: None) -> dict[str, dict]:
-    """Rounds of every contender in turn, each keeping its fastest steady state (this machine is
-    shared and noisy, and a busy neighbour only ever slows a run down). Checks that every contender's
-    logprobs agree with the floor's."""
+def fastest(runs: dict[str, Callable[[], tuple[float, float, dict]]], repeat: int) -> dict[str, dict]:
+    """Rounds of every contender in turn (a slow spell of the machine hits them all), each run as
+    `runs[name]()` -> (whole seconds, start-up seconds, result). Noise only ever adds time, so each
+    contender keeps its fastest whole run (with its result) and, separately, its fastest start-up:
+    steady = fastest whole - fastest start-up. The difference of one round's pair moved by a second
+    either way with the start-up's own noise."""
     best: dict[str, dict] = {}
-    PEAKS.clear()  # this measurement's own
     for round_ in range(repeat):
         note_peak()
-        for name in names:
-            startup, _ = run_child(script, name, one_row, env_for(name))
-            whole, result = run_child(script, name, path, env_for(name))
-            result.update(whole=whole, startup=startup, steady=whole - startup)
-            print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s, "
-                  f"steady {whole - startup:.1f}s, in-process {result['seconds']:.1f}s", flush=True)
-            if name not in best or result["steady"] < best[name]["steady"]:
-                best[name] = result
+        for name, run in runs.items():
+            whole, startup, result = run()
+            print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s"
+                  + (f", in-process {result['seconds']:.1f}s" if "seconds" in result else ""), flush=True)
+            kept = best.get(name)
+            if kept is None or whole < kept["whole"]:
+                kept = {**result, "whole": whole, "startup": min(startup, kept["startup"]) if kept else startup}
+            kept["startup"] = min(kept["startup"], startup)
+            kept["steady"] = kept["whole"] - kept["startup"]
+            best[name] = kept
     note_peak()
+    return best
+
+
+def print_steady(best: dict[str, dict], label_width: int = 10) -> None:
+    """The fastest whole and start-up of each contender, and their difference."""
+    print(f"{'contender':<{label_width}} {'whole s':>8} {'start-up s':>10} {'steady s':>9}")
+    for name, r in best.items():
+        print(f"{name:<{label_width}} {r['whole']:>8.2f} {r['startup']:>10.2f} {r['steady']:>9.2f}")
+
+
+def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: int,
+            env_for=lambda name: None) -> dict[str, dict]:
+    """`fastest` over the contenders `names` of `script`, each in its own process on `path` and on the
+    one-row `one_row`. Checks that every contender's logprobs agree with the floor's."""
+    PEAKS.clear()  # this measurement's own
+
+    def run(name):
+        startup, _ = run_child(script, name, one_row, env_for(name))
+        whole, result = run_child(script, name, path, env_for(name))
+        return whole, startup, result
+
+    best = fastest({name: (lambda name=name: run(name)) for name in names}, repeat)
     reference = best.get("floor") or next(iter(best.values()))
     for name, result in best.items():
         gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))

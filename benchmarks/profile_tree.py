@@ -8,9 +8,11 @@ wall-clock timers around the parts (each timer's time includes what it calls; th
 except `attention`, which holds the repeat of GQA's keys and values and the mask's use):
 
     linear     every nn.Linear of the body (q, k, v, o, MLP)
-    attention  transformers' sdpa attention function (repeat_kv + scaled_dot_product_attention)
-    gather     tree only: each pass's context keys and values copied from the kept nodes (model/tree.py)
-    cat        tree only: context + the pass's new keys and values, per layer (ContextLayer.update)
+    attention  the attention function: transformers' sdpa (repeat_kv + scaled_dot_product_attention), or in a
+               tree pass klpipe's cascade (model/cascade.py)
+    gather     tree only: a pass's context keys and values copied from the kept nodes, for layers that read
+               them gathered (sliding windows, calls the cascade does not take; model/tree.py)
+    cat        tree only: context + the pass's new keys and values, per such layer (ContextLayer.whole)
     mask       transformers building the 4D attention masks
     head       the LM head on the needed positions (model/head.py)
 Beside each part: the FLOPs that the pass really computed for it (padding and re-fed tokens included),
@@ -49,7 +51,7 @@ def instrument() -> None:
     from transformers.integrations import sdpa_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from klpipe.model import head, tree
+    from klpipe.model import cascade, head, tree
 
     linear_forward = torch.nn.Linear.forward
 
@@ -68,6 +70,23 @@ def instrument() -> None:
             return sdpa(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    in_place = ALL_ATTENTION_FUNCTIONS[cascade.NAME]
+
+    def cascade_attention(module, query, key, value, attention_mask, **kwargs):
+        with timed("attention"):
+            b, h, t, d = query.shape
+            layer = cascade._PASS.get().layers[module.layer_idx] if cascade._PASS.get() is not None else None
+            contexts = getattr(layer, "cascade", None)
+            if contexts is not None and getattr(layer, "pending", False):  # own part causal, each parent's path
+                WORK["attention"] += 2.0 * b * h * t * t * d
+                for rows, path in contexts.parents:
+                    width = sum(contexts.kept[n][contexts.layer].keys.shape[1] for n in path)
+                    WORK["attention"] += 4.0 * query[rows].shape[0] * h * t * width * d
+            else:
+                WORK["attention"] += 4.0 * b * h * t * key.shape[2] * d
+            return in_place(module, query, key, value, attention_mask, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[cascade.NAME] = cascade_attention
     for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
         original = getattr(masking, name)
 
@@ -87,13 +106,13 @@ def instrument() -> None:
             return gather(*args, **kwargs)
 
     tree._gather_context = gather_context
-    update = tree.ContextLayer.update
+    whole = tree.ContextLayer.whole
 
-    def context_update(self, *args, **kwargs):
+    def context_whole(self, *args, **kwargs):
         with timed("cat"):
-            return update(self, *args, **kwargs)
+            return whole(self, *args, **kwargs)
 
-    tree.ContextLayer.update = context_update
+    tree.ContextLayer.whole = context_whole
     logprobs = head.LMHead.logprobs
 
     def head_logprobs(self, selected, *args, **kwargs):

@@ -417,6 +417,40 @@ def agent_rollouts(path: Path, tasks: int = 6, group: int = 4, turns: int = 3, s
     return path
 
 
+def agent_rows(vocab: int, seed: int = 0, *, window: int = 8, system: int | None = None, low: int = 0,
+               three_token_row: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """An agent's chunk of (prompt ids, response ids), shuffled: every case the prefix tree must get right.
+
+    A system prompt (`system` tokens, 9 windows + 3 unless given) in every row but two; GRPO groups with
+    responses of 0 and 1 tokens; a row whose prompt is the bare system prompt and one whose prompt is a strict
+    prefix of every other; a trajectory stored a row per turn; duplicates; a row that shares nothing; with
+    `three_token_row`, one of 3 tokens. Token ids are drawn from low..vocab-1.
+    """
+    rng = np.random.default_rng(seed)
+
+    def tokens(n):
+        return rng.integers(low, vocab, n)
+
+    prefix = tokens(9 * window + 3 if system is None else system)
+    rows = []
+    for task_len, responses in ((3, [0, 1, 2, 3 * window]), (window + 5, [7, 7, 40]), (1, [9])):
+        task = np.concatenate([prefix, tokens(task_len)])
+        rows += [(task, tokens(n)) for n in responses]
+    rows.append((prefix.copy(), tokens(5)))
+    rows.append((prefix[:window + 2], tokens(4)))
+    turn = (np.concatenate([prefix, tokens(6)]), tokens(2 * window))
+    for _ in range(3):  # each turn's prompt holds the whole history
+        rows.append(turn)
+        turn = (np.concatenate([*turn, tokens(4)]), tokens(window + 1))
+    rows.append(rows[0])
+    rows.append(rows[-2])
+    rows.append((tokens(11), tokens(6)))
+    if three_token_row:
+        rows.append((tokens(2), tokens(1)))
+    order = rng.permutation(len(rows))
+    return [rows[i] for i in order]
+
+
 def repeated_rollouts(copies: int) -> pa.Table:
     """The sample rollouts `copies` times over, ids renumbered r0, r1, ...: a long run from real rows."""
     table = pa.concat_tables([pq.read_table(ROLLOUTS)] * copies)

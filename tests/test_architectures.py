@@ -13,6 +13,7 @@ import pytest
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
 from tests.architectures import ARCHITECTURES, FAST, LONG_ROPE_LIMIT, WINDOW, save_tiny
+from tests import helpers
 from tests.helpers import Fp64Oracle
 
 TOLERANCE = 1e-4  # beyond the fp32 oracle's own error against fp64
@@ -31,29 +32,9 @@ def tiny(request, tmp_path_factory):
 
 
 def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """An agent's chunk, shuffled. Rows run from 3 to ~130 tokens: on both sides of Phi-3's LongRoPE limit."""
-    rng = np.random.default_rng(seed)
-
-    def tokens(n):
-        return rng.integers(3, vocab, n)
-
-    system = tokens(2 * WINDOW + 5)  # longer than every window and chunk, in every row but two
-    rows = []
-    for task_len, responses in ((3, [0, 1, 2, 3 * WINDOW]), (WINDOW + 5, [7, 7, 40]), (1, [9])):
-        task = np.concatenate([system, tokens(task_len)])
-        rows += [(task, tokens(n)) for n in responses]  # GRPO groups; responses of 0 and 1 tokens
-    rows.append((system.copy(), tokens(5)))  # a row whose prompt is the bare system prompt
-    rows.append((system[:WINDOW + 2], tokens(4)))  # a prompt that is a strict prefix of every other prompt
-    turn = (np.concatenate([system, tokens(6)]), tokens(2 * WINDOW))
-    for _ in range(3):  # a trajectory stored a row per turn: each prompt holds the whole history
-        rows.append(turn)
-        turn = (np.concatenate([*turn, tokens(4)]), tokens(WINDOW + 1))
-    rows.append(rows[0])  # duplicates
-    rows.append(rows[-2])
-    rows.append((tokens(11), tokens(6)))  # shares nothing
-    rows.append((tokens(2), tokens(1)))  # a row of 3 tokens
-    order = rng.permutation(len(rows))
-    return [rows[i] for i in order]
+    """An agent's chunk (helpers.agent_rows), a system prompt longer than every window and attention chunk. Rows
+    run from 3 to ~130 tokens: on both sides of Phi-3's LongRoPE limit."""
+    return helpers.agent_rows(vocab, seed, window=WINDOW, system=2 * WINDOW + 5, low=3, three_token_row=True)
 
 
 def test_the_probe_accepts_every_architecture_and_the_model_is_not_trivial(tiny):

@@ -11,7 +11,7 @@ import torch
 from klpipe.model import ModelSpec, ReferenceModel, cascade
 from klpipe.model.tree import Kept, _by_parent
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
-from tests.helpers import TINY_GEMMA, TINY_LLAMA, worst_error
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -61,18 +61,6 @@ def test_one_parent_for_every_row_is_one_slice():
 @pytest.fixture(scope="module")
 def llama():
     return ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
-
-
-def agent_rows(vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    system = rng.integers(0, vocab, 40)
-    rows = []
-    for task in (3, 11):
-        prompt = np.concatenate([system, rng.integers(0, vocab, task)])
-        rows += [(prompt, rng.integers(0, vocab, n)) for n in (1, 6, 17)]
-    rows.append((np.concatenate([*rows[1], rng.integers(0, vocab, 4)]), rng.integers(0, vocab, 5)))  # a second turn
-    rows.append((rng.integers(0, vocab, 9), rng.integers(0, vocab, 4)))  # shares nothing
-    return rows
 
 
 def test_the_llama_attends_in_place_on_cpu_and_matches_the_oracle(llama):

@@ -8,7 +8,7 @@ import pytest
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute import prefix_tree
 from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
-from tests.helpers import TINY_GEMMA, TINY_LLAMA, worst_error
+from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 
 TOLERANCE = 1e-4
 WINDOW = 8  # the tiny Gemma's sliding window; the Llama has none, the shapes serve both
@@ -21,32 +21,6 @@ def reference(request):
     if request.param == "gemma4":
         assert model.model.config.sliding_window == WINDOW and model.model.config.num_kv_shared_layers > 0
     return model
-
-
-def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
-    """An agent's day in one chunk, shuffled: every case the tree must get right."""
-    rng = np.random.default_rng(seed)
-
-    def tokens(n):
-        return rng.integers(0, vocab, n)
-
-    system = tokens(9 * WINDOW + 3)  # one system prompt, longer than the window, in every row but one
-    rows = []
-    for task_len, responses in ((3, [0, 1, 2, 3 * WINDOW]), (WINDOW + 5, [7, 7, 40]), (1, [9])):
-        task = np.concatenate([system, tokens(task_len)])
-        rows += [(task, tokens(n)) for n in responses]  # GRPO groups; responses of 0 and 1 tokens
-    rows.append((system.copy(), tokens(5)))  # a row whose prompt is the bare system prompt
-    short = system[:WINDOW + 2]
-    rows.append((short, tokens(4)))  # a prompt that is a strict prefix of every other prompt
-    turn = (np.concatenate([system, tokens(6)]), tokens(2 * WINDOW))
-    for _ in range(3):  # a trajectory stored a row per turn: each prompt holds the whole history
-        rows.append(turn)
-        turn = (np.concatenate([*turn, tokens(4)]), tokens(WINDOW + 1))
-    rows.append(rows[0])  # duplicates
-    rows.append(rows[-2])
-    rows.append((tokens(11), tokens(6)))  # shares nothing
-    order = rng.permutation(len(rows))
-    return [rows[i] for i in order]
 
 
 @pytest.mark.parametrize("sharing", ["on", "auto"])

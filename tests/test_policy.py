@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM

@@ -128,7 +128,7 @@ def test_score_of_the_sample_tool_rows_is_the_masked_mean_and_far_from_the_unmas
     cached = run(tmp_path, [TOOL_IDS], columns=IDS_COLUMNS).output
     result = score(ScoreConfig(inputs=[cached], output=tmp_path / "scored.parquet"))
     rows = pq.read_table(tmp_path / "scored.parquet").to_pylist()
-    masked, unmasked = [], []
+    masked = []
     for row in rows:
         pairs = list(zip(row["policy_logprobs"], row["ref_logprobs"], row["tool_mask"], strict=True))
         own = [p - r for p, r, m in pairs if m]
