@@ -28,6 +28,10 @@ dynamic or long RoPE picks its frequencies from the largest position in the batc
 
 Each node's own state is kept (keys and values cut to its real tokens) while any of its descendants
 is still to run; `Pass.release` says when it goes.
+
+Where the model runs sdpa on CPU in the left layout, a full-attention layer does not gather its context
+into the pass's slots at all: cascade.py's attention reads each parent's kept keys and values where
+they lie (`ContextLayer.cascade`), and only a call it cannot take exactly gets them gathered.
 """
 
 from __future__ import annotations
