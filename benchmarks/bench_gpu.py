@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu.py                   # ~2M tokens of agent-shaped rows; under 5 minutes on one H200
     python benchmarks/bench_gpu.py --tokens 200000   # a quick look
+    python benchmarks/bench_gpu.py --model qwen3_5 --tokens 500000   # the hybrid, below
 
 The model has E2B's text shape as transformers' Gemma 4 conversion script defines it: hidden 1536,
 35 layers (4 sliding : 1 full, window 512), 8 query heads and 1 KV head, per-layer inputs of 256,
@@ -23,6 +24,13 @@ response tokens/s, tokens fed/s, peak GPU memory, and two shares of the GPU's bf
              left out: a lower bound on the work done)
 
 and the tree's speed-up beside its FLOP ratio (the share of the FLOP limit it reached).
+
+`--model qwen3_5` runs a random hybrid instead: a Qwen3.5-style model of about 2B parameters (hidden
+2048, 24 layers, 3 Gated DeltaNet : 1 gated full attention, 16 query and 2 KV heads of 256, 16 key and
+value heads of 128 in the linear layers, vocabulary 248,320, tied head). Its nodes hand on recurrent
+states. A linear-attention layer's recurrence is counted as 6 x key dim x value dim per value head and
+token (the delta rule's read, update and output). Without flash-linear-attention and causal-conv1d,
+transformers runs those layers in its reference PyTorch code, and klpipe's log says so.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "bench" / "gpu"
 MODEL_DIR = WORK / "gemma4-e2b-shape"
-VOCAB = 262_144
+VOCAB = 262_144  # E2B's
+ROW_VOCAB = 248_320  # the rows' ids, below both models' vocabularies (the hybrid's is this)
 GROUP_SIZE = 8
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s; --peak-tflops for anything else.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
@@ -61,19 +70,44 @@ def e2b_text_config():
     )
 
 
+def qwen3_5_config():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=ROW_VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def causal_lm(name: str):
+    from transformers import Gemma4ForCausalLM, Qwen3_5ForCausalLM
+
+    return {"gemma4-e2b": (Gemma4ForCausalLM, e2b_text_config),
+            "qwen3_5": (Qwen3_5ForCausalLM, qwen3_5_config)}[name]
+
+
+MODEL = "gemma4-e2b"  # main() sets it from --model
+
+
+def model_dir() -> Path:
+    return MODEL_DIR if MODEL == "gemma4-e2b" else WORK / f"{MODEL}-shape"
+
+
 def build_model() -> None:
     import torch
-    from transformers import AutoTokenizer, Gemma4ForCausalLM
+    from transformers import AutoTokenizer
 
-    if (MODEL_DIR / "config.json").exists():
+    if (model_dir() / "config.json").exists():
         return
     started = time.perf_counter()
     torch.manual_seed(0)
+    cls, config = causal_lm(MODEL)
     with torch.device("cuda"):
-        model = Gemma4ForCausalLM(e2b_text_config()).to(torch.bfloat16)
-    model.save_pretrained(MODEL_DIR, safe_serialization=True)
+        model = cls(config()).to(torch.bfloat16)
+    model.save_pretrained(model_dir(), safe_serialization=True)
     # klpipe loads a tokenizer beside the model; ids are given, so the sample one will do.
-    AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(MODEL_DIR)
+    AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(model_dir())
     print(f"built and saved the model in {time.perf_counter() - started:.0f}s", flush=True)
     del model
     torch.cuda.empty_cache()
@@ -87,12 +121,12 @@ def build_rollouts(tokens: int) -> Path:
     if path.exists():
         return path
     rng = np.random.default_rng(0)
-    system = rng.integers(0, VOCAB, 1500)
+    system = rng.integers(0, ROW_VOCAB, 1500)
     prompts, responses, total = [], [], 0
     while total < tokens:
-        prompt = np.concatenate([system, rng.integers(0, VOCAB, int(rng.integers(128, 1025)))])
+        prompt = np.concatenate([system, rng.integers(0, ROW_VOCAB, int(rng.integers(128, 1025)))])
         for _ in range(GROUP_SIZE):
-            response = rng.integers(0, VOCAB, int(np.exp(rng.uniform(np.log(32), np.log(1024)))))
+            response = rng.integers(0, ROW_VOCAB, int(np.exp(rng.uniform(np.log(32), np.log(1024)))))
             prompts.append(prompt)
             responses.append(response)
             total += len(prompt) + len(response)
@@ -104,46 +138,56 @@ def build_rollouts(tokens: int) -> Path:
     return path
 
 
+def meta_model():
+    import torch
+
+    cls, config = causal_lm(MODEL)
+    with torch.device("meta"):
+        return cls(config())
+
+
+def _linear(module) -> int:
+    import torch
+
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
 def flops_per_token() -> dict:
     """FLOPs per token: 2 x the weights of every linear layer a token passes through, counted on a
     meta-device copy of the model (embedding lookups cost no FLOPs; KV-shared layers have no k and v
     projections). `early` is the layers before the KV-shared ones, `shared` the KV-shared layers,
     `head` the LM head for one response token."""
-    import torch
-    from transformers import Gemma4ForCausalLM
-
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(e2b_text_config())
-
-    def linear(module) -> int:
-        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
-
-    first_shared = model.config.num_hidden_layers - model.config.num_kv_shared_layers
+    model = meta_model()
+    linear = _linear
+    first_shared = model.config.num_hidden_layers - (getattr(model.config, "num_kv_shared_layers", 0) or 0)
     shared = sum(linear(layer) for layer in model.model.layers[first_shared:])
     return {"early": 2.0 * (linear(model.model) - shared), "shared": 2.0 * shared,
             "head": 2.0 * model.lm_head.weight.numel()}
 
 
 def model_flops() -> flops.ModelFlops:
-    """The FLOPs E2B's text shape needs, layer by layer, counted on a meta-device copy of the model: each
-    decoder layer's linear weights, its query width (4 x heads x head dim per pair), its window, and whether
-    it is KV-shared (run on a node's last position alone where the tree skips it); the per-layer input
-    projections outside the layers run for every fed token."""
-    import torch
-    from transformers import Gemma4ForCausalLM
-
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(e2b_text_config())
-
-    def linear(module) -> int:
-        return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
-
+    """The FLOPs the model needs, layer by layer, counted on a meta-device copy of it: each decoder layer's
+    linear weights, its query width (4 x heads x head dim per pair), its window, and whether it is KV-shared
+    (run on a node's last position alone where the tree skips it); a linear-attention layer's recurrence per
+    token (see the module's docstring); the per-layer input projections outside the layers, for every fed
+    token."""
+    model = meta_model()
+    linear = _linear
     config = model.config
-    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
-    layers = [flops.Layer(2.0 * linear(layer), 4.0 * layer.self_attn.q_proj.out_features,
-                          config.sliding_window if config.layer_types[i] == "sliding_attention" else None,
-                          skippable=i >= first_shared)
-              for i, layer in enumerate(model.model.layers)]
+    first_shared = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    recurrence = 0.0
+    if MODEL == "qwen3_5":
+        recurrence = 6.0 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        kind = config.layer_types[i]
+        if kind == "linear_attention":
+            layers.append(flops.Layer(2.0 * linear(layer) + recurrence, 0.0))
+            continue
+        width = layer.self_attn.o_proj.in_features  # heads x head dim (Qwen3.5's q_proj also makes its gate)
+        layers.append(flops.Layer(2.0 * linear(layer), 4.0 * width,
+                                  config.sliding_window if kind == "sliding_attention" else None,
+                                  skippable=i >= first_shared))
     outside = linear(model.model) - sum(linear(layer) for layer in model.model.layers)
     layers.append(flops.Layer(2.0 * outside, 0.0))  # no attention: per-layer input projections
     return flops.ModelFlops(tuple(layers), 2.0 * model.lm_head.weight.numel())
@@ -159,7 +203,7 @@ def needed_flops(rollouts: Path, sharing: str) -> tuple[flops.Flops, int]:
     if sharing == "off":
         segments = flops.per_row(prompts, responses)
     else:
-        segments = flops.tree(prompts, responses, sharing=sharing, skips_layers=True)
+        segments = flops.tree(prompts, responses, sharing=sharing, skips_layers=MODEL == "gemma4-e2b")
     return model_flops().method(segments, sum(map(len, responses))), flops.fed_tokens(segments)
 
 
@@ -172,7 +216,7 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
     out = WORK / f"cached-{sharing}.parquet"
     out.unlink(missing_ok=True)
     torch.cuda.reset_peak_memory_stats()
-    summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(MODEL_DIR), device="cuda",
+    summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device="cuda",
                                           dtype="bfloat16", overwrite=True, progress="none",
                                           prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
     cost = flops_per_token()
@@ -199,8 +243,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2_000_000, help="prompt + response tokens, counted per row")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
+    parser.add_argument("--model", choices=["gemma4-e2b", "qwen3_5"], default="gemma4-e2b")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    global MODEL
+    MODEL = args.model
 
     import torch
 
@@ -215,7 +262,8 @@ def main() -> None:
     rollouts = build_rollouts(args.tokens)
     table_rows = pq_rows(rollouts)
     print(f"{name}, bf16 peak {peak:g} TFLOP/s; {table_rows} rows in groups of {GROUP_SIZE}, ~{args.tokens:,} tokens "
-          "per row-wise count; Gemma 4 E2B text shape, random weights", flush=True)
+          f"per row-wise count; {'Gemma 4 E2B text shape' if MODEL == 'gemma4-e2b' else 'Qwen3.5-style hybrid, ~2B'}, "
+          "random weights", flush=True)
     results = [run(rollouts, sharing, peak) for sharing in ("auto", "off")]
 
     gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(results[0]["first_rows"],

@@ -125,11 +125,16 @@ def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatc
     from klpipe.model import cascade
     from klpipe.model import tree as tree_module
 
-    if fault == "queries" and reference.cascade:
-        # The Llama's full-attention layers attend in place (cascade.py): its own part made non-causal.
+    in_place = reference.cascade
+    monkeypatch.setattr(reference, "cascade", in_place)  # put back after the test: the probe may turn it off
+    if fault == "queries" and in_place:
+        # The Llama's full-attention layers attend in place (cascade.py): its own part made non-causal. The probe
+        # turns the cascade off, and the tree passes again with its context gathered.
         flash = cascade._flash
         monkeypatch.setattr(cascade, "_flash", lambda q, k, v, p, causal, **kw: flash(q, k, v, p, False, **kw))
-    elif fault == "queries":
+        assert check_tree(reference) is None and not reference.cascade
+        return
+    if fault == "queries":
         # Queries placed three slots later than they are: the causal (and sliding) masks shift.
         monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
     else:
@@ -148,3 +153,4 @@ def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatc
         monkeypatch.setattr(tree_module.ContextCache, "state_of", shifted)
     problem = check_tree(reference)
     assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")
+    assert not reference.cascade  # probed both ways

@@ -240,7 +240,18 @@ PROBE_LONGEST_ROW = 30  # what the probe's longest row feeds beyond the system p
 
 
 def check_tree(model) -> str | None:
-    """None if the prefix tree reproduces the per-row path on a probe; otherwise why not.
+    """None if the prefix tree reproduces the per-row path on a probe; otherwise why not. A model whose
+    full-attention layers attend in place (model/cascade.py) and fails the probe is probed again with its
+    context gathered, and keeps the tree that way if that passes: the cascade is trusted only where it agrees."""
+    problem = _probe_tree(model)
+    if problem is not None and model.cascade:
+        model.cascade = False
+        problem = _probe_tree(model)
+    return problem
+
+
+def _probe_tree(model) -> str | None:
+    """check_tree's probe, once.
 
     The probe is a three-level tree and more: a system prompt longer than the model's sliding
     window in every row, two tasks after it, responses of length 0, 1 and several, a row whose
