@@ -86,7 +86,8 @@ def test_a_call_the_cascade_cannot_take_gets_the_gathered_slots(llama, monkeypat
 
 @pytest.mark.parametrize("kwargs, exact", [({}, True), ({"position_ids": 1, "sliding_window": None}, True),
                                            ({"softcap": 30.0}, False), ({"s_aux": 1}, False),
-                                           ({"sliding_window": 8}, False), ({"anything_new": 1}, False)])
+                                           ({"sliding_window": 8}, False), ({"anything_new": 1}, False),
+                                           ({"is_causal": True}, True), ({"is_causal": False}, False)])
 def test_only_plain_causal_attention_takes_the_cascade(kwargs, exact):
     module = torch.nn.Module()
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)

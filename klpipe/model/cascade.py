@@ -39,6 +39,7 @@ NAME = "klpipe_cascade_sdpa"
 # What each attention call in a tree pass took: "cascade" or "gathered" (tests read it; cheap to keep).
 CALLS: Counter = Counter()
 
+
 class NotInPlace(RuntimeError):
     """A model whose attention does not read what its cache's update returned: the context must be gathered."""
 
@@ -48,7 +49,7 @@ _PASS: ContextVar = ContextVar("klpipe_tree_pass", default=None)  # the running 
 # Keyword arguments that reach the attention function without changing what it computes. Anything
 # else with a value (softcap, s_aux, sliding_window, position_bias, ...) takes the gathered way.
 _HARMLESS = {"position_ids", "cache_position", "use_cache", "output_attentions", "return_dict", "shared_kv_states",
-             "position_embeddings", "is_causal", "logits_to_keep"}
+             "position_embeddings", "logits_to_keep"}
 
 _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -75,13 +76,16 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 
 
 def _exact_here(module, query, key, value, dropout: float, kwargs: dict) -> bool:
-    if _flash is None or dropout or not getattr(module, "is_causal", True) or query.device.type != "cpu":
+    if kwargs.get("is_causal") is False or _flash is None or dropout or not getattr(module, "is_causal", True):
+        return False
+    if query.device.type != "cpu":
         return False
     if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[1] % key.shape[1]:
         return False
-    return not any(value is not None and value is not False for name, value in kwargs.items() if name not in _HARMLESS)
+    return not any(given is not None and given is not False for name, given in kwargs.items()
+                   if name not in _HARMLESS and name != "is_causal")
 
 
 AttentionInterface.register(NAME, _attention)
