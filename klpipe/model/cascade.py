@@ -136,7 +136,7 @@ class PassContexts:
         if not self.parents:
             return out.transpose(1, 2).contiguous()
         out = out.float()
-        for rows, path in self.parents:
+        for rows, path in self.parents:  # every row has one parent: each is merged once
             keys = [self.kept[node][self.layer].keys for node in path]
             values = [self.kept[node][self.layer].values for node in path]
             context_k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)  # (h, C, d)
@@ -152,5 +152,4 @@ class PassContexts:
             merged = torch.logaddexp(own_lse, part_lse)
             out[rows] = (out[rows] * torch.exp(own_lse - merged).unsqueeze(-1)
                          + part * torch.exp(part_lse - merged).unsqueeze(-1))
-            lse[rows] = merged
         return out.to(query.dtype).transpose(1, 2).contiguous()

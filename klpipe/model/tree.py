@@ -6,7 +6,7 @@ an attention layer from the keys and values of every context position it can see
 SSM or short-convolution layer from its recurrent state and convolution window at the prefix's last
 token, a KV-shared layer from nothing of its own.
 
-A pass runs several nodes side by side in one of two layouts (`Layout`):
+A pass runs several nodes side by side in one of two layouts (`pass_layout`):
 
     left  (the default):  [ pads | context, from the cache | fed tokens | pads ]
     right (Gemma 4):      [ pads | context, from the cache | pads | fed tokens ]
