@@ -209,26 +209,26 @@ def run_child(script: str, name: str, path: Path, env: dict[str, str] | None = N
     return wall, json.loads(line[0][7:])
 
 
-def fastest(runs: dict[str, Callable[[], tuple[float, float, dict]]], repeat: int) -> dict[str, dict]:
+def fastest(runs: dict[str, Callable[[], tuple[float, float, dict]]], repeat: int,
+            before_round: Callable[[], None] = lambda: None) -> dict[str, dict]:
     """Rounds of every contender in turn (a slow spell of the machine hits them all), each run as
     `runs[name]()` -> (whole seconds, start-up seconds, result). Noise only ever adds time, so each
     contender keeps its fastest whole run (with its result) and, separately, its fastest start-up:
     steady = fastest whole - fastest start-up. The difference of one round's pair moved by a second
-    either way with the start-up's own noise."""
+    either way with the start-up's own noise. `before_round` runs before each round."""
     best: dict[str, dict] = {}
     for round_ in range(repeat):
-        note_peak()
+        before_round()
         for name, run in runs.items():
             whole, startup, result = run()
             print(f"  round {round_ + 1}, {name}: whole {whole:.1f}s, start-up {startup:.1f}s"
                   + (f", in-process {result['seconds']:.1f}s" if "seconds" in result else ""), flush=True)
             kept = best.get(name)
+            if kept is not None:
+                startup = min(startup, kept["startup"])
             if kept is None or whole < kept["whole"]:
-                kept = {**result, "whole": whole, "startup": min(startup, kept["startup"]) if kept else startup}
-            kept["startup"] = min(kept["startup"], startup)
-            kept["steady"] = kept["whole"] - kept["startup"]
-            best[name] = kept
-    note_peak()
+                kept = {**result, "whole": whole}
+            best[name] = {**kept, "startup": startup, "steady": kept["whole"] - startup}
     return best
 
 
@@ -250,7 +250,8 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
         whole, result = run_child(script, name, path, env_for(name))
         return whole, startup, result
 
-    best = fastest({name: (lambda name=name: run(name)) for name in names}, repeat)
+    best = fastest({name: (lambda name=name: run(name)) for name in names}, repeat, before_round=note_peak)
+    note_peak()  # and after the last round
     reference = best.get("floor") or next(iter(best.values()))
     for name, result in best.items():
         gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))

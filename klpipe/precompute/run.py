@@ -296,22 +296,25 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
         stop.check()
 
 
+def _cache_tokens(model, sharing: str, max_cache_mib: int) -> int:
+    """The cache budget in tokens of `model`'s keys and values. Only the tree keeps any (and asks the model
+    what they weigh): rows run whole keep none."""
+    return (max_cache_mib << 20) // model.kv_bytes_per_token if sharing != "off" else 1 << 62
+
+
 def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
     summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
-    # Only the tree keeps keys and values (and asks the model what they weigh): rows run whole keep none.
-    max_cache_tokens = ((work.provenance.max_cache_mib << 20) // model.kv_bytes_per_token
-                        if summary.prefix_sharing != "off" else 1 << 62)
+    max_cache_tokens = _cache_tokens(model, summary.prefix_sharing, work.provenance.max_cache_mib)
     if model.kernel_note:
         log(model.kernel_note)
     policy_sharing = summary.prefix_sharing
     if policy is not None:
         policy_sharing = _sharing_mode(policy, summary.prefix_sharing, log) if summary.prefix_sharing != "off" else "off"
         # The two run one after the other, so each may hold the whole cache budget in turn.
-        policy_cache_tokens = ((work.provenance.max_cache_mib << 20) // policy.kv_bytes_per_token
-                               if policy_sharing != "off" else 1 << 62)
+        policy_cache_tokens = _cache_tokens(policy, policy_sharing, work.provenance.max_cache_mib)
         if policy.kernel_note and policy.kernel_note != model.kernel_note:
             log(policy.kernel_note)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
