@@ -25,6 +25,7 @@ with sdpa's mask, and a model is switched to it only where it runs sdpa on CPU i
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -116,10 +117,10 @@ def active(cache):
 
 
 class PassContexts:
-    """One pass's rows grouped by parent, for every layer: each group's rows and the nodes of its path."""
+    """One pass's rows in runs of one parent (tree._by_parent), for every layer: each run's rows and its path."""
 
-    def __init__(self, parents: list[tuple[torch.Tensor | slice, list[int]]], kept: dict, layer: int):
-        self.parents = parents  # (rows with this parent: an index tensor, or a slice for all), path from the root
+    def __init__(self, parents: list[tuple[slice, list[int]]], kept: dict, layer: int):
+        self.parents = parents  # (a run of batch rows with one parent, as a slice; its path from the root)
         self.kept = kept
         self.layer = layer
 
@@ -130,26 +131,44 @@ class PassContexts:
         groups = heads // kv_heads
         scale = scaling if scaling is not None else dim ** -0.5
         own_k, own_v = key, value
-        if groups > 1:  # the own part is causal, so query heads cannot be stacked: repeat the (short) keys
+        if groups > 1 and not _native_gqa():  # an older kernel: repeat the (short) own keys per query head
             own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
         out, lse = _flash(query, own_k, own_v, 0.0, True, scale=scale)  # (b, H, T, d), (b, H, T) float32
+        out = out.transpose(1, 2)  # (b, T, H, d): the layout the kernel writes, so a view
         if not self.parents:
-            return out.transpose(1, 2).contiguous()
-        out = out.float()
-        for rows, path in self.parents:  # every row has one parent: each is merged once
+            return out.contiguous()
+        out = out.float().contiguous()  # merged in fp32, in place, a run of rows at a time
+        lse = lse.transpose(1, 2)  # (b, T, H)
+        for rows, path in self.parents:  # a run of rows with one parent: each row is merged once
             keys = [self.kept[node][self.layer].keys for node in path]
             values = [self.kept[node][self.layer].values for node in path]
             context_k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)  # (h, C, d)
             context_v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+            if not context_k.shape[1]:
+                continue
             q = query[rows]  # (r, H, T, d)
             r = q.shape[0]
-            # Every query of these rows sees every context position: all of them, all heads of a KV head, one product.
-            stacked = q.reshape(r, kv_heads, groups * fed, dim).transpose(0, 1).reshape(1, kv_heads, r * groups * fed, dim)
-            part, part_lse = _flash(stacked, context_k[None], context_v[None], 0.0, False, scale=scale)
-            part = part.reshape(kv_heads, r, groups * fed, dim).transpose(0, 1).reshape(r, heads, fed, dim).float()
-            part_lse = part_lse.reshape(kv_heads, r, groups * fed).transpose(0, 1).reshape(r, heads, fed)
-            own_lse = lse[rows]
-            merged = torch.logaddexp(own_lse, part_lse)
-            out[rows] = (out[rows] * torch.exp(own_lse - merged).unsqueeze(-1)
-                         + part * torch.exp(part_lse - merged).unsqueeze(-1))
-        return out.to(query.dtype).transpose(1, 2).contiguous()
+            # Every query of these rows sees every context position, so their order is free: (group, KV head,
+            # row and slot) stacks all of them, and all query heads of a KV head, into one product against the
+            # context broadcast over the groups. With transformers' (b, T, H, d) queries this is a view.
+            stacked = q.reshape(r, kv_heads, groups, fed, dim).permute(2, 1, 0, 3, 4).reshape(
+                groups, kv_heads, r * fed, dim)
+            part, part_lse = _flash(stacked, context_k.expand(groups, *context_k.shape),
+                                    context_v.expand(groups, *context_v.shape), 0.0, False, scale=scale)
+            part = part.permute(2, 1, 0, 3).reshape(r, fed, heads, dim)  # (r, T, H, d)
+            part_lse = part_lse.permute(2, 1, 0).reshape(r, fed, heads)
+            # own·e^a + part·e^c over e^a + e^c, i.e. own + σ(c − a)·(part − own): one lerp in place.
+            out[rows].lerp_(part.float(), torch.sigmoid(part_lse - lse[rows]).unsqueeze(-1))
+        return out.to(query.dtype)
+
+
+@functools.cache
+def _native_gqa() -> bool:
+    """Whether torch's CPU flash kernel takes fewer key heads than query heads (exactly as if repeated)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 3, 4, generator=generator) for heads in (2, 1, 1))
+    try:
+        got = _flash(q, k, v, 0.0, True, scale=0.5)[0]
+    except RuntimeError:
+        return False
+    return torch.equal(got, _flash(q, k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4), 0.0, True, scale=0.5)[0])

@@ -462,15 +462,18 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
     return keys, values
 
 
-def _by_parent(ancestors: list[list[int]]) -> list[tuple]:
-    """The pass's rows with context, grouped by parent: (their batch rows, a tensor or a slice for all; the path)."""
-    groups: dict[int, list[int]] = {}
+def _by_parent(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
+    """The pass's rows with context in runs of one parent: (a slice of batch rows, their path from the root).
+    Runs, not groups: a slice of the batch is a view, so the cascade reads and merges a run where it lies."""
+    runs: list[tuple[slice, list[int]]] = []
     for row, path in enumerate(ancestors):
-        if path:
-            groups.setdefault(path[-1], []).append(row)
-    if len(groups) == 1 and len(next(iter(groups.values()))) == len(ancestors):
-        return [(slice(None), ancestors[0])]
-    return [(torch.tensor(rows), ancestors[rows[0]]) for rows in groups.values()]
+        if not path:
+            continue
+        if runs and runs[-1][0].stop == row and runs[-1][1][-1] == path[-1]:
+            runs[-1] = (slice(runs[-1][0].start, row + 1), runs[-1][1])
+        else:
+            runs.append((slice(row, row + 1), path))
+    return runs
 
 
 def _gather_states(layer: int, ancestors: list[list[int]], kept: dict) -> list[tuple] | None:
