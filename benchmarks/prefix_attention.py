@@ -13,7 +13,13 @@ same random keys, values and queries, each timed over all passes (best of 3):
   cascade   klpipe's cascade (model/cascade.py): the rows' queries over their parent's path where it
             lies, stacked per parent, and over their own keys with the causal kernel, merged by log-sum-exp
 
-Both outputs are checked against naive fp64 softmax attention over each row's explicit keys.
+Both outputs are checked against naive fp64 softmax attention over each row's explicit keys. Beside
+them, for scale, the same rows run whole (`whole`: each row alone over its whole fed sequence, the
+causal kernel, as `--prefix-sharing off` and the per-row floor attend), which needs many more pairs.
+
+GFLOP/s counts only the needed (query, key) pairs, 4 × query heads × head size FLOPs each, so the
+ways compare as rates of useful work; the cascade's time is split between the kernel's own-part
+calls, its context calls, and the rest (joining a path's nodes, stacking, merging).
 """
 
 from __future__ import annotations
@@ -97,6 +103,18 @@ def cascade_way(tree, p, kept):
     return cascade.PassContexts(_by_parent(p["ancestors"]), kept, 0).attend(p["q"], p["k"], p["v"], SCALE)
 
 
+def whole_way(rows):
+    """Each row's whole fed sequence alone, the causal kernel (keys and values repeated per query head)."""
+    for q, k, v in rows:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
+
+
+def needed_pairs(p) -> int:
+    """(query, key) pairs the pass's real queries need: every context position and the causal own ones."""
+    own, context = p["own"].astype(np.int64), p["cached"].astype(np.int64)
+    return int((own * context + own * (own + 1) // 2).sum())
+
+
 def naive(tree, p, kept, row):
     """Row `row`'s real queries over its path's keys and its own, softmax in fp64: (own, H, d)."""
     own = int(p["own"][row])
@@ -128,16 +146,50 @@ def main() -> None:
                 gap[name] = max(gap[name], float((out[row, :int(p["own"][row])].double() - expected).abs().max()))
     print(f"{args.rollouts.name}: {len(passes)} passes, {sum(len(p['nodes']) for p in prepared)} nodes; one layer "
           f"of {HEADS} query heads and {KV_HEADS} KV heads of {DIM}, fp32, {torch.get_num_threads()} threads")
+    pair_flops = 4.0 * HEADS * DIM * args.layers
+    tree_pairs = sum(needed_pairs(p) for p in prepared)
+    from klpipe.model import cascade
+
+    kernel = cascade._flash
+    spent = {"own": 0.0, "context": 0.0}
+
+    def timed_kernel(q, k, v, dropout, causal, scale=None):
+        started = time.perf_counter()
+        result = kernel(q, k, v, dropout, causal, scale=scale)
+        spent["own" if causal else "context"] += time.perf_counter() - started
+        return result
+
     for name, way in ways.items():
-        best = float("inf")
+        best, split = float("inf"), {}
         for _ in range(3):
+            spent.update(own=0.0, context=0.0)
+            cascade._flash = timed_kernel if name == "cascade" else kernel
             started = time.perf_counter()
             for _ in range(args.layers):
                 for p in prepared:
                     way(tree, p, kept)
-            best = min(best, time.perf_counter() - started)
-        print(f"  {name:<9} {best:7.3f}s for {args.layers} layer(s)   max |Δ| against naive fp64 attention "
-              f"{gap[name]:.2e}")
+            took = time.perf_counter() - started
+            cascade._flash = kernel
+            if took < best:
+                best, split = took, dict(spent)
+        parts = (f"   (kernel: own {split['own']:.3f}s, context {split['context']:.3f}s; "
+                 f"the rest {best - split['own'] - split['context']:.3f}s)" if name == "cascade" else "")
+        print(f"  {name:<9} {best:7.3f}s for {args.layers} layer(s), {tree_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
+              f"of needed pairs   max |Δ| against naive fp64 attention {gap[name]:.2e}{parts}")
+    whole_rows = []
+    for node in sorted({int(tree.end_node[r]) for r in range(len(tree.end_node)) if tree.end_node[r] > 0}):
+        length = int(tree.end[node])
+        whole_rows.append((torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM),
+                           torch.randn(1, HEADS, length, DIM)))
+    whole_pairs = sum(q.shape[2] * (q.shape[2] + 1) // 2 for q, _, _ in whole_rows)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(args.layers):
+            whole_way(whole_rows)
+        best = min(best, time.perf_counter() - started)
+    print(f"  {'whole':<9} {best:7.3f}s for {args.layers} layer(s), {whole_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
+          f"of needed pairs   ({len(whole_rows)} distinct rows, {whole_pairs / tree_pairs:.1f}x the tree's pairs)")
 
 
 if __name__ == "__main__":
