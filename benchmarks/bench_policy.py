@@ -102,5 +102,6 @@ def main() -> None:
     one, two = best["one pass"], best["two runs"]
     print(f"two runs ÷ one pass: steady {two['steady'] / one['steady']:.2f}x, whole {two['whole'] / one['whole']:.2f}x")
 
+
 if __name__ == "__main__":
     main()

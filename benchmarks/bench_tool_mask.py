@@ -101,5 +101,6 @@ def main() -> None:
     print(f"no mask ÷ mask: steady {plain['steady'] / masked['steady']:.2f}x, "
           f"whole {plain['whole'] / masked['whole']:.2f}x")
 
+
 if __name__ == "__main__":
     main()

@@ -160,37 +160,41 @@ def main() -> None:
         return result
 
     for name, way in ways.items():
-        best, split = float("inf"), {}
-        for _ in range(3):
-            spent.update(own=0.0, context=0.0)
-            cascade._flash = timed_kernel if name == "cascade" else kernel
-            started = time.perf_counter()
+        def every_pass(way=way):
             for _ in range(args.layers):
                 for p in prepared:
                     way(tree, p, kept)
-            took = time.perf_counter() - started
+
+        if name == "cascade":
+            cascade._flash = timed_kernel
+        try:
+            best, split = fastest_of_three(every_pass, spent)
+        finally:
             cascade._flash = kernel
-            if took < best:
-                best, split = took, dict(spent)
         parts = (f"   (kernel: own {split['own']:.3f}s, context {split['context']:.3f}s; "
                  f"the rest {best - split['own'] - split['context']:.3f}s)" if name == "cascade" else "")
         print(f"  {name:<9} {best:7.3f}s for {args.layers} layer(s), {tree_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
               f"of needed pairs   max |Δ| against naive fp64 attention {gap[name]:.2e}{parts}")
-    whole_rows = []
-    for node in sorted({int(tree.end_node[r]) for r in range(len(tree.end_node)) if tree.end_node[r] > 0}):
-        length = int(tree.end[node])
-        whole_rows.append((torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM),
-                           torch.randn(1, HEADS, length, DIM)))
+    whole_rows = [tuple(torch.randn(1, HEADS, int(tree.end[node]), DIM) for _ in range(3))
+                  for node in np.unique(tree.end_node[tree.end_node > 0])]  # each distinct row's whole sequence
     whole_pairs = sum(q.shape[2] * (q.shape[2] + 1) // 2 for q, _, _ in whole_rows)
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(args.layers):
-            whole_way(whole_rows)
-        best = min(best, time.perf_counter() - started)
+    best, _ = fastest_of_three(lambda: [whole_way(whole_rows) for _ in range(args.layers)])
     print(f"  {'whole':<9} {best:7.3f}s for {args.layers} layer(s), {whole_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
           f"of needed pairs   ({len(whole_rows)} distinct rows, {whole_pairs / tree_pairs:.1f}x the tree's pairs)")
 
+
+def fastest_of_three(run, spent: dict | None = None) -> tuple[float, dict]:
+    """(the fastest of three timings of `run()`, what `spent` held after that one; `spent` is zeroed before each)."""
+    best, split = float("inf"), {}
+    for _ in range(3):
+        if spent is not None:
+            spent.update(dict.fromkeys(spent, 0.0))
+        started = time.perf_counter()
+        run()
+        took = time.perf_counter() - started
+        if took < best:
+            best, split = took, dict(spent or {})
+    return best, split
 
 if __name__ == "__main__":
     main()

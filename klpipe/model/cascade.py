@@ -10,9 +10,9 @@ log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
 
     own      each row's queries over the pass's own keys, causal: in the left layout a node's real
              tokens come first in its slots, so the causal kernel needs no mask (pads come after them)
-    context  for every parent in the pass, the queries of all its children stacked (and all query heads
-             of a KV head) over the parent's path, the kept keys and values read where they lie: one
-             unmasked product per parent, shared by its siblings
+    context  for every run of consecutive rows with one parent, their queries stacked (and all query
+             heads of a KV head) over the parent's path, the kept keys and values read where they lie:
+             one unmasked product per run, shared by the siblings in it
 
 Only the pieces this module knows are exact take that way: a full-attention layer (no window, no
 chunk), no softcap, sinks or position bias, one head size, torch's CPU flash kernel (which returns the
