@@ -10,8 +10,9 @@ same random keys, values and queries, each timed over all passes (best of 3):
   gathered  the context copied into left-padded slots per row (tree._gather_context), the pass's keys
             after it, GQA's keys repeated, transformers' 4D mask, SDPA: what a tree pass did before
             cascade attention, and what it still does for a layer the cascade does not take
-  cascade   klpipe's cascade (model/cascade.py): the rows' queries over their parent's path where it
-            lies, stacked per parent, and over their own keys with the causal kernel, merged by log-sum-exp
+  cascade   klpipe's cascade (model/cascade.py): the rows' queries over their path where it lies, in
+            parts (the nodes adjacent runs of rows open with, then each run's rest), stacked per part,
+            and over their own keys with the causal kernel, merged by log-sum-exp
 
 Both outputs are checked against naive fp64 softmax attention over each row's explicit keys. Beside
 them, for scale, the same rows run whole (`whole`: each row alone over its whole fed sequence, the
@@ -98,9 +99,9 @@ def gathered_way(tree, p, kept):
 
 def cascade_way(tree, p, kept):
     from klpipe.model import cascade
-    from klpipe.model.tree import _by_parent
+    from klpipe.model.tree import _context_parts
 
-    return cascade.PassContexts(_by_parent(p["ancestors"]), kept, 0).attend(p["q"], p["k"], p["v"], SCALE)
+    return cascade.PassContexts(_context_parts(p["ancestors"]), kept, 0).attend(p["q"], p["k"], p["v"], SCALE)
 
 
 def whole_way(rows):

@@ -77,10 +77,10 @@ def instrument() -> None:
             b, h, t, d = query.shape
             layer = cascade._PASS.get().layers[module.layer_idx] if cascade._PASS.get() is not None else None
             contexts = getattr(layer, "cascade", None)
-            if contexts is not None and getattr(layer, "pending", False):  # own part causal, each parent's path
+            if contexts is not None and getattr(layer, "pending", False):  # own part causal, each context part
                 WORK["attention"] += 2.0 * b * h * t * t * d
-                for rows, path in contexts.parents:
-                    width = sum(contexts.kept[n][contexts.layer].keys.shape[1] for n in path)
+                for rows, nodes in contexts.parts:
+                    width = sum(contexts.kept[n][contexts.layer].keys.shape[1] for n in nodes)
                     WORK["attention"] += 4.0 * query[rows].shape[0] * h * t * width * d
             else:
                 WORK["attention"] += 4.0 * b * h * t * key.shape[2] * d

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klpipe.model import ModelSpec, ReferenceModel, cascade
-from klpipe.model.tree import Kept, _by_parent
+from klpipe.model.tree import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 
@@ -38,12 +38,13 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
     monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
     torch.manual_seed(0)
     layer = 0
-    lengths = {1: 30, 2: 7, 3: 12, 4: 1}  # nodes' own lengths: 2 and 3 continue 1; 4 continues 2
+    # Nodes' own lengths: 2 and 3 continue 1; 4 continues 2; 6 continues 5; 7 and 8 continue 6.
+    lengths = {1: 30, 2: 7, 3: 12, 4: 1, 5: 10, 6: 4, 7: 3, 8: 2}
     kept = {n: [Kept(keys=torch.randn(KV_HEADS, m, DIM, dtype=dtype), values=torch.randn(KV_HEADS, m, DIM, dtype=dtype))]
             for n, m in lengths.items()}
-    # Rows' ancestors: four parents, a row without one, and parent 2's rows in two runs.
-    paths = [[1, 2], [1, 2], [1], [1, 2, 4], [], [1, 3], [1, 2]]
-    own = np.array([5, 9, 1, 6, 9, 3, 4])  # real fed slots per row; the rest of T = 9 are pads after them
+    # Rows' ancestors: six parents under two roots, a row without one, and parent 2's rows in two runs.
+    paths = [[1, 2], [1, 2], [1], [1, 2, 4], [], [1, 3], [1, 2], [5, 6, 7], [5, 6, 8]]
+    own = np.array([5, 9, 1, 6, 9, 3, 4, 2, 7])  # real fed slots per row; the rest of T = 9 are pads after them
     fed = int(own.max())
     if layout == "b H T d":
         q = torch.randn(len(paths), HEADS, fed, DIM, dtype=dtype)
@@ -51,9 +52,12 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
         q = torch.randn(len(paths), fed, HEADS, DIM, dtype=dtype).transpose(1, 2)
     k = torch.randn(len(paths), KV_HEADS, fed, DIM, dtype=dtype)
     v = torch.randn(len(paths), KV_HEADS, fed, DIM, dtype=dtype)
-    parents = _by_parent(paths)
-    assert [rows for rows, _ in parents] == [slice(0, 2), slice(2, 3), slice(3, 4), slice(5, 6), slice(6, 7)]
-    out = cascade.PassContexts(parents, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
+    parts = _context_parts(paths)
+    # Each row's path in parts: what adjacent runs open with (the row without context parts them), then the rest;
+    # row 3 merges three times, and two parts join nodes.
+    assert parts == [(slice(0, 4), [1]), (slice(5, 7), [1]), (slice(7, 9), [5, 6]), (slice(0, 2), [2]),
+                     (slice(3, 4), [2, 4]), (slice(5, 6), [3]), (slice(6, 7), [2]), (slice(7, 8), [7]), (slice(8, 9), [8])]
+    out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
     assert out.shape == (len(paths), fed, HEADS, DIM) and out.is_contiguous() and out.dtype == dtype
     worst = 0.0
     for row, path in enumerate(paths):
@@ -65,8 +69,17 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
     assert worst < bound
 
 
-def test_one_parent_for_every_row_is_one_run():
+def test_one_parent_for_every_row_is_one_run_and_one_part():
     assert _by_parent([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5])]
+    assert _context_parts([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5])]
+
+
+def test_runs_share_only_the_nodes_they_all_open_with():
+    # A run whose whole path is shared has no part of its own; runs under two roots share nothing.
+    assert _context_parts([[3, 5, 7], [3, 5, 8], [3, 5]]) == [(slice(0, 3), [3, 5]), (slice(0, 1), [7]),
+                                                              (slice(1, 2), [8])]
+    assert _context_parts([[1, 2], [9, 4]]) == [(slice(0, 1), [1, 2]), (slice(1, 2), [9, 4])]
+    assert _context_parts([[], []]) == []
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
 
     own      each row's queries over the pass's own keys, causal: in the left layout a node's real
              tokens come first in its slots, so the causal kernel needs no mask (pads come after them)
-    context  for every run of consecutive rows with one parent, their queries stacked (and all query
-             heads of a KV head) over the parent's path, the kept keys and values read where they lie:
-             one unmasked product per run, shared by the siblings in it
+    context  the row's path, in parts (tree._context_parts): the nodes that adjacent runs of rows all
+             open with (an agent pass's system prompt), then each run of rows with one parent over the
+             rest of its path. Each part is one unmasked product of its rows' queries, stacked (and all
+             query heads of a KV head), over the kept keys and values read where they lie
 
 Only the pieces this module knows are exact take that way: a full-attention layer (no window, no
 chunk), no softcap, sinks or position bias, one head size, torch's CPU flash kernel (which returns the
@@ -117,10 +118,10 @@ def active(cache):
 
 
 class PassContexts:
-    """One pass's rows in runs of one parent (tree._by_parent), for every layer: each run's rows and its path."""
+    """One pass's context in parts (tree._context_parts), for every layer: rows and the path nodes they attend over."""
 
-    def __init__(self, parents: list[tuple[slice, list[int]]], kept: dict, layer: int):
-        self.parents = parents  # (a run of batch rows with one parent, as a slice; its path from the root)
+    def __init__(self, parts: list[tuple[slice, list[int]]], kept: dict, layer: int):
+        self.parts = parts  # (a slice of batch rows, path nodes every one of them sees), in merge order
         self.kept = kept
         self.layer = layer
 
@@ -135,30 +136,33 @@ class PassContexts:
             own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
         out, lse = _flash(query, own_k, own_v, 0.0, True, scale=scale)  # (b, H, T, d), (b, H, T) float32
         out = out.transpose(1, 2)  # (b, T, H, d): the layout the kernel writes, so a view
-        if not self.parents:
+        if not self.parts:
             return out.contiguous()
-        out = out.float().contiguous()  # merged in fp32, in place, a run of rows at a time
-        lse = lse.transpose(1, 2)  # (b, T, H)
-        for rows, path in self.parents:  # a run of rows with one parent: each row is merged once
-            keys = [self.kept[node][self.layer].keys for node in path]
-            values = [self.kept[node][self.layer].values for node in path]
+        out = out.float().contiguous()  # merged in fp32, in place, a part at a time
+        lse = lse.transpose(1, 2)  # (b, T, H): of what is merged so far
+        for rows, nodes in self.parts:
+            keys = [self.kept[node][self.layer].keys for node in nodes]
+            values = [self.kept[node][self.layer].values for node in nodes]
             context_k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)  # (h, C, d)
             context_v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
             if not context_k.shape[1]:
                 continue
             q = query[rows]  # (r, H, T, d)
             r = q.shape[0]
-            # Every query of these rows sees every context position, so their order is free: (group, KV head,
-            # row and slot) stacks all of them, and all query heads of a KV head, into one product against the
-            # context broadcast over the groups. With transformers' (b, T, H, d) queries this is a view.
+            # Every query of these rows sees every position of these nodes, so their order is free: (group, KV
+            # head, row and slot) stacks all of them, and all query heads of a KV head, into one product against
+            # the keys broadcast over the groups. With transformers' (b, T, H, d) queries this is a view.
             stacked = q.reshape(r, kv_heads, groups, fed, dim).permute(2, 1, 0, 3, 4).reshape(
                 groups, kv_heads, r * fed, dim)
             part, part_lse = _flash(stacked, context_k.expand(groups, *context_k.shape),
                                     context_v.expand(groups, *context_v.shape), 0.0, False, scale=scale)
             part = part.permute(2, 1, 0, 3).reshape(r, fed, heads, dim)  # (r, T, H, d)
             part_lse = part_lse.permute(2, 1, 0).reshape(r, fed, heads)
-            # own·e^a + part·e^c over e^a + e^c, i.e. own + σ(c − a)·(part − own): one lerp in place.
-            out[rows].lerp_(part.float(), torch.sigmoid(part_lse - lse[rows]).unsqueeze(-1))
+            # merged·e^a + part·e^c over e^a + e^c, i.e. merged + σ(c − a)·(part − merged): one lerp in place;
+            # a later part of these rows then merges against both, a + log(1 + e^(c − a)).
+            so_far = lse[rows]
+            out[rows].lerp_(part.float(), torch.sigmoid(part_lse - so_far).unsqueeze(-1))
+            so_far.copy_(torch.logaddexp(so_far, part_lse))
         return out.to(query.dtype)
 
 

@@ -386,7 +386,7 @@ class ContextCache(Cache):
         """`in_place`: full-attention layers leave each row's context where it lies, for cascade.py's attention
         (only in the left layout, where a row sees every position of its path: `cached` is each node's start)."""
         layers = []
-        parents = _by_parent(ancestors) if in_place else None
+        parts = _context_parts(ancestors) if in_place else None
         for index, kind in enumerate(kinds):
             attention, state = kind.continuation.keys_values, kind.continuation.state
             keys = values = None
@@ -396,7 +396,7 @@ class ContextCache(Cache):
                 # A sliding layer's queries see at most the window's last `window - 1` context slots.
                 held = context if attention == "full" else min(context, kind.window - 1)
                 if in_place and kind.continuation.cascade:
-                    contexts = cascade.PassContexts(parents, kept, index)
+                    contexts = cascade.PassContexts(parts, kept, index)
                     if held:
                         gather = (lambda index=index, held=held:
                                   _gather_context(index, held, ancestors, cached, tree, kept))
@@ -460,6 +460,34 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
             keys[row, :, at:at + high - low] = node_kept.keys[:, low - tree.start[node]:high - tree.start[node]]
             values[row, :, at:at + high - low] = node_kept.values[:, low - tree.start[node]:high - tree.start[node]]
     return keys, values
+
+
+def _context_parts(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
+    """The pass's context in parts, in the order the cascade merges them: (a slice of batch rows, path nodes
+    that every one of those rows attends over in full).
+
+    First, for each stretch of consecutive runs (`_by_parent`) whose paths open with the same node, the
+    nodes they all open with: one product for all their rows. An agent pass's rows share a long system
+    prompt but few parents, and the kernel runs one large product much faster than a product per run
+    (benchmarks/prefix_attention.py). Then, per run, the rest of its path."""
+    runs = _by_parent(ancestors)
+    parts: list[tuple[slice, list[int]]] = []
+    tails: list[tuple[slice, list[int]]] = []
+    start = 0
+    while start < len(runs):
+        stop = start + 1  # runs[start:stop]: adjacent rows, every path opening with the same node
+        while (stop < len(runs) and runs[stop][1][0] == runs[start][1][0]
+               and runs[stop][0].start == runs[stop - 1][0].stop):
+            stop += 1
+        shared = 0
+        if stop - start > 1:
+            paths = [path for _, path in runs[start:stop]]
+            while all(len(path) > shared and path[shared] == paths[0][shared] for path in paths):
+                shared += 1
+            parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared]))
+        tails += [(rows, path[shared:]) for rows, path in runs[start:stop] if len(path) > shared]
+        start = stop
+    return parts + tails
 
 
 def _by_parent(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
