@@ -56,7 +56,8 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
     # Each row's path in parts: what adjacent runs open with (the row without context parts them), then the rest;
     # row 3 merges three times, and two parts join nodes.
     assert parts == [(slice(0, 4), [1]), (slice(5, 7), [1]), (slice(7, 9), [5, 6]), (slice(0, 2), [2]),
-                     (slice(3, 4), [2, 4]), (slice(5, 6), [3]), (slice(6, 7), [2]), (slice(7, 8), [7]), (slice(8, 9), [8])]
+                     (slice(3, 4), [2, 4]), (slice(5, 6), [3]), (slice(6, 7), [2]), (slice(7, 8), [7]),
+                     (slice(8, 9), [8])]
     out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
     assert out.shape == (len(paths), fed, HEADS, DIM) and out.is_contiguous() and out.dtype == dtype
     worst = 0.0

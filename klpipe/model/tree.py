@@ -30,8 +30,9 @@ Each node's own state is kept (keys and values cut to its real tokens) while any
 is still to run; `Pass.release` says when it goes.
 
 Where the model runs sdpa on CPU in the left layout, a full-attention layer does not gather its context
-into the pass's slots at all: cascade.py's attention reads the kept keys and values of each row's path where
-they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take exactly gets them gathered.
+into the pass's slots at all: cascade.py's attention reads the kept keys and values of each row's path
+where they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take
+exactly gets them gathered.
 """
 
 from __future__ import annotations
