@@ -197,5 +197,6 @@ def fastest_of_three(run, spent: dict | None = None) -> tuple[float, dict]:
             best, split = took, dict(spent or {})
     return best, split
 
+
 if __name__ == "__main__":
     main()
