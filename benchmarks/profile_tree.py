@@ -15,6 +15,9 @@ except `attention`, which holds the repeat of GQA's keys and values and the mask
     cat        tree only: context + the pass's new keys and values, per such layer (ContextLayer.whole)
     mask       transformers building the 4D attention masks
     head       the LM head on the needed positions (model/head.py)
+Within the cascade's attention, its calls of torch's CPU flash kernel are timed too: `own` (each row's
+queries over the pass's own keys, causal; FLOPs of the causal half) and `context` (unmasked, over a
+part of the rows' paths). They show which of the two runs below the linear layers' rate.
 Beside each part: the FLOPs that the pass really computed for it (padding and re-fed tokens included),
 so GFLOP/s per part says which part runs below the machine's matmul rate, and GFLOP/s of the FLOPs the
 method needs (flops.py).
@@ -94,6 +97,16 @@ def instrument() -> None:
             return in_place(module, query, key, value, attention_mask, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[cascade.NAME] = cascade_attention
+    flash = cascade._flash
+
+    def cascade_flash(query, key, value, dropout, causal, **kwargs):  # the cascade's own and context calls
+        part = "own" if causal else "context"
+        with timed(part):
+            b, h, t, d = query.shape
+            WORK[part] += (2.0 if causal else 4.0) * b * h * t * key.shape[2] * d
+            return flash(query, key, value, dropout, causal, **kwargs)
+
+    cascade._flash = cascade_flash
     for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
         original = getattr(masking, name)
 
@@ -151,7 +164,8 @@ def profile(model, rows, sharing: str, needed) -> dict:
     parts = {part: (TIMES.get(part, 0.0), needs.get(part, 0.0), WORK.get(part, 0.0)) for part in PARTS}
     parts["other"] = (whole - sum(TIMES[p] for p in PARTS), stats.padded_tokens, 0.0)
     return {"sharing": sharing, "parts": parts, "whole": whole, "needed": needed.total, "fed": stats.fed_tokens,
-            "padded": stats.padded_tokens, "peak": flops.matmul_peak()}
+            "padded": stats.padded_tokens, "peak": flops.matmul_peak(),
+            "kernel": {part: (TIMES[part], WORK[part]) for part in ("own", "context") if part in TIMES}}
 
 
 def report(run: dict) -> None:
@@ -168,6 +182,11 @@ def report(run: dict) -> None:
               f"{(need / seconds / 1e9) if need and seconds else 0:>16.0f}")
     other = run["parts"]["other"][0]
     print(f"{'other':<11}{other:>9.2f}{other / whole:>8.0%}   (norms, RoPE, MLP activations, planning, Python)")
+    for part, what in (("own", "causal, the pass's own keys"), ("context", "unmasked, a part of the rows' paths")):
+        seconds, done = run["kernel"].get(part, (0.0, 0.0))
+        if seconds:
+            print(f"  of attention, torch's flash kernel {what}: {seconds:.2f}s, {done / 1e9:.1f} GFLOP done, "
+                  f"{done / seconds / 1e9:.0f} GFLOP/s")
 
 
 def at_rates(tree: dict, off: dict) -> None:
