@@ -339,6 +339,60 @@ def test_prefix_sharing_modes_match_oracle_and_count_what_they_fed(tmp_path, mod
     assert outputs["on"].drop_columns(["ref_logprobs"]).equals(outputs["off"].drop_columns(["ref_logprobs"]))
 
 
+
+def unique_then_shared(path: Path, shared_chunks: int) -> Path:
+    """8 rows of unique prompts (nothing shared but their first token), then `shared_chunks` chunks of 8 rows
+    that open with one 60-token system prompt: with chunks of 8, only the later chunks run a tree."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 512, 60).tolist()
+    rows = [{"prompt_ids": [2, 3 + i] + rng.integers(3, 512, 20).tolist(), "response_ids": rng.integers(3, 512, 9).tolist()}
+            for i in range(8)]
+    rows += [{"prompt_ids": system + rng.integers(3, 512, 5).tolist(), "response_ids": rng.integers(3, 512, 9).tolist()}
+             for _ in range(8 * shared_chunks)]
+    for i, row in enumerate(rows):
+        row["id"] = f"r{i}"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
+        ("id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32()))])), path)
+    return path
+
+
+def test_auto_probes_the_tree_only_when_a_chunk_would_share_it(tmp_path, monkeypatch):
+    # The probe costs about half a second a process: unique prompts, which run whole under auto, never pay
+    # for it, and a run pays for it once, however many chunks share.
+    from klpipe.precompute import sharing
+
+    probed = []
+    real = sharing.check_tree
+    monkeypatch.setattr(sharing, "check_tree", lambda model: probed.append(model) or real(model))
+    rows = unique_then_shared(tmp_path / "rows.parquet", shared_chunks=2)
+    unique = tmp_path / "unique.parquet"
+    pq.write_table(pq.read_table(rows).slice(0, 8), unique)
+    off = run(tmp_path, inputs=[unique], model=TINY_LLAMA, name="unique-off.parquet", prefix_sharing="off")
+    auto = run(tmp_path, inputs=[unique], model=TINY_LLAMA, name="unique-auto.parquet", chunk_rows=8)
+    assert probed == [] and auto.prefix_sharing == "auto" and auto.forward.tree_rows == 0
+    assert pq.read_table(auto.output).equals(pq.read_table(off.output))
+    shared = run(tmp_path, inputs=[rows], model=TINY_LLAMA, name="shared.parquet", chunk_rows=8)
+    assert len(probed) == 1 and shared.prefix_sharing == "auto" and shared.forward.tree_rows == 16
+
+
+def test_a_failed_probe_under_auto_runs_that_chunk_and_the_rest_whole(tmp_path, monkeypatch, models):
+    from klpipe.precompute import sharing
+
+    probed = []
+    monkeypatch.setattr(sharing, "check_tree", lambda model: probed.append(model) or "the probe disagreed")
+    rows = unique_then_shared(tmp_path / "rows.parquet", shared_chunks=2)
+    said = []
+    config = PrecomputeConfig(inputs=[rows], output=tmp_path / "auto.parquet", model=str(TINY_LLAMA), device="cpu",
+                              progress="none", chunk_rows=8)
+    summary = precompute(config, log=said.append)
+    assert len(probed) == 1 and summary.prefix_sharing == "off" and summary.forward.tree_rows == 0
+    assert [line for line in said if "prefix sharing" in line] == [
+        "prefix sharing off: LlamaForCausalLM cannot share prefixes exactly (the probe disagreed)"]
+    assert summary.forward.fed_tokens == per_row_tokens(pq.read_table(rows))
+    off = run(tmp_path, inputs=[rows], model=TINY_LLAMA, name="off.parquet", chunk_rows=8, prefix_sharing="off")
+    assert pq.read_table(summary.output).equals(pq.read_table(off.output))
+    assert_matches_oracle(models[TINY_LLAMA], pq.read_table(summary.output))
+
 # -- the formats trainers write -------------------------------------------------------------------
 
 

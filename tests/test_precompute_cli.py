@@ -363,9 +363,9 @@ def test_prefix_sharing_bad_value(tmp_path):
 
 
 def test_a_model_that_cannot_share_falls_back_under_auto_and_fails_under_on(tmp_path, monkeypatch):
-    from klpipe.precompute import run as precompute_run
+    from klpipe.precompute import sharing as precompute_sharing
 
-    monkeypatch.setattr(precompute_run, "check_tree", lambda model: "the probe disagreed")
+    monkeypatch.setattr(precompute_sharing, "check_tree", lambda model: "the probe disagreed")
     result = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "auto.parquet", "--device", "cpu")
     assert result.exit_code == 0, result.output
     assert "prefix sharing off: LlamaForCausalLM cannot share prefixes exactly (the probe disagreed)" in result.stderr

@@ -6,6 +6,7 @@ tokenize.py   a chunk into flat token ids, every row checked against the model
 batching.py   token-budget batches (pure index arithmetic)
 prefix_tree.py the chunk's prefix tree and the passes that run it (pure)
 logprobs.py   a chunk's rows through the reference model (klpipe.model): tree or per row; the probe
+sharing.py    the sharing mode a model runs with: the tree probed the first time a chunk would use it
 workdir.py    the work directory: run.json, the lock, chunk checkpoints, the merge
 run.py        the stage: chunks → logprobs → checkpoints → the cache, with resume
 

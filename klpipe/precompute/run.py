@@ -29,7 +29,7 @@ from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute.logprobs import ForwardStats, check_tree, plan_chunk, plan_key, plan_stats, run_plan
+from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
@@ -37,6 +37,7 @@ from klpipe.precompute.rollouts import (
     iter_chunks,
     open_rollouts,
 )
+from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.tokenize import ChunkTokenizer
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
@@ -54,7 +55,7 @@ class PrecomputeSummary:
     rows: int = 0  # rows scored in this run
     tokens: int = 0  # response tokens scored in this run (the policy's own: a mask's 0s get no logprob)
     forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
-    prefix_sharing: str = "off"  # the mode in force once the model is loaded (auto may fall back to off)
+    prefix_sharing: str = "off"  # the mode in force (auto falls back to off where the tree's probe fails: sharing.py)
     seconds: float = 0.0  # scoring time, model loading excluded
     load_seconds: float = 0.0
     resumed_chunks: int = 0  # chunks an earlier run of the same command had finished
@@ -296,25 +297,16 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
         stop.check()
 
 
-def _cache_tokens(model, sharing: str, max_cache_mib: int) -> int:
-    """The cache budget in tokens of `model`'s keys and values. Only the tree keeps any (and asks the model
-    what they weigh): rows run whole keep none."""
-    return (max_cache_mib << 20) // model.kv_bytes_per_token if sharing != "off" else 1 << 62
-
-
 def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
-    summary.prefix_sharing = _sharing_mode(model, config.prefix_sharing, log)
-    max_cache_tokens = _cache_tokens(model, summary.prefix_sharing, work.provenance.max_cache_mib)
+    sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
+    summary.prefix_sharing = sharing.mode
     if model.kernel_note:
         log(model.kernel_note)
-    policy_sharing = summary.prefix_sharing
     if policy is not None:
-        policy_sharing = _sharing_mode(policy, summary.prefix_sharing, log) if summary.prefix_sharing != "off" else "off"
-        # The two run one after the other, so each may hold the whole cache budget in turn.
-        policy_cache_tokens = _cache_tokens(policy, policy_sharing, work.provenance.max_cache_mib)
+        policy_sharing = Sharing(policy, config.prefix_sharing, work.provenance.max_cache_mib, log)
         if policy.kernel_note and policy.kernel_note != model.kernel_note:
             log(policy.kernel_note)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
@@ -328,15 +320,14 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
             for tokenized in stream:
                 pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
                 needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
-                plan = plan_chunk(model, pairs, max_tokens, summary.prefix_sharing, max_cache_tokens, needed)
+                plan = sharing.plan(pairs, max_tokens, needed)
+                summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
                 plan_stats(plan, summary.forward)
                 logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
                 policy_logprobs = None
                 if policy is not None:
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
-                    same = plan_key(policy, policy_sharing) == plan.key and policy_sharing == summary.prefix_sharing
-                    policy_plan = plan if same else plan_chunk(policy, pairs, max_tokens, policy_sharing,
-                                                               policy_cache_tokens, needed)
+                    policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
                     policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, stop.check)
                 work.write_chunk(tokenized, logprobs, policy_logprobs)
                 response_tokens = tokenized.scored_tokens()
@@ -348,16 +339,3 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
         progress.close()
         summary.seconds = time.perf_counter() - compute_started
 
-
-def _sharing_mode(model, asked: str, log) -> str:
-    """The prefix-sharing mode to run with: `asked`, unless the model cannot continue keys and values exactly."""
-    if asked == "off":
-        return "off"
-    problem = check_tree(model)
-    if problem is None:
-        return asked
-    name = type(model.model).__name__
-    if asked == "on":
-        raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
-    log(f"prefix sharing off: {name} cannot share prefixes exactly ({problem})")
-    return "off"

@@ -1,0 +1,66 @@
+"""Which prefix-sharing mode a model runs with, and the chunk plans made in it.
+
+The prefix tree is trusted only once its probe (logprobs.check_tree) has reproduced the per-row path
+on the model. The probe costs a few dozen small passes (about half a second for the benchmarks' 8-layer
+model on 2 CPU cores), so it runs when it is first needed:
+
+    off   never: rows run whole and ask nothing of the tree
+    on    before any chunk, so a model that cannot share fails before any work is done
+    auto  the first time a chunk's plan would run a tree. Rows that share nothing worth a pass run whole
+          in both modes, with the same batches, so a run of unique prompts never pays for the probe,
+          and a model that fails it falls back to rows run whole from that chunk on, with the same
+          numbers for the chunks before
+"""
+
+from __future__ import annotations
+
+from klpipe.errors import ModelError
+from klpipe.precompute.logprobs import ChunkPlan, check_tree, plan_chunk, plan_key
+
+
+class Sharing:
+    """`model`'s sharing mode (`asked`, until the probe fails under auto) and its chunk plans."""
+
+    def __init__(self, model, asked: str, max_cache_mib: int, log):
+        self.model = model
+        self.mode = asked
+        self.max_cache_mib = max_cache_mib
+        self.log = log
+        self.probed = asked == "off"
+        if asked == "on":
+            self._probe()
+
+    @property
+    def cache_tokens(self) -> int:
+        """The cache budget in tokens of the model's keys and values. Only the tree keeps any (and asks the
+        model what they weigh): rows run whole keep none."""
+        return (self.max_cache_mib << 20) // self.model.kv_bytes_per_token if self.mode != "off" else 1 << 62
+
+    def plan(self, pairs, max_tokens: int, needed) -> ChunkPlan:
+        """The chunk's plan in this mode, the model probed first if the plan runs a tree."""
+        plan = plan_chunk(self.model, pairs, max_tokens, self.mode, self.cache_tokens, needed)
+        if plan.tree is not None and not self.probed:
+            self._probe()
+            if self.mode == "off":
+                plan = plan_chunk(self.model, pairs, max_tokens, "off", self.cache_tokens, needed)
+        return plan
+
+    def plan_like(self, other: Sharing, plan: ChunkPlan, pairs, max_tokens: int, needed) -> ChunkPlan:
+        """`plan` (made by `other`, for another model) where this model would make the same one, else its own.
+        A policy fine-tuned from the reference plans alike."""
+        if plan.tree is not None and not self.probed:
+            self._probe()
+        if self.mode == other.mode and plan_key(self.model, self.mode) == plan.key:
+            return plan
+        return self.plan(pairs, max_tokens, needed)
+
+    def _probe(self) -> None:
+        self.probed = True
+        problem = check_tree(self.model)
+        if problem is None:
+            return
+        name = type(self.model.model).__name__
+        if self.mode == "on":
+            raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
+        self.log(f"prefix sharing off: {name} cannot share prefixes exactly ({problem})")
+        self.mode = "off"
