@@ -64,6 +64,29 @@ def test_both_columns_match_each_models_own_oracle(tmp_path, models, sharing):
     assert np.mean(np.abs(ref - policy)) > 0.1
 
 
+
+def test_a_policy_that_fails_the_probe_runs_its_rows_whole_beside_a_reference_that_shares(tmp_path, models,
+                                                                                       monkeypatch):
+    from klpipe.precompute import sharing
+
+    probed = []
+    real = sharing.check_tree
+    # Each model is probed once, the first time a chunk's plan runs a tree: the reference first, then the policy.
+    monkeypatch.setattr(sharing, "check_tree", lambda model: probed.append(model) or (
+        real(model) if len(probed) == 1 else "the probe disagreed"))
+    source = agent_rollouts(tmp_path / "agent.parquet", tasks=3, group=3, turns=2)
+    pq.write_table(pq.read_table(source).drop_columns(["policy_logprobs"]), tmp_path / "bare.parquet")
+    said = []
+    config = PrecomputeConfig(inputs=[tmp_path / "bare.parquet"], output=tmp_path / "out.parquet",
+                              model=str(TINY_GEMMA), policy=str(POLICY), device="cpu", progress="none", chunk_rows=7)
+    summary = precompute(config, log=said.append)
+    assert len(probed) == 2 and summary.prefix_sharing == "auto" and summary.forward.tree_rows == summary.rows
+    assert [line for line in said if "prefix sharing" in line] == [
+        "prefix sharing off: Gemma4ForCausalLM cannot share prefixes exactly (the probe disagreed)"]
+    table = pq.read_table(summary.output)
+    assert worst(models[TINY_GEMMA], table, "ref_logprobs") <= TOLERANCE
+    assert worst(models[POLICY], table, "policy_logprobs") <= TOLERANCE
+
 def test_a_mask_applies_to_both_models(tmp_path, models):
     plain = pq.read_table(TOOL_IDS).drop_columns(["policy_logprobs"]).slice(0, 10)
     pq.write_table(plain, tmp_path / "tools.parquet")
