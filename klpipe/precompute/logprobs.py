@@ -230,13 +230,30 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int) -> tupl
     return batches, padded_total
 
 
-# -- the load-time probe ----------------------------------------------------------------------------
+# -- the tree's probes ------------------------------------------------------------------------------
 
 # The probe's shared system prompt: longer than the model's sliding window (so a window that a
 # context shifted would show), at least this long, and never longer than PROBE_MAX_PREFIX.
 PROBE_MIN_PREFIX = 40
 PROBE_MAX_PREFIX = 1024
 PROBE_LONGEST_ROW = 30  # what the probe's longest row feeds beyond the system prompt (turn two's, below)
+
+
+def check_layout(model) -> str | None:
+    """None if the model tells the planner what the prefix tree needs of it (its layer table, what a token's
+    keys, values and states weigh: one token's forward); otherwise why not. Planning asks these before any
+    tree runs, so they are checked first, in milliseconds; check_tree's probe comes when a tree is to run."""
+    try:
+        model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
+        return _problem(exc)
+    return None
+
+
+def _problem(exc: Exception) -> str:
+    from klpipe.errors import first_line
+
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def check_tree(model) -> str | None:
@@ -301,9 +318,7 @@ def _probe_tree(model) -> str | None:
         for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
-        from klpipe.errors import first_line
-
-        return f"{type(exc).__name__}: {first_line(exc)}"
+        return _problem(exc)
     expected = model.score_batch(rows)
     gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
     if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:

@@ -2,7 +2,8 @@
 
 The prefix tree is trusted only once its probe (logprobs.check_tree) has reproduced the per-row path
 on the model. The probe costs a few dozen small passes (about half a second for the benchmarks' 8-layer
-model on 2 CPU cores), so it runs when it is first needed:
+model on 2 CPU cores), so it runs when it is first needed. What planning itself asks of the model (its
+layer table, one token's forward: logprobs.check_layout) is checked before any chunk, under auto and on:
 
     off   never: rows run whole and ask nothing of the tree
     on    before any chunk, so a model that cannot share fails before any work is done
@@ -15,7 +16,7 @@ model on 2 CPU cores), so it runs when it is first needed:
 from __future__ import annotations
 
 from klpipe.errors import ModelError
-from klpipe.precompute.logprobs import ChunkPlan, check_tree, plan_chunk, plan_key
+from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan_chunk, plan_key
 
 
 class Sharing:
@@ -27,6 +28,8 @@ class Sharing:
         self.max_cache_mib = max_cache_mib
         self.log = log
         self.probed = asked == "off"
+        if asked != "off":
+            self._refuse(check_layout(model))
         if asked == "on":
             self._probe()
 
@@ -56,9 +59,13 @@ class Sharing:
 
     def _probe(self) -> None:
         self.probed = True
-        problem = check_tree(self.model)
+        self._refuse(check_tree(self.model))
+
+    def _refuse(self, problem: str | None) -> None:
+        """Under auto, rows run whole from now on, with one log line; under on, a ModelError. Nothing if no problem."""
         if problem is None:
             return
+        self.probed = True
         name = type(self.model.model).__name__
         if self.mode == "on":
             raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
