@@ -306,6 +306,7 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
     if model.kernel_note:
         log(model.kernel_note)
     if policy is not None:
+        # The two run one after the other, so each may hold the whole cache budget in turn.
         policy_sharing = Sharing(policy, config.prefix_sharing, work.provenance.max_cache_mib, log)
         if policy.kernel_note and policy.kernel_note != model.kernel_note:
             log(policy.kernel_note)
