@@ -20,7 +20,10 @@ the first `checked` rows, which the benchmarks compare across contenders.
 (imports, model load, klpipe's load-time probe) of several seconds on a small machine, which caps any
 whole-process ratio on data of a few tens of seconds. So each contender also runs on a one-row file;
 its steady-state time is its whole time less that start-up. Both are printed; ratios are of
-steady-state times.
+steady-state times. A start-up's one row shares nothing, so under --prefix-sharing auto it would skip
+the prefix tree's probe, which a run whose rows share pays once (klpipe/precompute/sharing.py): the
+start-up runs with --prefix-sharing on instead, which probes before its first chunk, so that it holds
+every cost a sharing run pays once per process (`startup_args`).
 """
 
 from __future__ import annotations
@@ -78,6 +81,19 @@ def write_rollouts(path: Path, one_row: Path, ids: list[str], prompts: list[list
     path.with_suffix(".tmp").rename(path)
 
 
+STARTUP = "KLPIPE_BENCH_STARTUP"  # set in a start-up run's environment (measure)
+
+
+def startup_sharing(sharing: str) -> str:
+    """The --prefix-sharing mode of a run: `on` for auto in a start-up run, so that it pays the tree's probe."""
+    return "on" if sharing == "auto" and os.environ.get(STARTUP) else sharing
+
+
+def startup_args(startup: bool) -> list[str]:
+    """What a `klpipe precompute` command line of a start-up run adds (for benchmarks that run the CLI)."""
+    return ["--prefix-sharing", "on"] if startup else []
+
+
 def threads() -> int:
     """The threads every contender (and the matmul peak) runs on: KLPIPE_BENCH_THREADS, else every core."""
     return int(os.environ.get("KLPIPE_BENCH_THREADS", os.cpu_count() or 1))
@@ -121,7 +137,7 @@ def run_klpipe(model_dir: Path, rollouts: Path, sharing: str, checked: int) -> d
     try:
         summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir), device="cpu",
                                               dtype="float32", overwrite=True, progress="none",
-                                              prefix_sharing=sharing), log=lambda m: None)
+                                              prefix_sharing=startup_sharing(sharing)), log=lambda m: None)
         seconds = time.perf_counter() - started - summary.load_seconds
         assert summary.rows and not summary.skipped
         first = pq.read_table(out).column("ref_logprobs").slice(0, checked).to_pylist()
@@ -246,7 +262,7 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
     PEAKS.clear()  # this measurement's own
 
     def run(name):
-        startup, _ = run_child(script, name, one_row, env_for(name))
+        startup, _ = run_child(script, name, one_row, {**(env_for(name) or {}), STARTUP: "1"})
         whole, result = run_child(script, name, path, env_for(name))
         return whole, startup, result
 
