@@ -302,7 +302,6 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
     sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
-    summary.prefix_sharing = sharing.mode
     if model.kernel_note:
         log(model.kernel_note)
     if policy is not None:
@@ -322,7 +321,6 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
                 needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
                 plan = sharing.plan(pairs, max_tokens, needed)
-                summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
                 plan_stats(plan, summary.forward)
                 logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
                 policy_logprobs = None
@@ -338,5 +336,6 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 stop.check()
     finally:
         progress.close()
+        summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
         summary.seconds = time.perf_counter() - compute_started
 

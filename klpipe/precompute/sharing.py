@@ -27,7 +27,7 @@ class Sharing:
         self.mode = asked
         self.max_cache_mib = max_cache_mib
         self.log = log
-        self.probed = asked == "off"
+        self.probed = False  # whether check_tree has run on the model
         if asked != "off":
             self._refuse(check_layout(model))
         if asked == "on":
@@ -42,7 +42,7 @@ class Sharing:
     def plan(self, pairs, max_tokens: int, needed) -> ChunkPlan:
         """The chunk's plan in this mode, the model probed first if the plan runs a tree."""
         plan = plan_chunk(self.model, pairs, max_tokens, self.mode, self.cache_tokens, needed)
-        if plan.tree is not None and not self.probed:
+        if self._untried(plan):
             self._probe()
             if self.mode == "off":
                 plan = plan_chunk(self.model, pairs, max_tokens, "off", self.cache_tokens, needed)
@@ -51,11 +51,15 @@ class Sharing:
     def plan_like(self, other: Sharing, plan: ChunkPlan, pairs, max_tokens: int, needed) -> ChunkPlan:
         """`plan` (made by `other`, for another model) where this model would make the same one, else its own.
         A policy fine-tuned from the reference plans alike."""
-        if plan.tree is not None and not self.probed:
+        if self._untried(plan):
             self._probe()
         if self.mode == other.mode and plan_key(self.model, self.mode) == plan.key:
             return plan
         return self.plan(pairs, max_tokens, needed)
+
+    def _untried(self, plan: ChunkPlan) -> bool:
+        """Whether `plan` runs a tree on this model before check_tree has: rows run whole ask nothing of it."""
+        return plan.tree is not None and self.mode != "off" and not self.probed
 
     def _probe(self) -> None:
         self.probed = True
@@ -65,7 +69,6 @@ class Sharing:
         """Under auto, rows run whole from now on, with one log line; under on, a ModelError. Nothing if no problem."""
         if problem is None:
             return
-        self.probed = True
         name = type(self.model.model).__name__
         if self.mode == "on":
             raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
