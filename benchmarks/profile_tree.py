@@ -84,17 +84,12 @@ def instrument() -> None:
 
     def cascade_attention(module, query, key, value, attention_mask, **kwargs):
         with timed("attention"):
+            flashed = WORK["own"] + WORK["context"]
+            out = in_place(module, query, key, value, attention_mask, **kwargs)
+            flashed = WORK["own"] + WORK["context"] - flashed  # the cascade's own and context parts, if it ran
             b, h, t, d = query.shape
-            layer = cascade._PASS.get().layers[module.layer_idx] if cascade._PASS.get() is not None else None
-            contexts = getattr(layer, "cascade", None)
-            if contexts is not None and getattr(layer, "pending", False):  # own part causal, each context part
-                WORK["attention"] += 2.0 * b * h * t * t * d
-                for rows, nodes in contexts.parts:
-                    width = sum(contexts.kept[n][contexts.layer].keys.shape[1] for n in nodes)
-                    WORK["attention"] += 4.0 * query[rows].shape[0] * h * t * width * d
-            else:
-                WORK["attention"] += 4.0 * b * h * t * key.shape[2] * d
-            return in_place(module, query, key, value, attention_mask, **kwargs)
+            WORK["attention"] += flashed or 4.0 * b * h * t * key.shape[2] * d
+            return out
 
     ALL_ATTENTION_FUNCTIONS[cascade.NAME] = cascade_attention
     flash = cascade._flash
