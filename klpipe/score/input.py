@@ -123,9 +123,9 @@ def policy_source(files: list[Location]) -> dict:
             "dtype": provenance.policy_dtype}
 
 
-def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int,
-                 columns: ColumnMap) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
-    """(record batch, where its rows come from), across all inputs in order.
+def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int, columns: ColumnMap,
+                 only: list[str] | None = None) -> Iterator[tuple[pa.RecordBatch, RowLocator]]:
+    """(record batch, where its rows come from), across all inputs in order; with `only`, those columns alone.
 
     A page that fails its checksum, or a file that cannot be decoded, stops the run naming the file:
     nothing computed from it is ever written.
@@ -136,7 +136,7 @@ def read_batches(files: list[Location], batch_tokens: int, batch_bytes: int,
             with open_parquet(path) as reader:
                 first_index = 0
                 size = rows_per_batch(reader, batch_tokens, batch_bytes, policy)
-                for batch in reader.iter_batches(batch_size=size):
+                for batch in reader.iter_batches(batch_size=size, columns=only):
                     ids = batch.column(id_column) if id_column in batch.schema.names else None
                     yield batch, RowLocator(path, first_index, ids)
                     first_index += batch.num_rows

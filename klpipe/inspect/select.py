@@ -1,0 +1,276 @@
+"""The first pass over the file: every row's figures, the curves per step, and the rows the page embeds.
+
+The file is read as `klpipe score` reads a cache (score/input.py: the same column checks, the same row
+checks, the same KL code), but only the columns the figures need, one record batch at a time. What stays
+in memory is a few numbers per row, as score keeps its per-row KLs; the token values of the rows picked
+are read in a second pass (gather.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from klpipe.arrow import numpy_view
+from klpipe.cache import (
+    ID,
+    MASK,
+    POLICY_LOGPROBS,
+    REF_LOGPROBS,
+    REWARD,
+    SCORED_METADATA_KEY,
+    STEP,
+    Provenance,
+    read_provenance,
+)
+from klpipe.columns import ColumnMap
+from klpipe.errors import InputError
+from klpipe.files.parquet import read_schema
+from klpipe.files.store import Location
+from klpipe.score.config import ScoreConfig
+from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
+from klpipe.score.kl import row_kl
+
+# The columns klpipe score adds (score/run.py names them; repeated here so that reading a file's figures
+# does not import the scoring stage's writer).
+KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD = "kl", "kl_coeff", "kl_penalty", "adjusted_reward"
+SCORED = (KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD)
+
+# A cache that was never scored gets score's own defaults for its per-row KL.
+_SCORE_DEFAULTS = {"estimator": ScoreConfig.estimator, "aggregate": ScoreConfig.aggregate, "clamp": ScoreConfig.clamp}
+
+
+@dataclass
+class Source:
+    """What the file is: its columns by role, how it was made and, for a scored file, how it was scored."""
+
+    path: Location
+    schema: pa.Schema
+    columns: ColumnMap  # role -> the file's column
+    provenance: Provenance | None  # precompute's record; None for a file klpipe did not write
+    settings: dict  # score's settings (estimator, aggregate, clamp, controller) or score's defaults
+    scored: bool  # the file has klpipe score's columns
+
+    def has(self, role: str) -> bool:
+        return self.columns.name(role) in self.schema.names
+
+
+def open_source(path: Location) -> Source:
+    """Check `path` as klpipe score checks a cache; a scored file also brings the settings it was scored with."""
+    provenance = read_provenance(path)
+    metadata = read_schema(path).metadata or {}
+    settings = dict(_SCORE_DEFAULTS)
+    given: dict[str, str] = dict(provenance.columns) if provenance is not None else {}
+    raw = metadata.get(SCORED_METADATA_KEY)
+    if raw is not None:
+        try:
+            recorded = json.loads(raw)
+        except ValueError as exc:
+            raise InputError(f"{path}: corrupt klpipe score metadata ({exc})") from None
+        settings.update(recorded)
+        given.update(recorded.get("columns") or {})
+    schema, columns = open_caches([path], ColumnMap(given))
+    present = [name for name in SCORED if name in schema.names]
+    if present and len(present) < len(SCORED):
+        missing = ", ".join(name for name in SCORED if name not in schema.names)
+        raise InputError(f"{path}: has {', '.join(present)} but no {missing}; inspect a file klpipe score wrote whole")
+    return Source(path, schema, columns, provenance, settings, scored=bool(present))
+
+
+@dataclass
+class RowFigures:
+    """One value per row of the file, in file order."""
+
+    ids: pa.Array | None  # the id column, when the file has one
+    steps: pa.Array | None  # the step column, when the file has one
+    reward: np.ndarray  # (rows,) float64
+    kl: np.ndarray  # (rows,) the file's `kl`, or the per-row KL computed as score would
+    kl_coeff: np.ndarray | None  # (rows,) scored files only
+    penalty: np.ndarray | None
+    adjusted: np.ndarray | None
+    tokens: np.ndarray  # (rows,) int64: response tokens scored (mask 1)
+    masked: np.ndarray  # (rows,) int64: response tokens the mask left out
+    max_gap: np.ndarray  # (rows,) float64: the largest |policy − ref| of a scored token
+    negative_k1: np.ndarray  # (rows,) bool: the row's raw k1 sum is below zero
+
+    def __len__(self) -> int:
+        return len(self.reward)
+
+    def row_id(self, i: int) -> object:
+        return None if self.ids is None else self.ids[i].as_py()
+
+
+def read_figures(source: Source, batch_tokens: int) -> RowFigures:
+    """Every row's figures, one record batch at a time, with score's checks on every row."""
+    names = source.columns
+    wanted = [names.name(role) for role in (ID, STEP, REWARD, POLICY_LOGPROBS, REF_LOGPROBS, MASK) if source.has(role)]
+    wanted += [name for name in SCORED if source.scored]
+    has_steps = source.has(STEP)
+    parts: dict[str, list] = {key: [] for key in ("ids", "steps", "reward", "kl", "kl_coeff", "penalty", "adjusted",
+                                                  "tokens", "masked", "max_gap", "negative_k1")}
+    settings = source.settings
+    batch_bytes = ScoreConfig.batch_bytes
+    for batch, rows in read_batches([source.path], batch_tokens, batch_bytes, names, only=wanted):
+        logprobs = check_batch(batch, rows, has_steps, names)
+        estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, settings["estimator"],
+                          settings["aggregate"], settings["clamp"])
+        check_finite(estimate, logprobs, rows, settings["estimator"], names)
+        tokens = np.diff(logprobs.offsets)
+        response = tokens if logprobs.response_offsets is None else np.diff(logprobs.response_offsets)
+        parts["tokens"].append(tokens)
+        parts["masked"].append(response - tokens)
+        parts["max_gap"].append(estimate.max_abs_diff)
+        parts["negative_k1"].append(estimate.negative_k1)
+        parts["reward"].append(logprobs.reward)
+        if source.has(ID):
+            parts["ids"].append(batch.column(names.name(ID)))
+        if has_steps:
+            parts["steps"].append(batch.column(names.name(STEP)))
+        if source.scored:
+            for key, name in (("kl", KL), ("kl_coeff", KL_COEFF), ("penalty", KL_PENALTY),
+                              ("adjusted", ADJUSTED_REWARD)):
+                column = batch.column(name)
+                if column.null_count:
+                    raise InputError(f"{rows.name(_first_null(column))}: {name} is null")
+                parts[key].append(numpy_view(column.cast(pa.float64())))
+        else:
+            parts["kl"].append(estimate.kl)
+
+    def joined(key: str, dtype=np.float64) -> np.ndarray:
+        return np.concatenate(parts[key]) if parts[key] else np.zeros(0, dtype=dtype)
+
+    def arrow(key: str) -> pa.Array | None:
+        if not parts[key]:
+            return None
+        return pa.chunked_array(parts[key]).combine_chunks()
+
+    return RowFigures(
+        ids=arrow("ids") if source.has(ID) else None,
+        steps=arrow("steps") if has_steps else None,
+        reward=joined("reward"), kl=joined("kl"),
+        kl_coeff=joined("kl_coeff") if source.scored else None,
+        penalty=joined("penalty") if source.scored else None,
+        adjusted=joined("adjusted") if source.scored else None,
+        tokens=joined("tokens", np.int64), masked=joined("masked", np.int64),
+        max_gap=joined("max_gap"), negative_k1=joined("negative_k1", bool),
+    )  # fmt: skip
+
+
+def _first_null(column: pa.Array) -> int:
+    return int(np.flatnonzero(~np.asarray(column.is_valid()))[0])
+
+
+# -- the curves -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Curves:
+    """One point per controller batch (consecutive rows of one step, as score forms them), or per row."""
+
+    labels: list  # (batches,) the step label, or the row's position
+    numeric: bool  # labels are numbers (an integer step column, or row positions)
+    x_label: str
+    rows: np.ndarray  # (batches,) rows in the batch
+    kl_mean: np.ndarray  # (batches,)
+    kl_coeff: np.ndarray | None  # (batches,) the coefficient applied to the batch (scored files)
+    reward_mean: np.ndarray
+    adjusted_mean: np.ndarray | None
+
+
+def curves(figures: RowFigures) -> Curves:
+    n = len(figures)
+    if figures.steps is not None and n:
+        steps = figures.steps
+        changed = np.asarray(pc.not_equal(steps.slice(1), steps.slice(0, n - 1)).fill_null(False))
+        starts = np.concatenate([[0], np.flatnonzero(changed) + 1])
+        labels = steps.take(pa.array(starts)).to_pylist()
+        numeric = pa.types.is_integer(steps.type)
+        x_label = "step" if numeric else "step (in order)"
+    else:
+        starts = np.arange(n)
+        labels = list(range(n))
+        numeric, x_label = True, "row"
+    counts = np.diff(np.concatenate([starts, [n]]))
+
+    def mean(values: np.ndarray | None) -> np.ndarray | None:
+        if values is None:
+            return None
+        return np.add.reduceat(values, starts) / counts if n else np.zeros(0)
+
+    return Curves(labels=labels, numeric=numeric, x_label=x_label, rows=counts, kl_mean=mean(figures.kl),
+                  kl_coeff=None if figures.kl_coeff is None else figures.kl_coeff[starts],
+                  reward_mean=mean(figures.reward), adjusted_mean=mean(figures.adjusted))
+
+
+# -- which rows the page embeds ---------------------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    """The rows the page embeds, in the page's order: those behind the >N-nat warning first."""
+
+    indices: np.ndarray  # (picked,) row positions in the file
+    extreme: np.ndarray  # (picked,) bool: the row has a token above the threshold
+    candidates: int  # rows the pick was made among (after --step)
+    how: str  # how they were picked, said for a person
+
+
+def sort_values(figures: RowFigures, sort: str, path: object) -> np.ndarray:
+    """(rows,) the value `sort` orders rows by, largest first."""
+    if sort == "kl":
+        return figures.kl
+    if sort == "max-token":
+        return figures.max_gap
+    if figures.penalty is None:
+        raise InputError(f"{path}: --sort penalty needs a scored file (kl_penalty); this is a cache: "
+                         "run klpipe score on it, or sort by kl")
+    return figures.penalty
+
+
+def select_rows(figures: RowFigures, path: object, *, sort: str = "kl", top: int = 50, rows: list[str] = (),
+                steps: list[str] = (), extreme_nats: float = 20.0) -> Selection:
+    """The rows named by `rows` (ids), or the `top` by `sort`, among those of `steps` when given.
+
+    Rows with a token whose |policy − ref| exceeds `extreme_nats` come first (largest first), and are
+    always among the top: they are what the >20-nat warning of klpipe score names. Ties keep file order.
+    """
+    n = len(figures)
+    keep = np.ones(n, dtype=bool)
+    if steps:
+        if figures.steps is None:
+            raise InputError(f"{path}: --step needs a step column; the file has none")
+        labels = figures.steps.cast(pa.string())
+        found = set(labels.to_pylist())
+        absent = [s for s in steps if s not in found]
+        if absent:
+            raise InputError(f"{path}: no row of step {absent[0]!r}")
+        keep &= np.asarray(pc.is_in(labels, value_set=pa.array(list(steps), pa.string())).fill_null(False))
+    values = sort_values(figures, sort, path)
+    extreme_rows = figures.max_gap > extreme_nats
+    if rows:
+        if figures.ids is None:
+            raise InputError(f"{path}: --row picks rows by id, and the file has no id column")
+        ids = figures.ids.cast(pa.string())
+        picked = []
+        for wanted in dict.fromkeys(rows):  # once each, in the order given
+            matches = np.flatnonzero(np.asarray(pc.equal(ids, wanted).fill_null(False)) & keep)
+            if not len(matches):
+                where = f" in step {', '.join(steps)}" if steps else ""
+                raise InputError(f"{path}: no row with id {wanted!r}{where}")
+            picked.extend(matches.tolist())
+        order = np.array(picked, dtype=np.int64)
+        order = np.concatenate([order[extreme_rows[order]], order[~extreme_rows[order]]])
+        how = f"{len(order)} row(s) named with --row"
+    else:
+        candidates = np.flatnonzero(keep)
+        flagged = candidates[extreme_rows[candidates]]
+        flagged = flagged[np.argsort(-figures.max_gap[flagged], kind="stable")]
+        rest = candidates[~extreme_rows[candidates]]
+        rest = rest[np.argsort(-values[rest], kind="stable")]
+        order = np.concatenate([flagged, rest])[:top].astype(np.int64)
+        how = f"the top {len(order)} by {sort}" + (f" in step {', '.join(steps)}" if steps else "")
+    return Selection(indices=order, extreme=extreme_rows[order], candidates=int(keep.sum()), how=how)
