@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 test-browser bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e ".[precompute,test]"
+	$(BIN)/python -m pip install -q -e ".[precompute,inspect,test]"
 	touch $@
 
 # The sample policy drifts ~2.4 nats per row, inside the default target band (1.5-4.5 for
@@ -37,6 +37,8 @@ demo: install
 		--column response_ids=completion_ids --output $(DEMO)/tool_calls.cached.parquet
 	$(BIN)/klpipe score $(DEMO)/tool_calls.cached.parquet --output $(DEMO)/tool_calls.scored.parquet \
 		--report $(DEMO)/tool_calls.report.json
+	# Where the tool rows' KL comes from, token by token: one page that opens from file:.
+	$(BIN)/klpipe inspect $(DEMO)/tool_calls.scored.parquet --output $(DEMO)/kl.html
 	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
 		--output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
@@ -69,6 +71,15 @@ test-slurm: install
 	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
 	$(BIN)/python -m pytest -q --durations=0 tests/slurm
+
+# klpipe inspect's pages in a real headless Chromium: Debian's, installed first when missing (needs root, as
+# in CI), driven by Playwright from PyPI, which is pointed at it and never downloads a browser of its own.
+PLAYWRIGHT_PIN ?= playwright==1.65.*
+
+test-browser: install
+	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q '$(PLAYWRIGHT_PIN)'
+	PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 $(BIN)/python -m pytest -q -rP --durations=5 tests/browser
 
 # TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency: installed here for the bench only.
 TRL_PIN ?= trl==1.16.*

@@ -22,9 +22,9 @@ import numpy as np
 
 from klpipe.errors import InputError, KlpipeError, first_line
 
-# Tokens of context each token is decoded in: a UTF-8 character spans at most 4 byte tokens, and the
-# decoders' other look-backs (a SentencePiece space, a WordPiece `##`) one.
-CONTEXT = 8
+# Tokens of context each token is decoded in: a UTF-8 character spans at most 4 byte tokens (3 before the
+# one that completes it), and the decoders' other look-backs (a SentencePiece space, a WordPiece `##`) one.
+CONTEXT = 4
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for the bytes of a character it has not seen whole
 

@@ -130,7 +130,7 @@
     const span = el("span", "tok" + (piece[2] === SPECIAL ? " special" : piece[2] === PARTIAL ? " partial" : ""),
                     visible(piece[1]));
     span.tabIndex = -1;
-    span.dataset.k = k;
+    span.setAttribute("data-k", k);
     if (!prompt) {
       const gap = values.policy[k] - values.ref[k];
       if (!values.mask || values.mask[k]) span.style.background = colour(gap);
@@ -163,6 +163,7 @@
       }
     }
     target.replaceChildren(out);
+    target.style.minHeight = "";
     const first = target.querySelector(".tok");
     if (first) first.tabIndex = 0;
   }
@@ -218,6 +219,9 @@
       view.appendChild(details);
     }
     const response = el("div", "tokens response");
+    // About the height the tokens will take (3 characters a token, 140 a line), so that only the rows
+    // near the viewport are drawn, not every still-empty row at once.
+    response.style.minHeight = Math.ceil((row.tokens + row.masked) * 3 / 140) * 22 + "px";
     response.setAttribute("aria-label", "response tokens of row " + (row.id === null ? row.index : row.id));
     view.appendChild(response);
     container.appendChild(view);

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from klpipe.arrow import numpy_view
+from klpipe.arrow import from_numpy, numpy_valid, numpy_view
 from klpipe.cache import (
     ID,
     MASK,
@@ -161,7 +161,7 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
 
 
 def _first_null(column: pa.Array) -> int:
-    return int(np.flatnonzero(~np.asarray(column.is_valid()))[0])
+    return int(np.flatnonzero(~numpy_valid(column))[0])
 
 
 # -- the curves -------------------------------------------------------------------------------------
@@ -185,9 +185,9 @@ def curves(figures: RowFigures) -> Curves:
     n = len(figures)
     if figures.steps is not None and n:
         steps = figures.steps
-        changed = np.asarray(pc.not_equal(steps.slice(1), steps.slice(0, n - 1)).fill_null(False))
-        starts = np.concatenate([[0], np.flatnonzero(changed) + 1])
-        labels = steps.take(pa.array(starts)).to_pylist()
+        codes = numpy_view(steps.dictionary_encode().indices)  # (rows,) one code per distinct step; no nulls
+        starts = np.concatenate([[0], np.flatnonzero(codes[1:] != codes[:-1]) + 1])
+        labels = steps.take(from_numpy(starts)).to_pylist()
         numeric = pa.types.is_integer(steps.type)
         x_label = "step" if numeric else "step (in order)"
     else:
@@ -219,6 +219,11 @@ class Selection:
     how: str  # how they were picked, said for a person
 
 
+def _numpy_bool(array: pa.Array) -> np.ndarray:
+    """(len,) bool, False where null; through the buffers (Array.to_numpy and fill_null load pandas: seconds)."""
+    return numpy_view(array.cast(pa.int8())).astype(bool) & numpy_valid(array)
+
+
 def sort_values(figures: RowFigures, sort: str, path: object) -> np.ndarray:
     """(rows,) the value `sort` orders rows by, largest first."""
     if sort == "kl":
@@ -248,7 +253,7 @@ def select_rows(figures: RowFigures, path: object, *, sort: str = "kl", top: int
         absent = [s for s in steps if s not in found]
         if absent:
             raise InputError(f"{path}: no row of step {absent[0]!r}")
-        keep &= np.asarray(pc.is_in(labels, value_set=pa.array(list(steps), pa.string())).fill_null(False))
+        keep &= _numpy_bool(pc.is_in(labels, value_set=pa.array(list(steps), pa.string())))
     values = sort_values(figures, sort, path)
     extreme_rows = figures.max_gap > extreme_nats
     if rows:
@@ -257,7 +262,7 @@ def select_rows(figures: RowFigures, path: object, *, sort: str = "kl", top: int
         ids = figures.ids.cast(pa.string())
         picked = []
         for wanted in dict.fromkeys(rows):  # once each, in the order given
-            matches = np.flatnonzero(np.asarray(pc.equal(ids, wanted).fill_null(False)) & keep)
+            matches = np.flatnonzero(_numpy_bool(pc.equal(ids, wanted)) & keep)
             if not len(matches):
                 where = f" in step {', '.join(steps)}" if steps else ""
                 raise InputError(f"{path}: no row with id {wanted!r}{where}")
