@@ -22,7 +22,7 @@ from klpipe.cli import app
 from klpipe.inspect import InspectConfig, inspect
 from klpipe.inspect.decode import load_decoder
 from klpipe.score import ScoreConfig, score
-from tests.helpers import TINY_GEMMA, block_imports, provenance, run_cli, run_python, RUN_KLPIPE
+from tests.helpers import RUN_KLPIPE, TINY_GEMMA, block_imports, provenance, run_cli, run_python
 
 TOKENIZER = Tokenizer.from_file(str(TINY_GEMMA / "tokenizer.json"))
 TEXTS = ["the café ☕ costs 3€\n\tthen<end_of_turn>\n", "a plain answer", "line one\nline two\n\n  indented",
@@ -101,7 +101,8 @@ def test_other_sort_keys(scored, tmp_path, sort, column):
     def key(row):
         if column:
             return row[column]
-        gaps = [abs(p - r) for p, r, m in zip(row["policy_logprobs"], row["ref_logprobs"], row["mask"]) if m]
+        pairs = zip(row["policy_logprobs"], row["ref_logprobs"], row["mask"], strict=True)
+        gaps = [abs(p - r) for p, r, m in pairs if m]
         return max(gaps, default=0.0)
 
     got = [key(table[r["index"]]) for r in data["rows"]]

@@ -55,7 +55,8 @@ class _Frame:
         self.x_low, self.x_high, self.y_low, self.y_high = x_low, x_high, y_low, y_high
 
     def x(self, v) -> np.ndarray:
-        return LEFT + (np.asarray(v, dtype=np.float64) - self.x_low) / (self.x_high - self.x_low) * (WIDTH - LEFT - RIGHT)
+        span = WIDTH - LEFT - RIGHT
+        return LEFT + (np.asarray(v, dtype=np.float64) - self.x_low) / (self.x_high - self.x_low) * span
 
     def y(self, v) -> np.ndarray:
         return HEIGHT - BOTTOM - (np.asarray(v, dtype=np.float64) - self.y_low) / (self.y_high - self.y_low) * (

@@ -205,7 +205,8 @@ def summary_html(page: PageInput) -> str:
              f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})"]
     if f.kl_coeff is not None and len(c.kl_coeff):
         changes = int(np.count_nonzero(np.diff(c.kl_coeff)))
-        parts.append(f"kl_coeff applied {c.kl_coeff[0]:.5g} → {c.kl_coeff[-1]:.5g} ({changes} changes between steps)")
+        parts.append(f"kl_coeff applied {c.kl_coeff[0]:.5g} → {c.kl_coeff[-1]:.5g} "
+                     f"({changes} change{'' if changes == 1 else 's'} between controller batches)")
     if rows:
         reward = f"reward {np.mean(f.reward):.4f}"
         parts.append(reward + (f" → {np.mean(f.adjusted):.4f}" if f.adjusted is not None else ""))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from klpipe.errors import InputError
 from klpipe.files.atomic import atomic_output
 from klpipe.files.discover import PARQUET_SUFFIXES, output_beside, refuse_overwriting_inputs
 from klpipe.files.store import Location, check_output
@@ -17,7 +18,6 @@ from klpipe.inspect.config import InspectConfig
 from klpipe.inspect.decode import load_decoder
 from klpipe.inspect.gather import check_token_columns, gather
 from klpipe.inspect.select import curves, open_source, read_figures, select_rows
-from klpipe.errors import InputError
 
 OUTPUT_SUFFIX = ".kl.html"
 
