@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from klpipe.cache import METADATA_KEY
 from klpipe.cli import app
+from klpipe.errors import InputError
 from klpipe.inspect import InspectConfig, inspect
 from klpipe.inspect.decode import load_decoder
 from klpipe.score import ScoreConfig, score
@@ -88,6 +89,8 @@ def test_the_top_rows_are_the_largest_kl_with_the_extreme_row_first(scored, tmp_
     by_kl = sorted(range(len(table)), key=lambda i: -table[i]["kl"])
     assert [r["index"] for r in data["rows"]] == [7] + [i for i in by_kl if i != 7][:4]
     assert [r["extreme"] for r in data["rows"]] == [True, False, False, False, False]
+    assert ('<aside class="extreme-note" role="note"><strong>1 embedded row(s) have a token with |policy − ref| '
+            "above 20 nats</strong>") in (tmp_path / "kl.html").read_text()
     assert [r["kl"] for r in data["rows"]] == [table[r["index"]]["kl"] for r in data["rows"]]
     assert [r["penalty"] for r in data["rows"]] == [table[r["index"]]["kl_penalty"] for r in data["rows"]]
 
@@ -144,6 +147,14 @@ def test_token_texts_join_into_the_tokenizers_own_decode(text):
         assert tokens.texts[k] == "" and decoder.piece_bytes(ids[k])
     if "\n" in text:
         assert any(t.endswith("\n") for t in tokens.texts)
+
+
+def test_a_local_tokenizer_never_reaches_for_the_hub(monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "huggingface_hub", None)  # importing it now fails
+    assert load_decoder(str(TINY_GEMMA)).vocab_size == TOKENIZER.get_vocab_size()
+    assert load_decoder(str(TINY_GEMMA / "tokenizer.json")).fingerprint == load_decoder(str(TINY_GEMMA)).fingerprint
+    with pytest.raises(InputError, match=f"^{tmp_path}/missing: no such tokenizer directory or file; pass "):
+        load_decoder(str(tmp_path / "missing"))
 
 
 def test_the_response_is_decoded_after_its_prompt():
