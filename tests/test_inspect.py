@@ -183,7 +183,8 @@ def test_the_page_holds_the_files_values_and_nothing_to_fetch(scored, tmp_path):
         expected = np.array([np.nan if v is None else v for v in file_row["ref_logprobs"]], dtype=np.float32)
         np.testing.assert_array_equal(ref, expected)  # NaN where the mask is 0
         assert decoded(row["mask"], "u1").tolist() == file_row["mask"]
-        pieces = [data["pieces"][i] for i in decoded(row["response"], "<u4")]
+        assert data["index"] == "u2"  # a table of fewer than 65,536 distinct tokens
+        pieces = [data["pieces"][i] for i in decoded(row["response"], "<u2")]
         assert [p[0] for p in pieces] == file_row["response_ids"]
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)  # nothing from elsewhere
     assert "connect-src 'none'" in html and "<link" not in html and "@import" not in html and "url(" not in html

@@ -66,6 +66,11 @@ def test_the_bare_package_scores_in_a_fresh_environment_without_torch(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert scored.returncode == 0, scored.stderr
     assert (tmp_path / "scored.parquet").exists()
+    inspect = subprocess.run([str(klpipe), "inspect", str(cache), "-o", str(tmp_path / "kl.html")],
+                             capture_output=True, text=True, timeout=120)
+    assert inspect.returncode == 2 and not (tmp_path / "kl.html").exists()
+    assert inspect.stderr == ("Error: klpipe inspect decodes tokens with the tokenizers library: "
+                              "pip install 'klpipe[inspect]'\n")
     precompute = subprocess.run([str(klpipe), "precompute", "-m", "some/model", str(cache)],
                                 capture_output=True, text=True, timeout=120)
     assert precompute.returncode == 2

@@ -13,6 +13,7 @@ huggingface_hub does; a local directory or file is read from disk and never send
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class Decoder:
             return ""
         return " ".join(f"{_BYTE_OF[c]:02x}" for c in piece)
 
+    @functools.lru_cache(maxsize=1 << 18)  # noqa: B019 - one decoder a run; a page asks for each id many times
     def piece(self, token_id: int) -> str:
         """The vocabulary's own string for a token (`Ġthe`, `▁the`, `<0x0A>`)."""
         return self.tokenizer.id_to_token(int(token_id))
@@ -122,13 +124,20 @@ def _is_byte_level(decoder: dict | None) -> bool:
     return decoder.get("type") == "ByteLevel" or any(_is_byte_level(d) for d in decoder.get("decoders") or [])
 
 
+def require_tokenizers() -> None:
+    """Refuse to start without the tokenizers library (the light install has none), before reading anything."""
+    import importlib.util
+
+    if importlib.util.find_spec("tokenizers") is None:
+        raise MissingTokenizersError("klpipe inspect decodes tokens with the tokenizers library: "
+                                     "pip install 'klpipe[inspect]'")
+
+
 def load_decoder(name: str, revision: str | None = None) -> Decoder:
     """The tokenizer of a directory (its tokenizer.json), a tokenizer.json file, or a hub id at `revision`."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise MissingTokenizersError("klpipe inspect decodes tokens with the tokenizers library: "
-                                     "pip install 'klpipe[inspect]'") from None
+    require_tokenizers()
+    from tokenizers import Tokenizer
+
     path = tokenizer_file(name, revision)
     try:
         raw = path.read_bytes()

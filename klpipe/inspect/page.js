@@ -23,8 +23,14 @@
     }
     return out;
   }
+  // Indices into the token table: two bytes each, or four in a table of 65,536 entries or more.
   function uints(b64) {
     const view = new DataView(bytes(b64).buffer);
+    if (data.index === "u2") {
+      const out = new Uint16Array(view.byteLength / 2);
+      for (let i = 0; i < out.length; i++) out[i] = view.getUint16(i * 2, true);
+      return out;
+    }
     const out = new Uint32Array(view.byteLength / 4);
     for (let i = 0; i < out.length; i++) out[i] = view.getUint32(i * 4, true);
     return out;

@@ -7,7 +7,7 @@ Everything a file supplies (ids, token text, model names) is data: the server-si
 
 Token values travel as base64 of their own bytes (float32 logprobs stay float32: what the tooltip shows
 is the file's value, digit for digit) and each token's text once per distinct (id, text) in a table:
-about 15 bytes a response token.
+about 14 bytes a response token.
 """
 
 from __future__ import annotations
@@ -101,17 +101,22 @@ def page_data(page: PageInput) -> dict:
             "tokens": int(figures.tokens[index]), "masked": int(figures.masked[index]),
             "maxGap": float(figures.max_gap[index]),
             "float": "f8" if float_type == "<f8" else "f4",
-            "response": _b64(response, "<u4"),
-            "prompt": None if prompt_pieces is None else _b64(prompt_pieces, "<u4"), "promptTokens": len(prompt),
+            "response": response, "prompt": prompt_pieces, "promptTokens": len(prompt),
             "policy": _b64(row.policy, float_type), "ref": _b64(row.ref, float_type),
             "mask": None if row.mask is None else _b64(row.mask.astype(np.uint8), "u1"),
         }  # fmt: skip
         encoded.append(entry)
+    # Two bytes a token into the token table while it has fewer than 65,536 entries (it nearly always has).
+    index_type = "<u2" if len(pieces.index) < 1 << 16 else "<u4"
+    for entry in encoded:
+        entry["response"] = _b64(entry["response"], index_type)
+        entry["prompt"] = None if entry["prompt"] is None else _b64(entry["prompt"], index_type)
     every_gap = np.concatenate(gaps) if gaps else np.zeros(0)
     # The colour scale saturates at the 99th percentile of the embedded tokens' |gap|: one 30-nat token
     # would otherwise wash every other token out to white.
     scale = max(0.5, float(np.percentile(every_gap, 99))) if every_gap.size else 1.0
-    return {"rows": encoded, "pieces": pieces.rows(), "scale": scale, "extremeNats": page.extreme_nats,
+    return {"rows": encoded, "pieces": pieces.rows(), "index": index_type[1:], "scale": scale,
+            "extremeNats": page.extreme_nats,
             "estimator": page.source.settings.get("estimator"), "aggregate": page.source.settings.get("aggregate")}
 
 

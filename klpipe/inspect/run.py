@@ -15,7 +15,7 @@ from klpipe.files.discover import PARQUET_SUFFIXES, output_beside, refuse_overwr
 from klpipe.files.store import Location, check_output
 from klpipe.inspect import page as page_module
 from klpipe.inspect.config import InspectConfig
-from klpipe.inspect.decode import load_decoder
+from klpipe.inspect.decode import load_decoder, require_tokenizers
 from klpipe.inspect.gather import check_token_columns, gather
 from klpipe.inspect.select import curves, open_source, read_figures, select_rows
 
@@ -37,6 +37,7 @@ def default_output(path: Location) -> Location:
 
 def inspect(config: InspectConfig) -> InspectResult:
     """Write the page `config` asks for."""
+    require_tokenizers()  # the light install has none: say so before reading anything
     output = config.output if config.output is not None else default_output(config.input)
     refuse_overwriting_inputs({"--output": output}, [config.input])
     check_output(output)
