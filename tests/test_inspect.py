@@ -263,8 +263,8 @@ def test_a_hub_id_offline_never_touches_the_network_and_inspect_needs_no_torch(s
         out = tmp_path / "kl.html"
         result = run_cli("inspect", str(scored), "-o", str(out), "--tokenizer", "someone/model", env=env)
         assert result.returncode == 2 and result.stderr == (
-            "Error: someone/model: no tokenizer.json found (not in the local Hugging Face cache, and HF_HUB_OFFLINE "
-            "is set); pass --tokenizer DIR\n")
+            "Error: someone/model: no such directory here, and no tokenizer.json for it from the hub (not in the "
+            "local Hugging Face cache, and HF_HUB_OFFLINE is set); pass --tokenizer DIR|ID\n")
         assert not out.exists()
         with pytest.raises(TimeoutError):
             server.accept()

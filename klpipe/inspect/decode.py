@@ -177,4 +177,5 @@ def tokenizer_file(name: str, revision: str | None = None) -> Path:
     except Exception as exc:  # noqa: BLE001 - huggingface_hub's errors have no one base class across versions
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "no")
         why = "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set" if offline else first_line(exc)
-        raise InputError(f"{name}: no {TOKENIZER_FILE} found ({why}); pass --tokenizer DIR") from None
+        raise InputError(f"{name}: no such directory here, and no {TOKENIZER_FILE} for it from the hub ({why}); "
+                         "pass --tokenizer DIR|ID") from None
