@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-trl test-faults test-slurm test-s3 bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -38,7 +38,7 @@ demo: install
 	$(BIN)/klpipe score $(DEMO)/tool_calls.cached.parquet --output $(DEMO)/tool_calls.scored.parquet \
 		--report $(DEMO)/tool_calls.report.json
 	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
-		--output $(DEMO)/tool_calls_conversational.cached.parquet
+		--chat-template sample_data/tool_chat_template.jinja --output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
 
 test: install
@@ -53,6 +53,11 @@ test-slow: install
 
 test-arch: install
 	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
+
+# Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
+# ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.
+test-trl: install
+	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
