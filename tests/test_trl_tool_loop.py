@@ -4,14 +4,17 @@ prompt_ids + completion_ids and tool_mask token for token, or the row is refused
 reason and what to pass instead. make test runs five templates (seconds); make test-trl all of them (about a
 minute on 2 CPU cores)."""
 
+import json
 import re
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from klpipe.mask import read_mask
 from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.rollouts import iter_chunks, open_rollouts
+from klpipe.precompute.tokenize import ChunkTokenizer
 from tests import trl_loop
 
 # Every template TRL 1.16 ships that its supports_tool_calling accepts, less the vision processors (the test below
@@ -119,13 +122,26 @@ def first_difference(trainer, loop, prompt_ids, response_ids, mask) -> str:
             f"klpipe {decode(ours[at:at + 8])!r}; masks equal: {mask.astype(int).tolist() == loop['tool_mask']}")
 
 
-def test_trls_tool_mask_for_a_conversational_row_is_accepted_and_agrees(trainers):
+def test_trls_tool_mask_for_a_conversational_row_is_accepted_and_agrees(trainers, tmp_path):
+    # The loop's rows as a trainer's dump holds them: the messages, the tools, TRL's tool_mask and logprobs.
     trainer = trainers("qwen2_5", "hub")
-    loop = trl_loop.run_loop(trainer, trl_loop.TRAJECTORIES["two rounds"])
-    _, responses, masks = renderer(trainer, "qwen2_5", False).render([trl_loop.PROMPT], [loop["completion"]])
-    given = pa.array([loop["tool_mask"]], pa.list_(pa.int8()))
-    read = read_mask(given, np.array([len(responses[0])]), "tool_mask", "response_ids", lambda i: f"row {i}")
-    assert read.tolist() == masks[0].tolist() and 0 < read.sum() < len(read)
+    loops = [trl_loop.run_loop(trainer, trl_loop.TRAJECTORIES[t]) for t in ("two rounds", "parallel calls")]
+    table = pa.Table.from_pylist([{"prompt": trl_loop.PROMPT, "completion": loop["completion"],
+                                   "tools": json.dumps(trl_loop.TOOL_SCHEMAS), "tool_mask": loop["tool_mask"],
+                                   "policy_logprobs": loop["logprobs"]} for loop in loops])
+    pq.write_table(table, tmp_path / "dump.parquet")
+    rollouts = open_rollouts([tmp_path / "dump.parquet"])
+    tokenizer = trainer.processing_class
+    chunk = next(iter_chunks(rollouts, 8))
+    tokenized = ChunkTokenizer(rollouts, tokenizer, len(tokenizer), None,
+                               stop_ids=trl_loop.stop_ids(tokenizer, "qwen2_5"))(chunk)
+    assert not tokenized.derived_mask  # the dump's own tool_mask was read, and agreed with the roles
+    for i, loop in enumerate(loops):
+        prompt_ids, response_ids = tokenized.row(i)
+        assert prompt_ids.tolist() == loop["prompt_ids"] and response_ids.tolist() == loop["completion_ids"]
+        mask = tokenized.row_mask(i)
+        assert mask.astype(int).tolist() == loop["tool_mask"] and 0 < mask.sum() < len(mask)
+        assert len(loop["logprobs"]) == len(mask) and all(v == 0.0 for v, m in zip(loop["logprobs"], mask) if not m)
 
 
 def test_a_template_trl_swaps_is_refused_without_the_trainers_template_and_the_line_names_the_option(trainers):
