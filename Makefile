@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 test-browser bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-trl test-faults test-slurm test-s3 test-browser bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -40,7 +40,7 @@ demo: install
 	# Where the tool rows' KL comes from, token by token: one page that opens from file:.
 	$(BIN)/klpipe inspect $(DEMO)/tool_calls.scored.parquet --output $(DEMO)/kl.html
 	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
-		--output $(DEMO)/tool_calls_conversational.cached.parquet
+		--chat-template sample_data/tool_chat_template.jinja --output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
 
 test: install
@@ -55,6 +55,11 @@ test-slow: install
 
 test-arch: install
 	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
+
+# Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
+# ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.
+test-trl: install
+	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
@@ -81,7 +86,7 @@ test-browser: install
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q '$(PLAYWRIGHT_PIN)'
 	PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 $(BIN)/python -m pytest -q -rP --durations=5 tests/browser
 
-# TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency: installed here for the bench only.
+# TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency (the test extra has it too).
 TRL_PIN ?= trl==1.16.*
 
 bench: install

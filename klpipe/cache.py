@@ -70,6 +70,7 @@ class Provenance:
     # Conversational rows: what else the chat template was given (both are in the tokenizer fingerprint too).
     tools: str | None = None  # sha256 of the --tools list, as canonical JSON
     chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs
+    chat_template: str | None = None  # sha256 of the --chat-template file; None: the tokenizer's own template
     # --policy: the model whose logprobs precompute wrote into policy_logprobs (None: the rollouts' own).
     policy_model: str | None = None
     policy_revision: str | None = None  # as `revision`, for the policy's weights
@@ -104,6 +105,8 @@ class Provenance:
                              "template, the tools or the template's options)")
             elif name == "tools":
                 found.append("the --tools list changed")
+            elif name == "chat_template":
+                found.append("the --chat-template changed")
             else:
                 found.append(f"{name} {before!r} → {after!r}")
         return found

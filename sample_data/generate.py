@@ -84,6 +84,7 @@ POLICY_DIR = OUT_DIR / "tiny-gemma4-policy"  # the policy that sampled rollouts.
 VERL_PATH = OUT_DIR / "verl_dump.jsonl"  # rollouts.parquet as verl's rollout_data_dir dumps them: text, no logprobs
 TOOL_CALLS_PATH = OUT_DIR / "tool_calls.parquet"  # TRL's ids: prompt_ids, completion_ids, tool_mask
 TOOL_CHAT_PATH = OUT_DIR / "tool_calls_conversational.parquet"  # TRL's messages, tool calls and tools
+TOOL_TEMPLATE_PATH = OUT_DIR / "tool_chat_template.jinja"  # the template the tool rows' trainer used (--chat-template)
 
 VOCAB_SIZE = 512
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
@@ -171,6 +172,11 @@ CHAT_TEMPLATE = """\
     {{- '<start_of_turn>model\\n' -}}
 {%- endif -%}
 """
+
+# The tool rows' trainer rendered with this variant, whose turns end with the tokenizer's EOS: a policy stops on a
+# single stop token, and the tiny tokenizer holds `<end_of_turn>` as several. klpipe reads it with --chat-template.
+TOOL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{- '<end_of_turn>\\n' -}}", "{{- eos_token + '\\n' -}}")
+assert TOOL_CHAT_TEMPLATE != CHAT_TEMPLATE
 
 # Conversational groups: (step, prompt messages). One with a system message, one multi-turn.
 CONVERSATIONS = [
@@ -637,22 +643,15 @@ def build_conversational(tokenizer, ref, policy):
     return rows, worst
 
 
-def tool_mask(tokenizer, prompt: list[dict], completion: list[dict], tools: list) -> list[int]:
-    """1 for the tokens of each assistant message (after its turn's header, to the end of its turn), 0 for a
-    tool's result and the next turn's header: what TRL's tool loop marks, worked out message by message."""
-    def ids(messages, generation_prompt=False):
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                             tokenize=True, return_dict=True)["input_ids"]
+def trl_tool_row(tokenizer, prompt: list[dict], completion: list[dict], tools: list):
+    """(prompt_ids, completion_ids, tool_mask) as TRL 1.16's GRPOTrainer tool loop builds them, by klpipe's renderer
+    (tests/test_trl_tool_loop.py holds it to TRL's own loop): each sampled turn up to and including its EOS, mask 1;
+    the tool block TRL appends, mask 0."""
+    from klpipe.precompute.chat import ChatRenderer
 
-    start = len(ids(prompt, generation_prompt=True))
-    whole = ids(prompt + completion)
-    mask = [0] * (len(whole) - start)
-    for k, message in enumerate(completion):
-        if message["role"] == "assistant":
-            begin = len(ids(prompt + completion[:k], generation_prompt=True))
-            end = len(ids(prompt + completion[:k + 1]))
-            mask[begin - start:end - start] = [1] * (end - begin)
-    return mask
+    renderer = ChatRenderer(tokenizer, "prompt", "completion", tools=tools, template_given=True)
+    [prompt_ids], [completion_ids], [mask] = renderer.render([prompt], [completion])
+    return prompt_ids, completion_ids, mask.astype(int).tolist()
 
 
 @torch.no_grad()
@@ -662,6 +661,8 @@ def build_tool_calls(tokenizer, ref, policy):
     reward_rng = random.Random(SEED_TOOL_REWARD)
     rows = []
     worst = 0.0  # largest |policy − ref| on a token the policy sampled
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     for group_id, (question, (name, arguments), result) in enumerate(TOOL_TASKS):
         prompt = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question}]
         # Each row's tools column holds the tool its task offers (the tiny models' context is 512 tokens).
@@ -673,16 +674,14 @@ def build_tool_calls(tokenizer, ref, policy):
             call = {"role": "assistant", "content": tokenizer.decode(first, skip_special_tokens=True),
                     "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
             answered = [call, {"role": "tool", "name": name, "content": result}]
-            history = tokenizer.apply_chat_template(prompt + answered, tools=tools, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)["input_ids"]
+            # The answer is sampled where TRL's loop samples it: after the call's EOS and the tool block.
+            _, history, _ = trl_tool_row(tokenizer, prompt, answered + [{"role": "assistant", "content": ""}], tools)
+            history = prompt_ids + history[: -1]  # less the empty answer's EOS
             [answer], _ = sample_group(policy, history, 1, gen, TOOL_ANSWER_TOKENS)
             completion = answered + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
-            whole = tokenizer.apply_chat_template(prompt + completion, tools=tools, tokenize=True,
-                                                  return_dict=True)["input_ids"]
-            assert whole[: len(prompt_ids)] == prompt_ids, "the template must keep the prompt as a prefix"
-            assert len(whole) <= 448, len(whole)  # the tiny models' context is 512
-            completion_ids = whole[len(prompt_ids):]
-            mask = tool_mask(tokenizer, prompt, completion, tools)
+            prompt_ids_again, completion_ids, mask = trl_tool_row(tokenizer, prompt, completion, tools)
+            assert prompt_ids_again == prompt_ids
+            assert len(prompt_ids) + len(completion_ids) <= 448  # the tiny models' context is 512
             policy_lp = teacher_forced_logprobs(policy, prompt_ids, completion_ids)
             ref_lp = teacher_forced_logprobs(ref, prompt_ids, completion_ids)
             worst = max([worst] + [abs(p - r) for p, r, m in zip(policy_lp.tolist(), ref_lp.tolist(), mask) if m])
@@ -793,6 +792,7 @@ def main() -> None:
     write_conversational(conversational)
     tool_rows, tool_worst = build_tool_calls(tokenizer, gemma, make_policy(gemma, TOOL_POLICY_NOISE).eval())
     write_tool_calls(tool_rows)
+    TOOL_TEMPLATE_PATH.write_text(TOOL_CHAT_TEMPLATE, encoding="utf-8")
 
     save_and_verify(policy, tokenizer, POLICY_DIR, probe)
 
@@ -837,5 +837,20 @@ def main() -> None:
             print(f"{size:>9}  {path.relative_to(OUT_DIR)}")
 
 
+def tool_rows_only() -> None:
+    """`generate.py --tool-rows`: the tool rows and their template alone, from the saved tiny Gemma."""
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(GEMMA_DIR)
+    gemma = Gemma4ForCausalLM.from_pretrained(GEMMA_DIR, dtype=torch.float32).eval()
+    tool_rows, tool_worst = build_tool_calls(tokenizer, gemma, make_policy(gemma, TOOL_POLICY_NOISE).eval())
+    write_tool_calls(tool_rows)
+    TOOL_TEMPLATE_PATH.write_text(TOOL_CHAT_TEMPLATE, encoding="utf-8")
+    print(f"tool-calling rows: {len(tool_rows)}, largest |policy - ref| on the policy's tokens {tool_worst:.1f} nats")
+    assert tool_worst < 20.0, tool_worst
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    tool_rows_only() if sys.argv[1:] == ["--tool-rows"] else main()

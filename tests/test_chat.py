@@ -99,9 +99,9 @@ def test_a_template_that_does_not_keep_the_prompt_as_a_prefix(tokenizer):
                                    "{% else %}Assistant: {{ m.content }}\n{% endif %}{% endfor %}"
                                    "{% if add_generation_prompt %}A:{% endif %}")
     assert fails(odd, [USER, USER], [ANSWER, ANSWER]) == (
-        0, "the chat template does not keep the rendered prompt as a prefix of prompt + completion, so the "
-           "response tokens cannot be told apart (TRL refuses such a template too); give prompt_ids and "
-           "response_ids instead")
+        0, "the chat template does not keep the rendered prompt as a prefix of prompt + completion (its generation "
+           "prompt ends with 'Australia?\\nA:' where the rendered turn has 'Australia?\\nAssistant: Canberra.\\n'), so "
+           "the response tokens cannot be told apart; give prompt_ids and response_ids instead")
 
 
 def test_tokens_that_merge_across_the_boundary(tokenizer):

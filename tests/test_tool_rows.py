@@ -3,7 +3,9 @@ model's turns with tool results, a mask that says which tokens the policy sample
 conversational messages with tool calls rendered with the tools the policy saw."""
 
 import copy
+import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,9 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from safetensors.numpy import save_file
 from transformers import AutoTokenizer
 
-from klpipe.errors import InputError, ProvenanceError
+from klpipe.errors import InputError, ModelError, ProvenanceError
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.precompute.chat import ChatError, ChatRenderer
@@ -24,6 +27,7 @@ from tests.helpers import SAMPLE, TINY_GEMMA, TINY_LLAMA, oracle_logprobs, run_c
 TOLERANCE = 1e-4
 TOOL_IDS = SAMPLE / "tool_calls.parquet"  # TRL's prompt_ids, completion_ids, tool_mask
 TOOL_CHAT = SAMPLE / "tool_calls_conversational.parquet"  # the same trajectories as TRL's messages
+TOOL_TEMPLATE = SAMPLE / "tool_chat_template.jinja"  # the template their trainer used: turns end with <eos>
 IDS_COLUMNS = {"response_ids": "completion_ids"}
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather now.",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -37,7 +41,10 @@ def reference(request):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(TINY_GEMMA)
+    """The tiny Gemma's tokenizer with the tool rows' template (what --chat-template gives it)."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_GEMMA)
+    tokenizer.chat_template = TOOL_TEMPLATE.read_text(encoding="utf-8")
+    return tokenizer
 
 
 def run(tmp_path, inputs, model=TINY_GEMMA, name="out.parquet", **kwargs):
@@ -153,43 +160,31 @@ def sample_chat_rows():
     return pq.read_table(TOOL_CHAT).to_pylist()
 
 
-def test_rendering_and_mask_equal_apply_chat_template_with_tools_message_by_message(tokenizer):
+def test_rendering_and_mask_are_the_trainers_loop_by_the_templates_layout(tokenizer):
     rows = sample_chat_rows()
     renderer = ChatRenderer(tokenizer, "prompt", "completion")
     prompt_lists, response_lists, masks = renderer.render([r["prompt"] for r in rows], [r["completion"] for r in rows],
                                                           [r["tools"] for r in rows])
     for row, prompt_ids, response_ids, mask in zip(rows, prompt_lists, response_lists, masks, strict=True):
         tools = json.loads(row["tools"])
-        prompt, completion = row["prompt"], [{k: v for k, v in m.items() if v is not None or k == "content"}
-                                             for m in row["completion"]]
-
-        def ids(messages, generation_prompt=False):
-            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                                 tokenize=True, return_dict=True)["input_ids"]
-
-        assert prompt_ids == ids(prompt, generation_prompt=True)
-        assert prompt_ids + response_ids == ids(prompt + completion)
-        # Message by message: an assistant's tokens run from the end of its turn's header to the end of its turn.
-        expected = np.zeros(len(response_ids), dtype=bool)
-        for k, message in enumerate(completion):
-            if message["role"] == "assistant":
-                begin = len(ids(prompt + completion[:k], generation_prompt=True)) - len(prompt_ids)
-                end = len(ids(prompt + completion[:k + 1])) - len(prompt_ids)
-                expected[begin:end] = True
-        assert mask.tolist() == expected.tolist()
-        # And as text, by the template's own layout: the call and the answer are 1, the tool's turn 0.
-        call, result, answer = completion
+        assert prompt_ids == tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=True)["input_ids"]
+        # By the template's own layout: each sampled turn up to and including its stop token (<eos>) is 1; what
+        # TRL's loop appends after it (the rest of the turn's line, the tool's turn, the next header) is 0; nothing
+        # follows the last <eos>. tests/test_trl_tool_loop.py holds this to TRL's own loop.
+        call, result, answer = row["completion"]
         spans = np.split(np.array(response_ids), np.flatnonzero(np.diff(mask.astype(int))) + 1)
         assert [tokenizer.decode(s) for s in spans] == [
             call["content"].strip() + f'<tool_call>{{"name": "{call["tool_calls"][0]["function"]["name"]}", '
                                       f'"arguments": {call["tool_calls"][0]["function"]["arguments"]}}}</tool_call>'
-                                      "<end_of_turn>\n",
-            f"<start_of_turn>tool\n{result['content']}<end_of_turn>\n<start_of_turn>model\n",
-            answer["content"].strip() + "<end_of_turn>\n"]
+                                      "<eos>",
+            f"\n<start_of_turn>tool\n{result['content']}<eos>\n<start_of_turn>model\n",
+            answer["content"].strip() + "<eos>"]
+        assert mask[0] and not mask[len(spans[0])] and mask[-1]
 
 
 def test_messages_and_ids_of_one_trajectory_give_one_cache(tmp_path):
-    chat = run(tmp_path, [TOOL_CHAT], name="chat.parquet")
+    chat = run(tmp_path, [TOOL_CHAT], name="chat.parquet", chat_template=TOOL_TEMPLATE.read_text())
     ids = run(tmp_path, [TOOL_IDS], name="ids.parquet", columns=IDS_COLUMNS)
     from_chat, from_ids = pq.read_table(chat.output).to_pylist(), pq.read_table(ids.output).to_pylist()
     for a, b in zip(from_chat[:-1], from_ids[:-1], strict=True):  # the ids file's last row is masked whole
@@ -219,15 +214,21 @@ def test_tools_from_a_file_and_template_options_reach_the_template(tmp_path, tok
 def test_the_tools_and_template_options_are_part_of_the_cache_identity(tmp_path):
     table = pq.read_table(TOOL_CHAT).drop_columns(["tools"])
     pq.write_table(table, tmp_path / "chat.parquet")
-    first = run(tmp_path, [tmp_path / "chat.parquet"], tools=TOOLS)
+    template = TOOL_TEMPLATE.read_text()
+    first = run(tmp_path, [tmp_path / "chat.parquet"], tools=TOOLS, chat_template=template)
     provenance = json.loads(pq.read_schema(first.output).metadata[b"klpipe"])
     assert provenance["tools"] and provenance["chat_template_kwargs"] == {}
+    assert provenance["chat_template"] == hashlib.sha256(template.encode()).hexdigest()
     other = [dict(TOOLS[0], function=dict(TOOLS[0]["function"], description="Weather later."))]
     with pytest.raises(Exception, match=r"the --tools list changed") as excinfo:
-        run(tmp_path, [tmp_path / "chat.parquet"], tools=other)
+        run(tmp_path, [tmp_path / "chat.parquet"], tools=other, chat_template=template)
     assert isinstance(excinfo.value, (ProvenanceError, InputError)) or "different run" in str(excinfo.value)
     with pytest.raises(Exception, match=r"chat_template_kwargs \{\} → \{'enable_thinking': False\}"):
-        run(tmp_path, [tmp_path / "chat.parquet"], tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+        run(tmp_path, [tmp_path / "chat.parquet"], tools=TOOLS, chat_template_kwargs={"enable_thinking": False},
+            chat_template=template)
+    # Another template is another tokenizer fingerprint and another --chat-template.
+    with pytest.raises(Exception, match=r"the tokenizer changed .*; the --chat-template changed"):
+        run(tmp_path, [tmp_path / "chat.parquet"], tools=TOOLS, chat_template=template.replace("Tools:", "Tools -"))
 
 
 def test_tools_given_as_a_list_column_render_like_their_json(tmp_path, tokenizer):
@@ -245,14 +246,17 @@ def test_tools_given_as_a_list_column_render_like_their_json(tmp_path, tokenizer
 
 
 def broken_model(tmp_path) -> Path:
-    """A copy of the tiny Gemma whose weights cannot load: an error about them means the rows were not checked first."""
+    """A copy of the tiny Gemma whose weights are readable but are not the model's, so it fails to load: an error
+    about them means the rows were not checked first."""
     model = tmp_path / "broken-model"
     shutil.copytree(TINY_GEMMA, model)
-    (model / "model.safetensors").write_bytes(b"not weights")
+    save_file({"not.the.model": np.zeros(2, dtype=np.float32)}, str(model / "model.safetensors"))
     return model
 
 
 def cli_fails(tmp_path, path, *extra) -> str:
+    if path == TOOL_CHAT:  # the template its trainer used
+        extra = ("--chat-template", TOOL_TEMPLATE, *extra)
     result = run_cli("precompute", "-m", broken_model(tmp_path), path, "-o", tmp_path / "out.parquet", *extra)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -295,7 +299,7 @@ def test_a_mask_column_that_disagrees_with_the_roles_is_one_line(tmp_path):
     ids = pq.read_table(TOOL_IDS).column("tool_mask").to_pylist()
     table = pq.read_table(TOOL_CHAT).append_column("tool_mask", pa.array(ids, pa.list_(pa.int8())))
     pq.write_table(table, tmp_path / "chat.parquet")  # the last row's mask was zeroed: it differs
-    message = cli_fails(tmp_path, tmp_path / "chat.parquet")
+    message = cli_fails(tmp_path, tmp_path / "chat.parquet", "--chat-template", TOOL_TEMPLATE)
     assert message.startswith(f"Error: {tmp_path / 'chat.parquet'}: row 31 (id 'tool3-g7'): tool_mask differs from "
                               "the mask the conversation's roles give (response token 0: 0 in tool_mask, 1 from the "
                               "roles")
@@ -308,7 +312,7 @@ def test_a_tool_message_that_answers_no_call_is_one_line(tmp_path):
     table = table.set_column(table.column_names.index("prompt"), table.schema.field("prompt"),
                              pa.array(prompts, table.schema.field("prompt").type))
     pq.write_table(table, tmp_path / "bad.parquet")
-    message = cli_fails(tmp_path, tmp_path / "bad.parquet")
+    message = cli_fails(tmp_path, tmp_path / "bad.parquet", "--chat-template", TOOL_TEMPLATE)
     assert message == (f"Error: {tmp_path / 'bad.parquet'}: row 2 (id 'tool0-g2'): a tool message answers no tool "
                        "call: it must follow an assistant message with tool_calls, or another tool message")
 
@@ -350,3 +354,57 @@ def test_tools_for_rows_that_are_not_conversational_are_refused(tmp_path):
     message = cli_fails(tmp_path, TOOL_IDS, "--column", "response_ids=completion_ids", "--tools", tmp_path / "tools.json")
     assert message == (f"Error: --tools apply to conversational rows (prompt and completion as chat messages), which "
                        f"{TOOL_IDS} does not hold")
+
+
+def test_without_the_trainers_template_a_turn_that_renders_no_stop_token_is_refused(tmp_path):
+    # The tiny Gemma's own template ends a turn with `<end_of_turn>`, which its tokenizer holds as several tokens:
+    # no stop token the policy could have stopped on, so the row is refused and the line says what to pass.
+    with pytest.raises(InputError) as excinfo:
+        run(tmp_path, [TOOL_CHAT], model=broken_model(tmp_path))
+    assert str(excinfo.value) == (
+        f"{TOOL_CHAT}: row 0 (id 'tool0-g0'): an assistant turn of the completion renders no stop token (the "
+        "tokenizer's EOS or the model's generation_config.eos_token_id: '<eos>'), so the token the policy stopped on "
+        "is not in the messages; give prompt_ids, response_ids and the mask (TRL's completion_ids and tool_mask) "
+        "instead")
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def damaged_weights(tmp_path, damage: str) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(TINY_GEMMA, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "corrupt":
+        data = data[:8] + b"\xff" * 16 + data[24:]
+    else:  # a dtype safetensors does not know, in place of one it does
+        data = data[: 8 + header].replace(b'"F32"', b'"F31"', 1) + data[8 + header:]
+    weights.write_bytes(data)
+    return model
+
+
+def rows_with_a_bad_mask(tmp_path) -> Path:
+    path = tmp_path / "bad.parquet"  # a row error would show the rows were read before the weights
+    pq.write_table(with_row(pq.read_table(TOOL_IDS), 0, "tool_mask", [1, 0]), path)
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "dtype"])
+def test_weights_that_cannot_be_read_are_named_before_any_row(tmp_path, damage):
+    model = damaged_weights(tmp_path, damage)
+    with pytest.raises(ModelError, match=rf"^{re.escape(str(model / 'model.safetensors'))}: cannot read the weights "
+                                         r"\(.+\)$"):
+        run(tmp_path, [rows_with_a_bad_mask(tmp_path)], model=model, columns=IDS_COLUMNS)
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_weights_that_cannot_be_read_are_one_line_and_exit_2(tmp_path):
+    model = damaged_weights(tmp_path, "corrupt")
+    result = run_cli("precompute", "-m", model, rows_with_a_bad_mask(tmp_path), "-o", tmp_path / "out.parquet",
+                     "--column", "response_ids=completion_ids")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"Error: {model / 'model.safetensors'}: cannot read the weights (")

@@ -115,6 +115,11 @@ def precompute_command(
         help="Conversational rows: keyword arguments for the chat template, TRL's chat_template_kwargs, "
              "e.g. '{\"enable_thinking\": false}'.",
         envvar="KLPIPE_CHAT_TEMPLATE_KWARGS", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        "--chat-template", metavar="FILE",
+        help="Conversational rows: the chat template the trainer rendered with (e.g. TRL's training template, "
+             "which GRPOTrainer swaps in with tools), in place of the tokenizer's own.",
+        envvar="KLPIPE_CHAT_TEMPLATE", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
 ):
     """Cache the reference model's logprob of every response token.
 
@@ -142,7 +147,7 @@ def precompute_command(
     """
     from klpipe.columns import parse_columns
     from klpipe.precompute import precompute
-    from klpipe.precompute.config import parse_template_kwargs, read_tools
+    from klpipe.precompute.config import parse_template_kwargs, read_chat_template, read_tools
     from klpipe.sharding import resolve_shard
 
     shard = resolve_shard(shard_index, num_shards)
@@ -156,6 +161,7 @@ def precompute_command(
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column), tools=read_tools(tools),
         chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
+        chat_template=read_chat_template(chat_template),
     )
     summary = precompute(config, log=_stderr)
     if summary.skipped:

@@ -107,6 +107,20 @@ def load_tokenizer(spec: ModelSpec):
         raise _load_error(spec, "the tokenizer", exc) from None
 
 
+def stop_token_ids(spec: ModelSpec) -> list[int]:
+    """The ids the model's generation_config.eos_token_id lists (none without a generation_config): a trainer's
+    generate stops a turn on any of them, as on the tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    try:
+        ids = GenerationConfig.from_pretrained(spec.name, **_source_kwargs(spec)).eos_token_id
+    except OSError:  # no generation_config.json
+        return []
+    except ValueError as exc:
+        raise _load_error(spec, "the generation config", exc) from None
+    return [] if ids is None else [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
 def check_transformers_version(version: str | None = None) -> None:
     """Refuse a transformers outside TRANSFORMERS_SUPPORTED: its cache internals may differ silently."""
     from packaging.specifiers import SpecifierSet
@@ -128,9 +142,26 @@ def load_config(spec: ModelSpec):
     check_transformers_version()
     _check_exists(spec)
     try:
-        return AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
+        config = AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
     except (OSError, ValueError) as exc:
         raise _load_error(spec, "the model config", exc) from None
+    _check_weights_readable(spec)
+    return config
+
+
+def _check_weights_readable(spec: ModelSpec) -> None:
+    """A local checkpoint's safetensors headers, read now (bytes, not tensors): a truncated or corrupt file, or an
+    unknown dtype, is one line naming the file before any row is read, not a crash after the rows are checked."""
+    if not is_local(spec.name):
+        return
+    from safetensors import safe_open
+
+    for path in sorted(Path(spec.name).expanduser().glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy") as weights:
+                weights.keys()
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file cannot be read as weights
+            raise ModelError(f"{path}: cannot read the weights ({first_line(exc)})") from None
 
 
 def text_config(config):

@@ -25,12 +25,22 @@ the template as `tools=`, from a per-row column or one list for every row (`--to
 trainer's `chat_template_kwargs`; a template that renders no trace of the tools it is given is an
 error, since the policy saw them and the reference would not.
 
+A completion that holds tool messages is what a trainer's tool loop built, and it is rebuilt the way
+that loop builds it (TRL 1.16's `GRPOTrainer._tool_call_loop`), never by rendering the conversation
+whole: each assistant turn is the tokens after the generation prompt up to and including the first
+stop token (the tokenizer's EOS and every id of the model's `generation_config.eos_token_id`), mask
+1; what the trainer appends after it, up to and including the next generation prompt, is the tool
+block TRL's `_get_tool_suffix_ids` renders from a stand-in conversation (trimmed at the EOS), mask 0;
+nothing follows the last turn's stop token. A row this cannot rebuild (a turn that renders no stop
+token, a template that is not prefix-preserving) is refused, never guessed.
+
 No torch here: only the tokenizer (and jinja2, through transformers) is used.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +71,8 @@ class ChatRenderer:
     """Renders conversational rows into (prompt_ids, response_ids, mask) with the tokenizer's chat template."""
 
     def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
-                 template_kwargs: dict | None = None, tools_column: str = "tools"):
+                 template_kwargs: dict | None = None, tools_column: str = "tools", stop_ids=(),
+                 template_given: bool = False):
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
@@ -69,6 +80,10 @@ class ChatRenderer:
         self.tools = tools  # one list of tool schemas for every row (--tools), or None
         self.template_kwargs = dict(template_kwargs or {})  # TRL's chat_template_kwargs
         self._renders_tools: dict[str, bool] = {}  # tools as JSON -> whether the template shows them
+        # The tokens that end a sampled turn: the tokenizer's EOS and the model's generation_config.eos_token_id.
+        self.stop_ids = frozenset(int(i) for i in stop_ids) | (
+            {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+        self.template_given = template_given  # --chat-template: the template is the trainer's, as the user says
 
     @property
     def has_template(self) -> bool:
@@ -85,14 +100,25 @@ class ChatRenderer:
                                "to render them with; use a tokenizer that has one, or give prompt_ids and response_ids")
         texts: list[str] = []
         layout: list[tuple[int, list[tuple[int, int]]]] = []  # per row: first text, assistant spans as text pairs
+        looped: dict[int, tuple[list[int], list[int], np.ndarray]] = {}  # rows with tool messages, rebuilt whole
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             tools = self._row_tools(row, None if row_tools is None else row_tools[row])
-            row_texts, spans = self._texts(row, prompt, completion, tools)
+            prompt_messages = self._messages(row, prompt, self.prompt_column)
+            completion_messages = self._messages(row, completion, self.response_column)
+            if any(m["role"] == TOOL_ROLE for m in completion_messages):
+                looped[row] = self._tool_loop_row(row, prompt_messages, completion_messages, tools)
+                layout.append((-1, []))
+                continue
+            row_texts, spans = self._texts(row, prompt_messages, completion_messages, tools)
             layout.append((len(texts), spans))
             texts.extend(row_texts)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # [prompt, whole, boundaries...] per row
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # [prompt, whole, ...]
         prompt_lists, response_lists, masks = [], [], []
         for row, (first, spans) in enumerate(layout):
+            if row in looped:
+                for lists, value in zip((prompt_lists, response_lists, masks), looped[row], strict=True):
+                    lists.append(value)
+                continue
             prompt_ids, whole_ids = ids[first], ids[first + 1]
             for boundary in ids[first: first + 2 + 2 * len(spans)]:
                 if whole_ids[: len(boundary)] != boundary:
@@ -119,8 +145,6 @@ class ChatRenderer:
         """The texts to tokenize for one row, as TRL renders them: the prompt, the whole conversation, then
         for each assistant message of the completion the text up to its start and up to its end; and, per
         assistant message, the indices of those two texts."""
-        prompt = self._messages(row, prompt, self.prompt_column)
-        completion = self._messages(row, completion, self.response_column)
         last_role = prompt[-1]["role"]
         if last_role not in GENERATION_PROMPT_ROLES + (CONTINUED_ROLE,):
             raise ChatError(row, f"the last {self.prompt_column} message has role {last_role!r}; TRL renders "
@@ -143,23 +167,158 @@ class ChatRenderer:
                 end = whole_text if k == len(completion) - 1 else self._apply(prompt + completion[:k + 1], tools)
                 spans.append((len(texts), len(texts) + 1))
                 texts += [start, end]
-            if tools is not None:
-                self._check_renders_tools(row, tools)
         except ChatError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template is user code: jinja errors, raise_exception, ...
             raise ChatError(row, f"the chat template failed: {first_line(exc)}") from None
         if not whole_text.startswith(prompt_text):
+            parting = _parting(prompt_text, whole_text)
             raise ChatError(row, f"the chat template does not keep the rendered {self.prompt_column} as a prefix of "
-                                 f"{self.prompt_column} + {self.response_column}, so the response tokens cannot be "
-                                 "told apart (TRL refuses such a template too); give prompt_ids and response_ids "
-                                 "instead")
+                                 f"{self.prompt_column} + {self.response_column} ({parting}), so the response tokens "
+                                 "cannot be told apart; give prompt_ids and response_ids instead")
         if not all(whole_text.startswith(text) for text in texts[2:]):
             raise ChatError(row, f"the chat template renders the conversation up to a message of the "
                                  f"{self.response_column} differently once more messages follow, so the assistant's "
-                                 "tokens cannot be told apart from the tools'; give prompt_ids, response_ids and a "
-                                 "mask instead")
+                                 "tokens cannot be told apart; give prompt_ids, response_ids and the mask instead")
+        if tools is not None:  # last: a template that fails for another reason names that reason first
+            self._check_renders_tools(row, tools)
         return texts, spans
+
+    # -- completions with tool messages: the trainer's loop ------------------------------------------------
+
+    def _tool_loop_row(self, row: int, prompt: list[dict], completion: list[dict], tools
+                       ) -> tuple[list[int], list[int], np.ndarray]:
+        """(prompt ids, response ids, mask) of a completion with tool messages, as TRL 1.16's tool loop builds
+        them: prompt_ids + sampled turn + tool block + sampled turn ... + the last sampled turn."""
+        last_role = prompt[-1]["role"]
+        if last_role not in GENERATION_PROMPT_ROLES:
+            raise ChatError(row, f"the last {self.prompt_column} message has role {last_role!r}; TRL's tool loop "
+                                 f"renders a prompt that ends with a {' or '.join(GENERATION_PROMPT_ROLES)} message "
+                                 "with the generation prompt")
+        self._check_roles(row, prompt, completion)
+        try:
+            prompt_ids = self._ids(self._apply(prompt, tools, add_generation_prompt=True))
+            response: list[int] = []
+            mask: list[int] = []
+            history, k = list(prompt), 0
+            while k < len(completion):
+                if completion[k]["role"] == CONTINUED_ROLE:
+                    turn = self._sampled_turn(row, history, completion[k], completion[k + 1: k + 2], tools)
+                    response += turn
+                    mask += [1] * len(turn)
+                    history.append(completion[k])
+                    k += 1
+                    continue
+                end = k
+                while end < len(completion) and completion[end]["role"] == TOOL_ROLE:
+                    end += 1
+                block = self._tool_block(row, completion[k:end])
+                response += block
+                mask += [0] * len(block)
+                history += completion[k:end]
+                k = end
+        except ChatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template is user code: jinja errors, raise_exception, ...
+            raise ChatError(row, f"the chat template failed: {first_line(exc)}") from None
+        if tools is not None:
+            self._check_renders_tools(row, tools)
+        return prompt_ids, response, np.array(mask, dtype=bool)
+
+    def _ids(self, text: str) -> list[int]:
+        # As the trainers tokenize a rendered template: it writes its own BOS.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _sampled_turn(self, row: int, history: list[dict], message: dict, following: list[dict], tools) -> list[int]:
+        """The tokens the policy sampled for `message`: what the template renders for it after the generation
+        prompt, up to and including the first stop token. A template that writes no stop token at the end of the
+        turn may open the next message with one (GLM's `<|observation|>`): the policy stopped on that token."""
+        for key in ("content", "reasoning_content", "reasoning", "thinking"):
+            text = message.get(key)
+            held = [self.tokenizer.convert_ids_to_tokens(i) for i in sorted(self.stop_ids)]
+            held = [token for token in held if isinstance(text, str) and token and token in text]
+            if held:
+                raise ChatError(row, f"an assistant message of the {self.response_column} holds the stop token "
+                                     f"{held[0]!r} in its {key} (a response parser left the token the policy stopped "
+                                     "on there), so the tokens it sampled cannot be rendered from the message; give "
+                                     "prompt_ids, response_ids and the mask (TRL's completion_ids and tool_mask) "
+                                     "instead")
+        header = self._apply(history, tools, add_generation_prompt=True)
+        own = self._apply(history + [message], tools)
+        if not own.startswith(header):
+            raise ChatError(row, self._not_prefix_preserving(header, own))
+        header_ids, own_ids = self._ids(header), self._ids(own)
+        if own_ids[: len(header_ids)] != header_ids:
+            raise ChatError(row, "the tokens of the conversation up to an assistant turn of the "
+                                 f"{self.response_column} are not a prefix of those with the turn (the tokenizer "
+                                 "merges across the boundary); give prompt_ids, response_ids and the mask instead")
+        rest = own_ids[len(header_ids):]
+        for i, token in enumerate(rest):
+            if token in self.stop_ids:
+                return rest[: i + 1]
+        if following:  # the next message's first token, when it is a stop token
+            after = self._apply(history + [message] + following, tools)
+            if after.startswith(own):
+                after_ids = self._ids(after)
+                if after_ids[: len(own_ids)] == own_ids and len(after_ids) > len(own_ids) \
+                        and after_ids[len(own_ids)] in self.stop_ids:
+                    return rest + [after_ids[len(own_ids)]]
+        raise ChatError(row, f"an assistant turn of the {self.response_column} renders no stop token (the "
+                             f"tokenizer's EOS or the model's generation_config.eos_token_id: "
+                             f"{self._stop_names()}), so the token the policy stopped on is not in the messages; "
+                             "give prompt_ids, response_ids and the mask (TRL's completion_ids and tool_mask) instead")
+
+    def _tool_block(self, row: int, tool_messages: list[dict]) -> list[int]:
+        """What TRL 1.16 appends after a turn that called tools (`GRPOTrainer._get_tool_suffix_ids`): the tool
+        messages rendered after a stand-in conversation, without the tools, with the generation prompt, less the
+        stand-in's own tokens up to its last EOS."""
+        name = tool_messages[0].get("name")
+        if not isinstance(name, str):
+            raise ChatError(row, "a tool message has no name; TRL's tool loop names each result after its tool, and "
+                                 "renders the results after a stand-in call of that name")
+        stand_in = [{"role": "user", "content": "dummy"},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}]
+        prefix = self._ids(self._apply(stand_in, None))
+        full = self._ids(self._apply(stand_in + tool_messages, None, add_generation_prompt=True))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ends = [i for i, token in enumerate(prefix) if token == eos]
+        if ends:  # e.g. Qwen's `\n` after `<|im_end|>` belongs to the tool block
+            prefix = prefix[: ends[-1] + 1]
+        if full[: len(prefix)] != prefix:
+            raise ChatError(row, "the chat template renders a tool call differently once its result follows (it is "
+                                 "not prefix-preserving), so the tool block TRL appends cannot be rebuilt; "
+                                 f"{self._not_prefix_preserving_advice()}")
+        return full[len(prefix):]
+
+    def _not_prefix_preserving(self, header: str, own: str) -> str:
+        problem = (f"the chat template is not prefix-preserving ({_parting(header, own)}), so the tokens the policy "
+                   "sampled after the generation prompt cannot be told apart")
+        return f"{problem}; {self._not_prefix_preserving_advice()}"
+
+    def _not_prefix_preserving_advice(self) -> str:
+        if not self.template_given and not self._passes_trl_prefix_check():
+            return ("TRL 1.16 swaps in its training template (trl.chat_template_utils.get_training_chat_template) "
+                    "for this template when tools are used: pass the template the trainer used with "
+                    "--chat-template FILE, or give prompt_ids, response_ids and the mask instead")
+        return "give prompt_ids, response_ids and the mask (TRL's completion_ids and tool_mask) instead"
+
+    def _passes_trl_prefix_check(self) -> bool:
+        """TRL 1.16's `is_chat_template_prefix_preserving`: the one probe by which GRPOTrainer decides to keep the
+        tokenizer's template (True) or swap in its training template (False)."""
+        stand_in = [{"role": "user", "content": "dummy"},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": "dummy", "arguments": {}}}]}]
+        try:
+            before = self._ids(self._apply(stand_in, None))
+            after = self._ids(self._apply(stand_in + [{"role": "tool", "name": "dummy", "content": "dummy"}], None,
+                                          add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - TRL retries with string arguments (DeepSeek-V3); either way not a swap here
+            return True
+        return after[: len(before)] == before
+
+    def _stop_names(self) -> str:
+        return ", ".join(repr(self.tokenizer.convert_ids_to_tokens(i)) for i in sorted(self.stop_ids)) or "none"
 
     def _check_roles(self, row: int, prompt: list[dict], completion: list[dict]) -> None:
         """The completion is what the policy sampled and the tools answered: assistant messages and tool results,
@@ -219,6 +378,14 @@ class ChatRenderer:
             messages.append({k: (_without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
                              if v is not None or k in ("role", "content")})
         return messages
+
+
+def _parting(prompt: str, whole: str) -> str:
+    """Where a rendered prompt and the rendering with more messages part, for a person: what each has there."""
+    same = len(os.path.commonprefix([prompt, whole]))
+    start = max(0, same - 12)  # a little of what the two share
+    return (f"its generation prompt ends with {prompt[start:][-40:]!r} where the rendered turn has "
+            f"{whole[start: same + 28]!r}")
 
 
 def _without_nones(value):

@@ -57,6 +57,9 @@ class PrecomputeConfig:
     # --tools FILE.json; a per-row tools column instead gives each row its own.
     tools: list | None = None
     chat_template_kwargs: dict = field(default_factory=dict)  # TRL's chat_template_kwargs, e.g. enable_thinking
+    # Conversational rows: the template the trainer rendered with (--chat-template FILE, e.g. TRL's training
+    # template), in place of the tokenizer's own; None: the tokenizer's.
+    chat_template: str | None = None
 
     def tools_digest(self) -> str | None:
         """sha256 of the --tools list as canonical JSON (provenance), or None without one."""
@@ -66,6 +69,14 @@ class PrecomputeConfig:
         import json
 
         return hashlib.sha256(json.dumps(self.tools, sort_keys=True).encode()).hexdigest()
+
+    def chat_template_digest(self) -> str | None:
+        """sha256 of the --chat-template text (provenance), or None without one."""
+        if self.chat_template is None:
+            return None
+        import hashlib
+
+        return hashlib.sha256(self.chat_template.encode()).hexdigest()
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -130,6 +141,21 @@ def read_tools(path: str | Path | None) -> list | None:
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise InputError(f"--tools {path}: must hold a JSON list of tool schemas (objects)")
     return tools
+
+
+def read_chat_template(path: str | Path | None) -> str | None:
+    """The --chat-template file's text (a Jinja chat template), or None."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"--chat-template {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise InputError(f"--chat-template {path}: not UTF-8 text (a Jinja chat template)") from None
+    if not text.strip():
+        raise InputError(f"--chat-template {path}: is empty")
+    return text
 
 
 def parse_template_kwargs(text: str | None) -> dict:

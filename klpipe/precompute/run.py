@@ -121,7 +121,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
         device=config.device, trust_remote_code=config.trust_remote_code,
     )
     model_config = reference.load_config(spec)
-    tokenizer = reference.load_tokenizer(spec)
+    tokenizer = _with_template(reference.load_tokenizer(spec), config)
     policy_spec = _policy_spec(config)
     policy_config = None
     if policy_spec is not None:
@@ -141,7 +141,9 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
-                              template_kwargs=config.chat_template_kwargs)
+                              template_kwargs=config.chat_template_kwargs,
+                              stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
+                              template_given=config.chat_template is not None)
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
@@ -203,7 +205,8 @@ def _check_policy_matches(config: PrecomputeConfig, spec, model_config, tokenize
     chat = rollouts.mode == CHAT
     options = _chat_options(config, rollouts)
     ours = reference.tokenizer_fingerprint(tokenizer, chat_template=chat, chat_options=options)
-    theirs = reference.tokenizer_fingerprint(reference.load_tokenizer(policy_spec), chat_template=chat,
+    theirs = reference.tokenizer_fingerprint(_with_template(reference.load_tokenizer(policy_spec), config),
+                                             chat_template=chat,
                                              chat_options=options)
     if ours != theirs:
         what = "tokenizer or chat template" if chat else "tokenizer"
@@ -239,6 +242,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         versions=library_versions(),
         tools=config.tools_digest() if rollouts.mode == CHAT else None,
         chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
+        chat_template=config.chat_template_digest() if rollouts.mode == CHAT else None,
         policy_model=config.policy,
         policy_revision=reference.weights_fingerprint(policy_spec, policy_config) if policy_spec is not None else None,
         policy_dtype=str(dtype).removeprefix("torch.") if policy_spec is not None else None,
@@ -250,7 +254,8 @@ def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
     would each say which tools a row saw."""
     if rollouts.mode != CHAT:
         given = [name for name, value in (("--tools", config.tools),
-                                          ("--chat-template-kwargs", config.chat_template_kwargs)) if value]
+                                          ("--chat-template-kwargs", config.chat_template_kwargs),
+                                          ("--chat-template", config.chat_template)) if value]
         if given:
             raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
                              f"messages), which {rollouts.files[0].path} does not hold")
@@ -264,6 +269,14 @@ def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
         if not (is_list_type(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise InputError(f"{rollouts.files[0].path}: column {tools_column} must be a list of tool schemas or "
                              f"their JSON text, found {kind}")
+
+
+def _with_template(tokenizer, config: PrecomputeConfig):
+    """The tokenizer, rendering with --chat-template (the trainer's template) when one is given; the template is
+    then part of the tokenizer fingerprint, as the tokenizer's own is."""
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    return tokenizer
 
 
 def _chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
