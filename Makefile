@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-faults test-slurm test-s3 test-ray bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -69,6 +69,12 @@ test-slurm: install
 	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null || { \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge; }
 	$(BIN)/python -m pytest -q --durations=0 tests/slurm
+
+# `precompute --ray` on a real Ray cluster (a head and a worker node) that tests/ray starts on 127.0.0.1 and stops
+# again by pid. Ray is the `ray` extra, never a base dependency: installed here for these tests only.
+test-ray: install
+	$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[ray]"
+	$(BIN)/python -m pytest -q --durations=0 tests/ray
 
 # TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency: installed here for the bench only.
 TRL_PIN ?= trl==1.16.*
