@@ -52,3 +52,27 @@ def test_ray_options_are_checked(options, message):
     with pytest.raises(InputError) as raised:
         RayConfig(**{"address": "auto", **options})
     assert str(raised.value) == message
+
+
+def test_the_rayjob_example_uses_only_options_klpipe_has():
+    import shlex
+
+    import typer.main
+    import yaml
+
+    from tests.helpers import ROOT
+
+    job = yaml.safe_load((ROOT / "examples" / "rayjob.yaml").read_text())
+    commands = typer.main.get_command(app).commands
+    used = {}
+    for part in job["spec"]["entrypoint"].split("&&"):
+        words = shlex.split(part)
+        assert words[0] == "klpipe", part
+        used[words[1]] = [w for w in words[2:] if w.startswith("--")]
+    assert set(used) == {"precompute", "score"}
+    for command, options in used.items():
+        known = {opt for param in commands[command].params for opt in param.opts}
+        assert set(options) <= known, f"{command}: {set(options) - known}"
+    assert "--ray" in used["precompute"]
+    workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
