@@ -158,8 +158,9 @@ def _connect(ray, address: str, log) -> None:
 
     try:
         if address == "local":
-            # Ray's default for a new local cluster, said explicitly, so that Ray does not warn about it.
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
+            # Token authentication is Ray's default for a new local cluster (its token in ~/.ray); its warning
+            # that it is on would be a stray line in klpipe's output.
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                      logging_level=logging.WARNING)
         else:

@@ -131,3 +131,35 @@ def test_a_shard_that_always_fails_is_named_and_a_rerun_completes_it_alone(clust
     assert "shard 2 of 3 done" in rerun.stderr and "shard 0 of 3 done" not in rerun.stderr
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in parts(out) if p.name in kept} == kept
     assert_same_cache(out, single)
+
+
+def test_sigterm_to_the_driver_cancels_the_shards_and_a_rerun_finishes_the_same(cluster, single, tmp_path):
+    out, faults = tmp_path / "cached", tmp_path / "faults"
+    faults.mkdir()
+    env = with_checkout({**cluster.env(), "RAY_JOB_CONFIG_JSON_ENV_VAR": job_config(
+        {"shard": 0, "action": "pause", "dir": str(faults)})})
+    command = [sys.executable, "-m", "klpipe", "precompute", *COMMON, "--output", str(out), "--ray", cluster.address,
+               "--num-shards", str(SHARDS)]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 600
+        while not (faults / "pid").exists():
+            assert driver.poll() is None, driver.communicate()[1]
+            assert time.monotonic() < deadline, "shard 0 never checkpointed its first chunk"
+            time.sleep(0.5)
+        driver.send_signal(signal.SIGTERM)  # shard 0 is mid-shard, paused after its first chunk
+        _, stderr = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 75, stderr
+    assert stderr.strip().splitlines()[-1].startswith("Error: stopped by SIGTERM: cancelled "), stderr
+    assert not (out / "part-00000-of-00003.parquet").exists()  # the cancelled shard wrote no part
+    for part in parts(out):  # whatever finished before the signal is complete
+        assert (out / part.name.replace(".parquet", ".done")).exists(), part
+
+    rerun = ray_precompute(cluster, out)  # no fault: the rerun finishes every shard left, shard 0 resumed
+    assert rerun.returncode == 0, rerun.stderr
+    assert "shard 0: resuming: 1 of 2 chunks already done" in rerun.stderr, rerun.stderr
+    assert_same_cache(out, single)
