@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-trl test-faults test-slurm test-s3 test-browser bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -85,6 +85,13 @@ test-browser: install
 	@command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q '$(PLAYWRIGHT_PIN)'
 	PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 $(BIN)/python -m pytest -q -rP --durations=5 tests/browser
+
+# `precompute --ray` on a real one-node Ray cluster (Ray keeps a second node off a loopback-only cluster) that
+# tests/ray starts on 127.0.0.1 and stops again by pid. Ray is the `ray` extra, never a base dependency:
+# installed here for these tests only.
+test-ray: install
+	$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[ray]"
+	$(BIN)/python -m pytest -q --durations=0 tests/ray
 
 # TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency (the test extra has it too).
 TRL_PIN ?= trl==1.16.*

@@ -27,18 +27,20 @@ class Progress:
 
             self.bar = tqdm(total=total_rows, initial=initial_rows, unit="row", file=sys.stderr, dynamic_ncols=True)
 
-    def update(self, rows: int, tokens: int) -> None:
+    def update(self, rows: int, tokens: int, detail: str = "") -> None:
+        """`detail`: more to show after the rate (a Ray run's shards and nodes)."""
         self.rows += rows
         self.tokens += tokens
         elapsed = time.perf_counter() - self.started
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
         if self.bar is not None:
             self.bar.update(rows)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s" + (f", {detail}" if detail else ""), refresh=False)
         elif self.mode == "log" and (time.perf_counter() - self.last_log >= self.interval):
             self.last_log = time.perf_counter()
             self.log(f"progress: {self.rows}/{self.total_rows} rows "
-                     f"({100 * self.rows / max(self.total_rows, 1):.1f}%), {rate:,.0f} tokens/s")
+                     f"({100 * self.rows / max(self.total_rows, 1):.1f}%), {rate:,.0f} tokens/s"
+                     + (f"; {detail}" if detail else ""))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from klpipe.cli.app import COLUMN_HELP, app, defaults, handle_errors
+from klpipe.errors import InputError
 from klpipe.precompute.config import PrecomputeConfig
 
 INPUT_PANEL = "Input columns"
@@ -16,6 +17,7 @@ POLICY_PANEL = "Policy model (rollouts without sampler logprobs)"
 BATCH_PANEL = "Batching and resume"
 OUTPUT_PANEL = "Output and progress"
 SHARD_PANEL = "Sharding (Slurm arrays, torchrun)"
+RAY_PANEL = "Ray clusters"
 
 # The library's defaults, written once (PrecomputeConfig): the options below read them.
 PRECOMPUTE = defaults(PrecomputeConfig)
@@ -100,8 +102,25 @@ def precompute_command(
         envvar="KLPIPE_SHARD_INDEX", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
     num_shards: Annotated[int | None, typer.Option(
         help="Number of shards; --output is then a directory of part files. "
-             "Default: from SLURM_ARRAY_TASK_COUNT, or torchrun's WORLD_SIZE.",
+             "Default: from SLURM_ARRAY_TASK_COUNT, or torchrun's WORLD_SIZE; with --ray, the count of the parts "
+             "already in --output, else the cluster's GPUs (or CPUs) per shard.",
         envvar="KLPIPE_NUM_SHARDS", rich_help_panel=SHARD_PANEL, show_default=False)] = None,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", metavar="ADDRESS",
+        help="Run every shard as a Ray task on this cluster, driven from here: `auto` (the cluster RAY_ADDRESS or "
+             "this machine names), `local` (start one on this machine), or the head's HOST:PORT. Needs "
+             "`pip install \"klpipe[ray]\"`.",
+        envvar="KLPIPE_RAY", rich_help_panel=RAY_PANEL, show_default=False)] = None,
+    ray_gpus_per_shard: Annotated[float | None, typer.Option(
+        help="GPUs each shard's task asks Ray for. Default: 1 where the cluster has GPUs, else 0.",
+        envvar="KLPIPE_RAY_GPUS_PER_SHARD", rich_help_panel=RAY_PANEL, show_default=False)] = None,
+    ray_cpus_per_shard: Annotated[float, typer.Option(
+        help="CPUs each shard's task asks Ray for (its torch threads on a CPU node).",
+        envvar="KLPIPE_RAY_CPUS_PER_SHARD", rich_help_panel=RAY_PANEL)] = 1.0,
+    ray_max_retries: Annotated[int, typer.Option(
+        help="Times Ray runs a shard again whose worker died (node lost, OOM kill, preemption); it resumes "
+             "from the shard's last checkpoint where that survives.",
+        envvar="KLPIPE_RAY_MAX_RETRIES", rich_help_panel=RAY_PANEL)] = 3,
     column: Annotated[list[str] | None, typer.Option(
         "--column", metavar="ROLE=NAME", help=COLUMN_HELP,
         envvar="KLPIPE_COLUMN", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
@@ -141,6 +160,8 @@ def precompute_command(
 
         sbatch --array=0-7 --wrap "klpipe precompute -m ./ref day42/ -o day42.cached/"
 
+        klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42/ --ray auto
+
         AWS_PROFILE=rl klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42.cached.parquet
 
         klpipe precompute -m ./ref --policy ./ckpt-400 dump.jsonl --column prompt=input --column response=output
@@ -150,7 +171,10 @@ def precompute_command(
     from klpipe.precompute.config import parse_template_kwargs, read_chat_template, read_tools
     from klpipe.sharding import resolve_shard
 
-    shard = resolve_shard(shard_index, num_shards)
+    if ray is not None and shard_index is not None:
+        raise InputError("--shard-index is for one process's shard; with --ray the driver runs every shard")
+    # With --ray the driver runs every shard: a Slurm or torchrun variable names none of its own.
+    shard = resolve_shard(shard_index, num_shards) if ray is None else None
     config = PrecomputeConfig(
         inputs=inputs, output=output, model=model, revision=revision, dtype=dtype, device=device,
         policy=policy, policy_revision=policy_revision, policy_device=policy_device,
@@ -163,9 +187,27 @@ def precompute_command(
         chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
         chat_template=read_chat_template(chat_template),
     )
+    if ray is not None:
+        from klpipe.precompute.ray_executor import RayConfig, run_on_ray
+
+        ray_config = RayConfig(address=ray, num_shards=num_shards, gpus_per_shard=ray_gpus_per_shard,
+                               cpus_per_shard=ray_cpus_per_shard, max_retries=ray_max_retries)
+        result = run_on_ray(config, ray_config, log=_stderr)
+        if not result.summary.skipped:
+            retried = ", ".join(f"shard {i} {n}x" for i, n in sorted(result.retries.items()))
+            _stderr(f"ray: {len(result.ran)} shard(s) computed on {result.nodes} node(s)"
+                    + (f", {len(result.complete)} already complete" if result.complete else "")
+                    + (f"; Ray ran again after a worker died: {retried}" if retried else ""))
+            _print_summary(result.summary)
+        return
     summary = precompute(config, log=_stderr)
     if summary.skipped:
         return
+    _print_summary(summary)
+
+
+def _print_summary(summary) -> None:
+    """The run's last line: the same for one process, one shard, and a Ray run's shards summed."""
     memory = ", ".join(f"{k.removesuffix('_mib')} {v:,.0f} MiB" for k, v in summary.peak_memory.items())
     resumed = f"{summary.resumed_chunks} chunks ({summary.resumed_rows:,} rows) finished by an earlier run"
     if summary.resumed_chunks and not summary.rows:

@@ -96,8 +96,10 @@ def default_output(inputs: list[Location], shard: Shard | None = None) -> Locati
     return output_beside(inputs[0], OUTPUT_SUFFIX, INPUT_SUFFIXES)
 
 
-def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
-    """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks."""
+def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> PrecomputeSummary:
+    """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks.
+
+    `on_chunk(rows, tokens)`, where given, hears of each chunk once it is checkpointed (a Ray driver's progress)."""
     _require_model_extra()
     from klpipe import model as reference  # torch lives behind this import
 
@@ -161,7 +163,7 @@ def precompute(config: PrecomputeConfig, log=print) -> PrecomputeSummary:
             # Both resident: each chunk's rows run through one, then the other, on one plan.
             policy = reference.ReferenceModel.load(policy_spec) if policy_spec is not None else None
             summary.load_seconds = time.perf_counter() - load_started
-            _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log)
+            _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk)
         work.merge_into(output)
         summary.peak_memory = peak_memory()
         if shard is not None:
@@ -311,7 +313,8 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
 
 
 def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
-                rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log) -> None:
+                rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log,
+                on_chunk=None) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
     sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
@@ -346,6 +349,8 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 summary.rows += tokenized.num_rows
                 summary.tokens += response_tokens
                 progress.update(tokenized.num_rows, response_tokens)
+                if on_chunk is not None:
+                    on_chunk(tokenized.num_rows, response_tokens)
                 stop.check()
     finally:
         progress.close()

@@ -1,0 +1,78 @@
+"""`precompute --ray` without a cluster: what the driver refuses before it starts anything, and that klpipe
+never imports Ray unless asked. The runs on a real Ray cluster are in tests/ray (`make test-ray`)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from klpipe.cli import app
+from klpipe.errors import InputError
+from klpipe.precompute.ray_executor import INSTALL, RayConfig
+from tests.helpers import ROLLOUTS, RUN_KLPIPE, TINY_GEMMA, block_imports, run_python
+
+runner = CliRunner()
+
+
+def test_without_ray_installed_the_option_names_the_install_command(tmp_path):
+    # Ray is made unimportable, as where the extra is not installed; nothing is written.
+    code = block_imports("ray") + RUN_KLPIPE
+    result = run_python(code, "precompute", "-m", str(TINY_GEMMA), str(ROLLOUTS), "-o", str(tmp_path / "out"),
+                        "--ray", "local")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"Error: --ray needs Ray, which klpipe installs only on request: {INSTALL}\n"
+    assert INSTALL == 'pip install "klpipe[ray]"'
+    assert not (tmp_path / "out").exists()
+
+
+def test_klpipe_imports_no_ray_without_the_option():
+    code = ("import sys\nimport klpipe.cli, klpipe.cli.precompute, klpipe.precompute.ray_executor\n"
+            "from klpipe.precompute import run\nprint('ray' in sys.modules)")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_a_shard_of_its_own_is_refused_with_ray(tmp_path):
+    result = runner.invoke(app, ["precompute", "-m", str(TINY_GEMMA), str(ROLLOUTS), "-o", str(tmp_path / "out"),
+                                 "--ray", "local", "--shard-index", "0", "--num-shards", "2"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: --shard-index is for one process's shard; with --ray the driver runs every shard")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"address": ""}, "--ray needs an address: auto, local, or HOST:PORT of the cluster's head"),
+    ({"num_shards": 0}, "--num-shards must be at least 1"),
+    ({"gpus_per_shard": -1}, "--ray-gpus-per-shard must not be negative"),
+    ({"cpus_per_shard": 0}, "--ray-cpus-per-shard must be positive"),
+    ({"max_retries": -1}, "--ray-max-retries must not be negative"),
+])
+def test_ray_options_are_checked(options, message):
+    with pytest.raises(InputError) as raised:
+        RayConfig(**{"address": "auto", **options})
+    assert str(raised.value) == message
+
+
+def test_the_rayjob_example_uses_only_options_klpipe_has():
+    import shlex
+
+    import typer.main
+    import yaml
+
+    from tests.helpers import ROOT
+
+    job = yaml.safe_load((ROOT / "examples" / "rayjob.yaml").read_text())
+    commands = typer.main.get_command(app).commands
+    used = {}
+    for part in job["spec"]["entrypoint"].split("&&"):
+        words = shlex.split(part)
+        assert words[0] == "klpipe", part
+        used[words[1]] = [w for w in words[2:] if w.startswith("--")]
+    assert set(used) == {"precompute", "score"}
+    for command, options in used.items():
+        known = {opt for param in commands[command].params for opt in param.opts}
+        assert set(options) <= known, f"{command}: {set(options) - known}"
+    assert "--ray" in used["precompute"]
+    workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
