@@ -54,6 +54,13 @@ test-slow: install
 test-arch: install
 	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
 
+# Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on
+# against an fp64 forward, and as tests/matrix.json records it. One thread: models this small spend two threads'
+# time waiting on each other (ten times slower on a busy machine).
+.PHONY: test-matrix
+test-matrix: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/test_matrix.py
+
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
 
