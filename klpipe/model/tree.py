@@ -71,7 +71,7 @@ def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temper
         except cascade.NotInPlace:
             # A model that attends over what it makes of its cache (DeepSeek's MLA latents) gets its context
             # gathered, as transformers' own sdpa reads it; nothing computed so far is kept.
-            reference.cascade = False
+            reference.drop_cascade()
     return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
 
 
