@@ -52,7 +52,7 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
+	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults

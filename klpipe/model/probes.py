@@ -54,7 +54,11 @@ def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()
-    return Oracle(ids, own_logprobs(reference.model, [(ids[:1], ids[1:])])[0])
+    try:
+        return Oracle(ids, own_logprobs(reference.model, [(ids[:1], ids[1:])])[0])
+    except Exception as exc:  # noqa: BLE001 - the model's own code fails: nothing klpipe computes could be right
+        raise ModelError(f"{type(reference.model).__name__}: its own forward fails on a probe sequence "
+                         f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def gap(reference, oracle: Oracle) -> float:
