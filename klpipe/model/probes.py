@@ -14,6 +14,7 @@ Two computations of klpipe's that agree with each other prove nothing; the model
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.nd
     """log p(response | prompt) of each row by `model`'s own forward, one row at a time, as float32: only the
     positions that predict a response token reach its head (`logits_to_keep`)."""
     device = model.get_input_embeddings().weight.device
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters  # a model's own code may not take it
     results = []
     for prompt, response in rows:
         if not len(response):
@@ -44,7 +46,10 @@ def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.nd
             continue
         ids = torch.from_numpy(np.concatenate([prompt, response[:-1]]).astype(np.int64))[None].to(device)
         keep = torch.arange(len(prompt) - 1, ids.shape[1], device=device)  # (R,) positions predicting the response
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()  # (R, V)
+        if keeps:
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()  # (R, V)
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits[0, keep].float()
         targets = torch.from_numpy(np.asarray(response, dtype=np.int64)).to(logits.device)
         results.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].cpu().numpy())
     return results
