@@ -29,6 +29,10 @@ class Sharing:
         self.log = log
         self.probed = False  # whether check_tree has run on the model
         if asked != "off":
+            # klpipe's attention only where a tree may run, and only where it reproduces the model's own forward.
+            note = model.use_cascade()
+            if note is not None:
+                log(note)
             self._refuse(check_layout(model))
         if asked == "on":
             self._probe()
