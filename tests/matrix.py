@@ -95,7 +95,11 @@ OVERRIDES: dict[str, dict] = {
 
 # Registry entries that are not a decoder-only language model of their own, and why (checked, not guessed: see
 # `kind`). Multimodal entries whose text model is a family of its own are listed in `kind` too.
-NOT_DECODER_ONLY: dict[str, str] = {}
+NOT_DECODER_ONLY: dict[str, str] = {
+    # Its default (6 GB) is four sub-configs (patcher, encoder, global transformer, decoder) SHRINK does not reach.
+    "blt": "a composite config (decoder_config, encoder_config, global_config, patcher_config) that the generic "
+           "shrink does not reach",
+}
 
 
 @dataclass(frozen=True)
@@ -302,11 +306,11 @@ def kind(family: Family, families: dict[str, Family]) -> str | None:
     if "add_cross_attention" in config.to_dict() and not getattr(config, "is_decoder", False):
         return "an encoder (BERT-like): bidirectional unless `is_decoder=True`, its causal head an encoder-decoder's"
     text = config.get_text_config()
-    parts = sorted(k for k, v in config.to_dict().items() if isinstance(v, dict) and "model_type" in v)
-    if text is not config or parts or family.class_name.endswith("ForConditionalGeneration"):
+    if text is not config or family.class_name.endswith("ForConditionalGeneration"):
         own = [t for t, f in families.items() if t != family.model_type and f.config_class == type(text).__name__]
         if own:
             return f"a composite config: klpipe loads its text model, family `{own[0]}`"
+        parts = sorted(k for k, v in config.to_dict().items() if isinstance(v, dict) and "model_type" in v)
         return f"a composite config ({', '.join(parts) or 'sub-models'}) that the generic shrink does not reach"
     return None
 
