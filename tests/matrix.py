@@ -248,9 +248,15 @@ def run_family(directory: Path) -> Run:
     from klpipe.precompute.sharing import Sharing
 
     started = time.perf_counter()
+    from transformers import AutoModelForCausalLM
+
+    # The oracle is the model as transformers loads it, never klpipe's loaded copy: whatever klpipe installs in it
+    # (an attention function, a head) would be in the oracle too, and two things that agree prove nothing.
+    untouched = AutoModelForCausalLM.from_pretrained(directory, dtype="float32").eval()
     reference = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
     rows = agent_rows(reference.vocab_size)
-    expected, own, oracle = _oracle(reference.model, rows)
+    expected, own, oracle = _oracle(untouched, rows)
+    del untouched
     errors, said, crashed = {}, {}, {}
     for mode in ("off", "auto", "on"):
         lines = []
