@@ -46,12 +46,11 @@ def test_a_wrong_attention_substitute_is_dropped_with_one_line(monkeypatch):
                                                    "the model's own sdpa attention (max |Δ logprob| = ")
     assert not reference.cascade and reference.model.config._attn_implementation == "sdpa"
     assert sharing.mode == "on"  # the tree stays: with the model's own attention it agrees
-    rows = agent_rows(reference.vocab_size)
-    for mode in ("on", "auto", "off"):
+    rows = agent_rows(reference.vocab_size)[:10]
+    cascade.CALLS.clear()
+    for mode in ("on", "off"):
         results = chunk_logprobs(reference, rows, 48, 1.0, mode, ForwardStats(), max_cache_tokens=10**9)
         assert worst_error(reference.model, rows, results) <= TOLERANCE, mode
-    cascade.CALLS.clear()
-    chunk_logprobs(reference, rows, 48, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
     assert not cascade.CALLS  # klpipe's attention is never called again
 
 
@@ -62,8 +61,8 @@ def test_a_wrong_head_substitute_is_dropped_for_the_models_own_head(monkeypatch)
     assert isinstance(reference.head, head.ModelHead)
     assert len(reference.notes) == 1 and reference.notes[0].startswith(
         "LlamaForCausalLM: klpipe's chunked LM head disagrees with the model's own logits (max |Δ logprob| = ")
-    rows = agent_rows(reference.vocab_size, seed=2)
-    for mode in ("off", "auto", "on"):
+    rows = agent_rows(reference.vocab_size, seed=2)[:10]
+    for mode in ("off", "on"):
         results = chunk_logprobs(reference, rows, 48, 1.0, mode, ForwardStats(), max_cache_tokens=10**9)
         assert worst_error(reference.model, rows, results) <= TOLERANCE, mode
     # The wrong head was live: with it, the same rows are far off (the test would catch keeping it).
