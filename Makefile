@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -54,7 +54,13 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py
+	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py
+
+# Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on
+# against an fp64 forward, and as tests/matrix.json records it. One thread: models this small spend two threads'
+# time waiting on each other (ten times slower on a busy machine).
+test-matrix: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/test_matrix.py
 
 # Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
 # ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.

@@ -219,6 +219,7 @@ def main() -> None:
     prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
     rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)) for p, r in zip(prompts, responses)]
     model = ReferenceModel.load(ModelSpec(str(args.model_dir), device="cpu", dtype="float32"))
+    model.use_cascade()  # as precompute installs it for a tree (precompute/sharing.py)
     instrument()
     print(f"{args.rollouts.name}, {torch.get_num_threads()} threads, the fastest of {args.repeat} round(s) per mode")
     counted = flops.ModelFlops.from_dir(args.model_dir)

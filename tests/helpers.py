@@ -82,7 +82,10 @@ class Fp64Oracle:
     error against fp64 + 1e-4. Each set of rows is computed once (a test's modes share them)."""
 
     def __init__(self, model):
-        self.model = model
+        import copy
+
+        # Copies taken now, as the model was loaded: what klpipe installs in it later (its attention) is not the oracle.
+        self.model = copy.deepcopy(model)
         self.exact = None
         self.memo: dict = {}
 

@@ -28,7 +28,9 @@ def marked(names):
 def tiny(request, tmp_path_factory):
     directory = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
     reference = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
-    return request.param, reference, Fp64Oracle(reference.model)
+    oracle = Fp64Oracle(reference.model)  # the model as loaded, before klpipe's attention
+    reference.use_cascade()  # as a run that may share installs it (precompute/sharing.py)
+    return request.param, reference, oracle
 
 
 def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -85,7 +85,11 @@ def test_runs_share_only_the_nodes_they_all_open_with():
 
 @pytest.fixture(scope="module")
 def llama():
-    return ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
+    reference = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
+    # Loaded as transformers loads it: klpipe's attention comes only for a tree (precompute/sharing.py).
+    assert not reference.cascade and reference.model.config._attn_implementation == "sdpa"
+    assert reference.use_cascade() is None  # the probe agrees: nothing to log
+    return reference
 
 
 def test_the_llama_attends_in_place_on_cpu_and_matches_the_oracle(llama):
@@ -126,4 +130,5 @@ def test_only_plain_causal_attention_takes_the_cascade(kwargs, exact):
 def test_gemma4_keeps_its_right_layout_and_transformers_sdpa():
     # Its KV-shared layers read the full keys update returns, and its prefill skips layers: no cascade.
     gemma = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    assert gemma.use_cascade() is None
     assert not gemma.cascade and gemma.model.config.get_text_config()._attn_implementation != cascade.NAME

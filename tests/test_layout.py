@@ -123,3 +123,11 @@ def test_the_cycle_check_sees_a_lazy_import(tmp_path):
     assert find_cycle(graph) == ["pkg.files.fingerprint", "pkg.files.store", "pkg.files.fingerprint"]
     (files / "store.py").write_text("if TYPE_CHECKING:\n    from pkg.files import fingerprint\n")
     assert find_cycle(imports_within(tmp_path / "pkg")) is None
+
+
+def test_an_error_module_sits_below_what_raises_it():
+    """store_errors.py builds the errors store.py raises: it imports nothing of store.py, not even for types."""
+    path = Path(klpipe.__file__).parent / "files" / "store_errors.py"
+    named = {node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
+    assert "klpipe.errors" in named  # the imports are read, not empty
+    assert not {m for m in named if m and m.startswith("klpipe.files")}, named

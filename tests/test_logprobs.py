@@ -18,6 +18,7 @@ WINDOW = 8  # the tiny Gemma's sliding window; the Llama has none, the shapes se
 def reference(request):
     path = {"gemma4": TINY_GEMMA, "llama": TINY_LLAMA}[request.param]
     model = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu"))
+    assert model.use_cascade() is None  # as a run that may share installs it (precompute/sharing.py)
     if request.param == "gemma4":
         assert model.model.config.sliding_window == WINDOW and model.model.config.num_kv_shared_layers > 0
     return model
@@ -121,12 +122,12 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
 
 
 @pytest.mark.parametrize("fault", ["queries", "context"])
-def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault):
+def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault, request):
     from klpipe.model import cascade
     from klpipe.model import tree as tree_module
 
     in_place = reference.cascade
-    monkeypatch.setattr(reference, "cascade", in_place)  # put back after the test: the probe may turn it off
+    request.addfinalizer(reference.use_cascade)  # put back after the test: the probe may turn it off
     if fault == "queries" and in_place:
         # The Llama's full-attention layers attend in place (cascade.py): its own part made non-causal. The probe
         # turns the cascade off, and the tree passes again with its context gathered.

@@ -2,23 +2,42 @@
 
 A missing bucket or key, credentials the store does not accept, access denied, an endpoint that
 cannot be reached: each is told as such, with the environment variable to check. store.py raises
-these; nothing here imports it (a StorePath is only read: `root`, `filesystem`, `fs_path`).
+these, and this module sits below it: it reads a store's path only through the few members named in
+`Located`, so it imports nothing from store.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Union
+from typing import Protocol, Union
 
 import pyarrow.fs as pafs
 
 from klpipe.errors import InputError, StoreError, first_line
 
-if TYPE_CHECKING:
-    from klpipe.files.store import StorePath
 
-def missing(path: StorePath) -> StoreOrInputError:
+class Located(Protocol):
+    """What an error here reads of a path on a store (store.StorePath has it all): no request but `exists`."""
+
+    uri: str
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def root(self) -> Located: ...
+
+    @property
+    def filesystem(self) -> pafs.FileSystem: ...
+
+    @property
+    def fs_path(self) -> str: ...
+
+    def exists(self) -> bool: ...
+
+
+def missing(path: Located) -> StoreOrInputError:
     """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
     root = path.root
     try:
@@ -48,7 +67,7 @@ _AWS_ERRORS = {
 }
 
 
-def store_error(path: StorePath, exc: BaseException | str) -> StoreError:
+def store_error(path: Located, exc: BaseException | str) -> StoreError:
     """One line naming the URI for a failure of the store, from pyarrow's (or fsspec's) message."""
     text = exc if isinstance(exc, str) else first_line(exc)
     code = re.search(r"AWS Error ([A-Z_]+)", text)
@@ -68,7 +87,7 @@ def store_error(path: StorePath, exc: BaseException | str) -> StoreError:
     return StoreError(f"{path}: store error ({text.strip()})")
 
 
-def _diagnose_denied(path: StorePath) -> str | None:
+def _diagnose_denied(path: Located) -> str | None:
     try:
         path.filesystem.get_file_info(pafs.FileSelector(path.fs_path, allow_not_found=True))
     except OSError as exc:

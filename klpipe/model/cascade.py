@@ -27,6 +27,9 @@ with sdpa's mask, and a model is switched to it only where it runs sdpa on CPU i
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -95,8 +98,13 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the mask is sdpa's: ou
 
 
 def enable(model, text_config) -> bool:
-    """Switch `model` to the cascade attention function where that is exact and known: sdpa on CPU. True if so."""
+    """Switch `model` to the cascade attention function where that is exact and known: sdpa on CPU. True if so.
+
+    Never for a model whose own code branches on the implementation's name (`branches_on_name`): under a name
+    other than its own it may run another computation, and a short probe cannot show that it does not."""
     if getattr(text_config, "_attn_implementation", None) != "sdpa" or _flash is None:
+        return False
+    if branches_on_name(model):
         return False
     if any(p.device.type != "cpu" for p in model.parameters()):
         return False
@@ -105,6 +113,33 @@ def enable(model, text_config) -> bool:
     except (ValueError, KeyError, AttributeError, NotImplementedError):
         return False
     return getattr(text_config, "_attn_implementation", None) == NAME
+
+
+def disable(model, implementation: str) -> None:
+    """Give `model` back its own attention implementation (what transformers loaded it with)."""
+    model.set_attn_implementation(implementation)
+
+
+# A comparison of the implementation's name in a model's own code: `_attn_implementation in ("eager", "sdpa")`
+# (DeepSeek-V3.2's sparse attention applies its top-k mask only under those names), `== "sdpa"`. The dispatch
+# every model has, `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)`, is no comparison.
+_NAME_TEST = re.compile(r"_attn_implementation\s*(==|!=|\bin\b|\bnot\s+in\b)|(==|!=)\s*[\w.]*_attn_implementation\b")
+
+
+def branches_on_name(model) -> bool:
+    """Whether the source of any module class `model` is made of compares the attention implementation's name."""
+    names = {type(module).__module__ for module in model.modules()}
+    for name in sorted(names):
+        if name.startswith(("torch.", "klpipe.")):
+            continue
+        module = sys.modules.get(name)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            continue
+        if _NAME_TEST.search(source):
+            return True
+    return False
 
 
 @contextmanager

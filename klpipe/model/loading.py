@@ -360,15 +360,15 @@ def text_only(config) -> TextOnly | None:
     text = copy.deepcopy(text)
     with torch.device("meta"):
         full = full_class._from_config(config)
-    full_decoder, full_head = _module_path(full, full.get_decoder()), _module_path(full, full.get_output_embeddings())
+    full_decoder, full_head = module_path(full, full.get_decoder()), module_path(full, full.get_output_embeddings())
     text.tie_word_embeddings = full.get_output_embeddings().weight is full.get_input_embeddings().weight
     kept = (full_decoder + ".", full_head + ".")
     skipped = {key for key in full.state_dict() if not key.startswith(kept)}
     del full
     with torch.device("meta"):
         causal = causal_class._from_config(text)
-    causal_decoder = _module_path(causal, causal.get_decoder())
-    causal_head = _module_path(causal, causal.get_output_embeddings())
+    causal_decoder = module_path(causal, causal.get_decoder())
+    causal_head = module_path(causal, causal.get_output_embeddings())
     del causal
     mapping = {}
     for source, target in ((full_decoder, causal_decoder), (full_head, causal_head)):
@@ -377,7 +377,8 @@ def text_only(config) -> TextOnly | None:
     return TextOnly(causal_class, text, mapping, skipped)
 
 
-def _module_path(root, module) -> str:
+def module_path(root, module) -> str:
+    """The dotted name of `module` within `root`."""
     return next(name for name, sub in root.named_modules() if sub is module)
 
 

@@ -42,9 +42,13 @@ class ReferenceModel:
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = loading.rope_length_limit(config)
         self.attention_cost = attention_cost(self.body)
-        # The tree's full-attention layers attend over each row's context where it lies (cascade.py): on CPU under
-        # sdpa, in the left layout (a model whose prefill skips layers takes the right one, and shares its keys).
-        self.cascade = not self.prefill_skips_layers and cascade.enable(model, config)
+        self.own_attention = getattr(config, "_attn_implementation", None)  # as transformers loaded the model
+        # Whether the tree's full-attention layers attend over each row's context where it lies (cascade.py):
+        # installed by use_cascade, only for a tree, and only where the load-time probe agrees.
+        self.cascade = False
+        self.oracle: probes.Oracle | None = None  # the probe by the model's own forward, taken before any change
+        self.notes: list[str] = []  # the substitutes the load-time check dropped, one log line each
+        self.rows_alone = False  # whether rows run whole one per batch: pads change the model's rows (probes.py)
         self._layer_kinds = None
         self._cache_cost = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
@@ -64,7 +68,46 @@ class ReferenceModel:
         return self.model.get_input_embeddings().weight.device
 
     def check_head(self) -> None:
-        probes.check_head(self)
+        """Take the oracle (the model's own forward, nothing of klpipe's installed) and keep the chunked head only
+        where it agrees with it (probes.py)."""
+        if self.cascade:
+            raise RuntimeError("the oracle is the model as transformers loaded it: check before use_cascade")
+        self.oracle = probes.take_oracle(self)
+        probes.check_head(self, self.oracle)
+        probes.check_padding(self, self.oracle)
+
+    def use_cascade(self) -> str | None:
+        """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
+        probe agrees with the model's own forward; None, or the line to log where the probe dropped it.
+
+        The tree's full-attention layers then attend over each row's context where it lies: on CPU under sdpa,
+        in the left layout (a model whose prefill skips layers takes the right one, and shares its keys)."""
+        if self.cascade or self.prefill_skips_layers or self.oracle is None:
+            return None
+        if not cascade.enable(self.model, loading.text_config(self.model.config)):
+            return None
+        self.cascade = True
+        note = probes.check_attention(self, self.oracle)
+        if note is not None:
+            self.drop_cascade()
+        return note
+
+    def drop_cascade(self) -> None:
+        """Give the model back its own attention implementation."""
+        if self.cascade:
+            cascade.disable(self.model, self.own_attention)
+            self.cascade = False
+
+    def own_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """log p(response | prompt) by the model's own forward, as transformers loaded it: the oracle's path."""
+        installed = self.cascade
+        if installed:
+            cascade.disable(self.model, self.own_attention)
+        try:
+            return probes.own_logprobs(self.model, rows)
+        finally:
+            if installed:
+                self.model.set_attn_implementation(cascade.NAME)
 
     @property
     def kernel_note(self) -> str | None:
@@ -119,6 +162,8 @@ class ReferenceModel:
         """
         if needed is None:
             needed = [np.ones(len(r), dtype=bool) for _, r in rows]
+        if self.rows_alone and len(rows) > 1:
+            return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed)]
         wanted = [np.flatnonzero(n) for n in needed]  # response indices to score
         # A response token is only ever a target after the last one scored: feed up to it, less it.
         inputs = [np.concatenate([p, r[:int(w[-1])]]) if len(w) else p[:0] for (p, r), w in zip(rows, wanted)]

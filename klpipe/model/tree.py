@@ -71,7 +71,7 @@ def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temper
         except cascade.NotInPlace:
             # A model that attends over what it makes of its cache (DeepSeek's MLA latents) gets its context
             # gathered, as transformers' own sdpa reads it; nothing computed so far is kept.
-            reference.cascade = False
+            reference.drop_cascade()
     return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
 
 
@@ -238,6 +238,18 @@ CONTINUATIONS = {
 }
 
 
+# Recurrent layers whose own code continues no state over several tokens, and transformers types as
+# "linear_attention" all the same: the tree refuses them by name (under auto their rows run whole).
+NO_CONTINUATION = {
+    # Their scan over more than one token starts from a zero state: only a one-token step reads the state.
+    "MambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
+    "FalconMambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
+    "JambaMambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
+    "MiniMaxLightningAttention": "lightning-attention layers, which keep their state in a cache of their own",
+    "RecurrentGemmaRecurrentBlock": "RG-LRU recurrent layers, which keep their state in the layers themselves",
+}
+
+
 @dataclass(frozen=True)
 class LayerKind:
     continuation: Continuation
@@ -251,7 +263,11 @@ class UnknownLayer(NotImplementedError):
 
 def layer_kinds(model) -> list[LayerKind]:
     """How each decoder layer continues a prefix, from the layer types transformers' DynamicCache reads off
-    the config; a type not in CONTINUATIONS raises UnknownLayer."""
+    the config; a type not in CONTINUATIONS, or a layer in NO_CONTINUATION, raises UnknownLayer."""
+    for module in model.modules():
+        if type(module).__name__ in NO_CONTINUATION:
+            raise UnknownLayer(f"the prefix tree cannot continue {NO_CONTINUATION[type(module).__name__]} "
+                               f"({type(module).__name__})")
     config = model.config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
     kinds = []

@@ -257,12 +257,13 @@ def _problem(exc: Exception) -> str:
 
 
 def check_tree(model) -> str | None:
-    """None if the prefix tree reproduces the per-row path on a probe; otherwise why not. A model whose
-    full-attention layers attend in place (model/cascade.py) and fails the probe is probed again with its
-    context gathered, and keeps the tree that way if that passes: the cascade is trusted only where it agrees."""
+    """None if the prefix tree reproduces the model's own forward (as transformers loaded it) on a probe;
+    otherwise why not. A model whose full-attention layers attend in place (model/cascade.py) and fails the probe
+    is probed again with its own attention and its context gathered, and keeps the tree that way if that passes:
+    the cascade is trusted only where it agrees."""
     problem = _probe_tree(model)
     if problem is not None and model.cascade:
-        model.cascade = False
+        model.drop_cascade()
         problem = _probe_tree(model)
     return problem
 
@@ -319,7 +320,7 @@ def _probe_tree(model) -> str | None:
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         return _problem(exc)
-    expected = model.score_batch(rows)
+    expected = model.own_logprobs(rows)
     gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
     if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:
         return f"continuing a prefix's keys and values changes the logprobs (max |Δ logprob| = {gap:.3g})"

@@ -317,6 +317,8 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 on_chunk=None) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
+    for note in model.notes + (policy.notes if policy is not None else []):  # what the load-time check dropped
+        log(note)
     sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
     if model.kernel_note:
         log(model.kernel_note)

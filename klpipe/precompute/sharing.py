@@ -30,6 +30,11 @@ class Sharing:
         self.probed = False  # whether check_tree has run on the model
         if asked != "off":
             self._refuse(check_layout(model))
+        if self.mode != "off":
+            # klpipe's attention only where a tree may run, and only where it reproduces the model's own forward.
+            note = model.use_cascade()
+            if note is not None:
+                log(note)
         if asked == "on":
             self._probe()
 
@@ -74,3 +79,4 @@ class Sharing:
             raise ModelError(f"--prefix-sharing on: {name} cannot share prefixes exactly ({problem})")
         self.log(f"prefix sharing off: {name} cannot share prefixes exactly ({problem})")
         self.mode = "off"
+        self.model.drop_cascade()  # rows run whole from now on: the model's own attention
