@@ -71,6 +71,7 @@ class Provenance:
     tools: str | None = None  # sha256 of the --tools list, as canonical JSON
     chat_template_kwargs: dict = field(default_factory=dict)  # --chat-template-kwargs
     chat_template: str | None = None  # sha256 of the --chat-template file; None: the tokenizer's own template
+    rollout_format: str = "trl"  # --rollout-format: whose tool loop built the conversational tool rows
     # --policy: the model whose logprobs precompute wrote into policy_logprobs (None: the rollouts' own).
     policy_model: str | None = None
     policy_revision: str | None = None  # as `revision`, for the policy's weights

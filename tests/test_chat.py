@@ -128,3 +128,12 @@ def test_template_errors_and_bad_messages_name_the_row(tokenizer):
     assert fails(tokenizer, [USER, []], [ANSWER, ANSWER]) == (1, "prompt holds no messages")
     assert fails(tokenizer, [USER], [None]) == (0, "completion is null")
     assert fails(tokenizer, [USER], [[{"content": "no role"}]]) == (0, "completion holds a message without a role")
+
+
+def test_an_unknown_rollout_format_is_refused_in_one_line(tmp_path):
+    from klpipe.errors import InputError
+    from klpipe.precompute.config import PrecomputeConfig
+
+    with pytest.raises(InputError, match=r"^--rollout-format must be trl or verl, not 'openrlhf'$"):
+        PrecomputeConfig(inputs=[tmp_path / "r.parquet"], output=tmp_path / "o.parquet", model="m",
+                         rollout_format="openrlhf")

@@ -139,6 +139,11 @@ def precompute_command(
         help="Conversational rows: the chat template the trainer rendered with (e.g. TRL's training template, "
              "which GRPOTrainer swaps in with tools), in place of the tokenizer's own.",
         envvar="KLPIPE_CHAT_TEMPLATE", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
+    rollout_format: Annotated[str, typer.Option(
+        "--rollout-format", metavar="trl|verl",
+        help="Conversational rows with tool messages: whose tool loop built them, TRL's GRPOTrainer (trl) or "
+             "verl's ToolAgentLoop (verl); the two append a tool's result with other tokens.",
+        envvar="KLPIPE_ROLLOUT_FORMAT", rich_help_panel=INPUT_PANEL)] = "trl",
 ):
     """Cache the reference model's logprob of every response token.
 
@@ -185,7 +190,7 @@ def precompute_command(
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column), tools=read_tools(tools),
         chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
-        chat_template=read_chat_template(chat_template),
+        chat_template=read_chat_template(chat_template), rollout_format=rollout_format,
     )
     if ray is not None:
         from klpipe.precompute.ray_executor import RayConfig, run_on_ray

@@ -60,6 +60,9 @@ class PrecomputeConfig:
     # Conversational rows: the template the trainer rendered with (--chat-template FILE, e.g. TRL's training
     # template), in place of the tokenizer's own; None: the tokenizer's.
     chat_template: str | None = None
+    # Conversational rows with tool messages: whose tool loop built them, TRL 1.16's GRPOTrainer or verl's
+    # ToolAgentLoop (--rollout-format); the two append a tool's result with other tokens.
+    rollout_format: str = "trl"
 
     def tools_digest(self) -> str | None:
         """sha256 of the --tools list as canonical JSON (provenance), or None without one."""
@@ -87,6 +90,10 @@ class PrecomputeConfig:
             raise InputError("--max-tokens-per-batch must be at least 1")
         if self.max_cache_mib is not None and self.max_cache_mib < 0:
             raise InputError("--max-cache-mib must not be negative")
+        from klpipe.precompute.chat import ROLLOUT_FORMATS
+
+        if self.rollout_format not in ROLLOUT_FORMATS:
+            raise InputError(f"--rollout-format must be {' or '.join(ROLLOUT_FORMATS)}, not {self.rollout_format!r}")
         if self.prefix_sharing not in SHARING_MODES:
             raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
         reserved = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS)

@@ -145,7 +145,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
                               template_kwargs=config.chat_template_kwargs,
                               stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
-                              template_given=config.chat_template is not None)
+                              template_given=config.chat_template is not None,
+                              rollout_format=config.rollout_format,
+                              model_type=getattr(model_config, "model_type", None))
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
@@ -245,6 +247,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         tools=config.tools_digest() if rollouts.mode == CHAT else None,
         chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
         chat_template=config.chat_template_digest() if rollouts.mode == CHAT else None,
+        rollout_format=config.rollout_format if rollouts.mode == CHAT else "trl",
         policy_model=config.policy,
         policy_revision=reference.weights_fingerprint(policy_spec, policy_config) if policy_spec is not None else None,
         policy_dtype=str(dtype).removeprefix("torch.") if policy_spec is not None else None,
@@ -257,7 +260,8 @@ def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
     if rollouts.mode != CHAT:
         given = [name for name, value in (("--tools", config.tools),
                                           ("--chat-template-kwargs", config.chat_template_kwargs),
-                                          ("--chat-template", config.chat_template)) if value]
+                                          ("--chat-template", config.chat_template),
+                                          ("--rollout-format verl", config.rollout_format != "trl")) if value]
         if given:
             raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
                              f"messages), which {rollouts.files[0].path} does not hold")
@@ -285,7 +289,10 @@ def _chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
     """What else decides a conversational row's tokens: the --tools list and the template's options."""
     if rollouts.mode != CHAT:
         return None
-    return {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
+    options = {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
+    if config.rollout_format != "trl":  # the default adds nothing, so caches made before the option still match
+        options["rollout_format"] = config.rollout_format
+    return options
 
 
 def _already_done(output: Location, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
