@@ -310,15 +310,17 @@ def decoder_body(model):
     """The causal LM's decoder body (embeddings, layers, final norm), found as transformers finds it.
 
     `get_decoder()` first. Some causal LMs (Llama 4's) name a base-model prefix they do not have, so
-    that both `get_decoder()` and `base_model` return the whole model, head included; their body is
-    then the one child model that holds the input embeddings.
+    that both `get_decoder()` and `base_model` return the whole model, head included, and ModernBERT's
+    names its LM head `decoder`; their body is then the one child model that holds the input embeddings.
     """
     from transformers import PreTrainedModel
 
     body = model.get_decoder()
-    if body is not model:
-        return body
     embeddings = model.get_input_embeddings()
+    # ModernBERT's decoder LM names its head `decoder`, which get_decoder() then returns: a body holds the input
+    # embeddings.
+    if body is not model and any(m is embeddings for m in body.modules()):
+        return body
     holders = [child for _, child in model.named_children()
                if isinstance(child, PreTrainedModel) and any(m is embeddings for m in child.modules())]
     if len(holders) != 1:

@@ -23,6 +23,10 @@ import torch
 from klpipe.errors import ModelError, first_line
 
 PROBE_LENGTH = 24
+# Why rows run by the model's own forward alone (ReferenceModel.own_forward), as the prefix tree's refusal says it.
+NOT_CAUSAL = "its forward is not causal: a position's logits move when later tokens are added"
+NO_HEAD = "no head klpipe can apply to hidden states reproduces its forward"
+CAUSAL_PROBE_LENGTH = 64  # check_causal's probe: non-causal attention shows only past a few dozen tokens
 
 
 @dataclass(frozen=True)
@@ -34,24 +38,33 @@ class Oracle:
 
 
 @torch.inference_mode()
-def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    """log p(response | prompt) of each row by `model`'s own forward, one row at a time, as float32: only the
-    positions that predict a response token reach its head (`logits_to_keep`)."""
+def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0,
+                 needed: list[np.ndarray] | None = None, block: int | None = None) -> list[np.ndarray]:
+    """log p(response | prompt) of each row by `model`'s own forward, one row at a time, as float32: the naive
+    oracle's computation, prompt + the whole response fed (a model whose forward is not causal reads the last
+    token too), only the positions that predict a needed response token reaching its head (`logits_to_keep`),
+    `block` of them per forward (each block a whole forward: never more than (block, V) logits at once)."""
     device = model.get_input_embeddings().weight.device
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters  # a model's own code may not take it
     results = []
-    for prompt, response in rows:
-        if not len(response):
-            results.append(np.zeros(0, dtype=np.float32))
+    for k, (prompt, response) in enumerate(rows):
+        out = np.full(len(response), np.nan, dtype=np.float32)
+        wanted = np.arange(len(response)) if needed is None else np.flatnonzero(needed[k])
+        results.append(out)
+        if not len(wanted):
             continue
-        ids = torch.from_numpy(np.concatenate([prompt, response[:-1]]).astype(np.int64))[None].to(device)
-        keep = torch.arange(len(prompt) - 1, ids.shape[1], device=device)  # (R,) positions predicting the response
-        if keeps:
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()  # (R, V)
-        else:
-            logits = model(input_ids=ids, use_cache=False).logits[0, keep].float()
-        targets = torch.from_numpy(np.asarray(response, dtype=np.int64)).to(logits.device)
-        results.append(torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0].cpu().numpy())
+        ids = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None].to(device)
+        step = len(wanted) if block is None else max(1, block)
+        for start in range(0, len(wanted), step):
+            part = wanted[start: start + step]
+            keep = torch.from_numpy(len(prompt) - 1 + part).to(device)  # (R,) positions predicting those tokens
+            if keeps:
+                logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()  # (R, V)
+            else:
+                logits = model(input_ids=ids, use_cache=False).logits[0, keep].float()
+            targets = torch.from_numpy(np.asarray(response[part], dtype=np.int64)).to(logits.device)
+            logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
+            out[part] = logprobs.cpu().numpy()
     return results
 
 
@@ -66,6 +79,32 @@ def take_oracle(reference) -> Oracle:
                          f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
+def check_causal(reference) -> None:
+    """Where a position's logits move when later tokens are added, the model's forward is not causal: log p(token |
+    prefix) is then what the naive oracle computes, one forward over the whole row, and every shortcut that assumes
+    causality (the last token never fed, right pads, a row cut after its last needed token, the prefix tree) would
+    give other numbers. Such a model runs each row alone by its own forward (own_logprobs), noted.
+
+    Seen in transformers' DSA families (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, dots3: the indexer's top-k picks among
+    every key slot), DeepSeek-V4 and HY-V4, and XLM, XLNet and CPM-Ant (tests/matrix.py)."""
+    from klpipe.model.loading import text_config
+
+    # Long enough that a sparse attention picking its top-k keys has more slots than k to pick from (DeepSeek-V3.2's
+    # index_topk): below that, every slot is picked and its forward can look causal.
+    length = max(CAUSAL_PROBE_LENGTH, 2 * int(getattr(text_config(reference.model.config), "index_topk", 0) or 0) + 1)
+    ids = torch.randint(0, reference.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).numpy()
+    cuts = (length - 1, length - length // 4, length // 2)
+    rows = [(ids[:1], ids[1:])] + [(ids[:1], ids[1:cut]) for cut in cuts]
+    whole, *shorter = own_logprobs(reference.model, rows, block=reference.head.rows)
+    found = max(float(np.max(np.abs(values - whole[: len(values)]))) for values in shorter)
+    if found <= reference.probe_tolerance:
+        return
+    reference.own_forward = NOT_CAUSAL
+    reference.notes.append(f"{type(reference.model).__name__}: its forward is not causal (a position's logprobs move "
+                           f"by {found:.3g} when later tokens are added); each row runs alone, whole, by the model's "
+                           "own forward")
+
+
 def gap(reference, oracle: Oracle) -> float:
     """The largest |Δ logprob| between klpipe's rows run whole (the probe split at two places) and the oracle."""
     ids, half = oracle.ids, len(oracle.ids) // 2
@@ -77,24 +116,30 @@ def gap(reference, oracle: Oracle) -> float:
 def check_head(reference, oracle: Oracle) -> None:
     """Keep the chunked head where it reproduces the oracle; else the model's own head (head.ModelHead), noted.
 
-    Raises ModelError only where even the model's own head, run by its own forward, disagrees."""
+    Where even the model's own head on given hidden states does not reproduce it (or cannot run: Inkling's routers),
+    each row runs alone by the model's own forward (own_forward = NO_HEAD)."""
     from klpipe.model.head import ModelHead
 
     name = type(reference.model).__name__
     chunked = gap(reference, oracle)
     if chunked <= reference.probe_tolerance:
         return
+    chunked_head = reference.head
     reference.head = ModelHead(reference.model, reference.body, reference.device, reference.head.logits_budget)
     try:
-        own = gap(reference, oracle)
-    except Exception as exc:  # noqa: BLE001 - a forward that cannot take given hidden states: say which
-        raise ModelError(f"{name}: its forward cannot apply its own head to given hidden states "
-                         f"({type(exc).__name__}: {first_line(exc)})") from None
-    if not own <= reference.probe_tolerance:
-        raise ModelError(f"{name}: even the model's own head, by its own forward, disagrees with that forward "
-                         f"(max |Δ logprob| = {own:.3g})")
-    reference.notes.append(f"{name}: klpipe's chunked LM head disagrees with the model's own logits "
-                           f"(max |Δ logprob| = {chunked:.3g}); logprobs come from the model's own head, in blocks")
+        own, why = gap(reference, oracle), None
+    except Exception as exc:  # noqa: BLE001 - a forward that cannot take given hidden states (Inkling's routers)
+        own, why = None, f"{type(exc).__name__}: {first_line(exc)}"
+    if own is not None and own <= reference.probe_tolerance:
+        reference.notes.append(f"{name}: klpipe's chunked LM head disagrees with the model's own logits (max |Δ "
+                               f"logprob| = {chunked:.3g}); logprobs come from the model's own head, in blocks")
+        return
+    # Neither head reproduces the forward on given hidden states: the forward itself computes every row.
+    reference.head = chunked_head  # only its block size is used from now on
+    reference.own_forward = NO_HEAD
+    reference.notes.append(f"{name}: neither klpipe's chunked LM head (max |Δ logprob| = {chunked:.3g}) nor the "
+                           f"model's own head on given hidden states ({why or f'max |Δ logprob| = {own:.3g}'}) "
+                           "reproduces its forward; each row runs alone, whole, by the model's own forward")
 
 
 def check_padding(reference, oracle: Oracle) -> None:

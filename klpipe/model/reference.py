@@ -49,6 +49,9 @@ class ReferenceModel:
         self.oracle: probes.Oracle | None = None  # the probe by the model's own forward, taken before any change
         self.notes: list[str] = []  # the substitutes the load-time check dropped, one log line each
         self.rows_alone = False  # whether rows run whole one per batch: pads change the model's rows (probes.py)
+        # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
+        # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
+        self.own_forward: str | None = None
         self._layer_kinds = None
         self._cache_cost = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
@@ -73,6 +76,9 @@ class ReferenceModel:
         if self.cascade:
             raise RuntimeError("the oracle is the model as transformers loaded it: check before use_cascade")
         self.oracle = probes.take_oracle(self)
+        probes.check_causal(self)
+        if self.own_forward is not None:
+            return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
         probes.check_head(self, self.oracle)
         probes.check_padding(self, self.oracle)
 
@@ -162,6 +168,8 @@ class ReferenceModel:
         """
         if needed is None:
             needed = [np.ones(len(r), dtype=bool) for _, r in rows]
+        if self.own_forward is not None:
+            return probes.own_logprobs(self.model, rows, temperature, needed, self.head.rows)
         if self.rows_alone and len(rows) > 1:
             return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed)]
         wanted = [np.flatnonzero(n) for n in needed]  # response indices to score

@@ -29,7 +29,9 @@ class Sharing:
         self.log = log
         self.probed = False  # whether check_tree has run on the model
         if asked != "off":
-            self._refuse(check_layout(model))
+            # A model whose own forward computes each row whole shares nothing (a forward that is not causal: a
+            # prefix's keys are not what the whole row's would be).
+            self._refuse(check_layout(model) if model.own_forward is None else model.own_forward)
         if self.mode != "off":
             # klpipe's attention only where a tree may run, and only where it reproduces the model's own forward.
             note = model.use_cascade()
