@@ -92,6 +92,9 @@ def check_causal(reference) -> None:
     # Long enough that a sparse attention picking its top-k keys has more slots than k to pick from (DeepSeek-V3.2's
     # index_topk): below that, every slot is picked and its forward can look causal.
     length = max(CAUSAL_PROBE_LENGTH, 2 * int(getattr(text_config(reference.model.config), "index_topk", 0) or 0) + 1)
+    # Within the RoPE's limit: past it a long RoPE changes its frequencies for the whole row, which the planner
+    # handles (rows past the limit run only with each other); that is not the forward reading later tokens.
+    length = min(length, reference.rope_length_limit or length)
     ids = torch.randint(0, reference.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).numpy()
     cuts = (length - 1, length - length // 4, length // 2)
     rows = [(ids[:1], ids[1:])] + [(ids[:1], ids[1:cut]) for cut in cuts]
@@ -150,6 +153,9 @@ def check_padding(reference, oracle: Oracle) -> None:
     slot, and how it breaks ties moves with the slots' count."""
     ids = oracle.ids
     longer = np.concatenate([ids, ids[::-1], ids])  # the probe's row gets twice its length in pads
+    # Within the RoPE's limit: a batch whose rows pass it changes its frequencies for every row (long RoPE), and the
+    # planner keeps such rows apart already (logprobs.plan_chunk); this check is about pads alone.
+    longer = longer[: max(len(ids) + 1, reference.rope_length_limit or len(longer))]
     beside = reference.score_batch([(ids[:1], ids[1:]), (longer[:1], longer[1:])])[0]  # (T - 1,)
     found = float(np.max(np.abs(beside - oracle.logprobs)))
     if found <= reference.probe_tolerance:
