@@ -43,11 +43,8 @@ demo: install
 		--chat-template sample_data/tool_chat_template.jinja --output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
 
-# tests/test_store.py in a process of its own: its ctrl-c upload test times out after the rest of the suite has run
-# in the same process (not understood yet; it passes alone, and it passed there before this change's new tests).
 test: install
-	$(BIN)/python -m pytest -q --ignore=tests/test_store.py
-	$(BIN)/python -m pytest -q tests/test_store.py
+	$(BIN)/python -m pytest -q
 
 # The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.
