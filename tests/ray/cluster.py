@@ -30,7 +30,11 @@ from tests.helpers import ROOT, free_ports
 
 RAY = str(Path(sys.executable).with_name("ray"))
 OBJECT_STORE_BYTES = 200 * 2**20  # per node: klpipe passes only configs and summaries through it
-WORKER_PORTS = 6  # per node: each Ray worker process listens on one
+# Per node: each Ray worker process listens on one, for its life. Idle workers of a finished job, the three
+# prestarted ones and each job's board actor hold theirs for a while, so a handful runs out within a few jobs:
+# a worker without a port dies unregistered, and the raylet waits the whole register timeout (600 s below)
+# before it starts another.
+WORKER_PORTS = 64
 
 # For the cluster's processes and for every driver the tests run against it.
 ENV = {

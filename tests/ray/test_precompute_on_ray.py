@@ -31,9 +31,11 @@ COMMON = ["--model", str(TINY_GEMMA), str(ROLLOUTS), "--chunk-rows", CHUNK_ROWS,
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    """The same rows through one process: what every Ray run must reproduce."""
+    """The same rows through one process with one torch thread, as each shard's task runs (Ray sets
+    OMP_NUM_THREADS to a task's CPUs): what every Ray run must reproduce. Another thread count may sum a
+    matmul in another order, a last-bit change (1.9e-6 in one of the 48 rows with two threads)."""
     out = tmp_path_factory.mktemp("single") / "cached.parquet"
-    result = run_cli("precompute", *COMMON, "--output", str(out))
+    result = run_cli("precompute", *COMMON, "--output", str(out), env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     return out
 
