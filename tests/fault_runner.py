@@ -15,6 +15,8 @@ pristine process as far as torch is concerned.
 Every child appends to a trace file, with O_APPEND writes that survive a SIGKILL:
   `commit <chunk index>` after each checkpoint chunk is in place;
   `call <phase>`        each time a wrapped seam is reached (census runs count them);
+  `go`                  each time klpipe checked for a stop between batches and went on;
+  `pass`                each time a forward pass of the model ran its first layer;
   `fault <phase> <n>`   just before the fault fires, so a test knows it really fired.
 
 Reproduce a trial by hand:
@@ -53,6 +55,7 @@ import klpipe.precompute.tokenize
 import klpipe.precompute.workdir
 import klpipe.score.report
 import klpipe.score.run
+import klpipe.signals
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
@@ -170,6 +173,14 @@ def _install(inj: _Injector) -> None:
 
     workdir.WorkDir.write_chunk = write_chunk
 
+    original_check = klpipe.signals.StopOnSignal.check
+
+    def check(self):
+        original_check(self)  # raises once a stop was asked for
+        inj.log("go")
+
+    klpipe.signals.StopOnSignal.check = check
+
     original_iter_file_rows = rollouts._iter_file_rows
 
     def iter_file_rows(*args, **kwargs):
@@ -196,6 +207,7 @@ def _install(inj: _Injector) -> None:
         layers = [m for name, m in model.model.named_modules() if name.endswith("layers.0")]
 
         def hook(module, args, output):
+            inj.log("pass")
             if inj.reached("forward"):
                 inj.fire()
 
