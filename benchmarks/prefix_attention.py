@@ -7,7 +7,7 @@ For every pass klpipe's planner makes on the rows (precompute's own plan, the CP
 attention layer of the benchmark model (4 query heads, 2 KV heads of 64, fp32) runs two ways on the
 same random keys, values and queries, each timed over all passes (best of 3):
 
-  gathered  the context copied into left-padded slots per row (tree._gather_context), the pass's keys
+  gathered  the context copied into left-padded slots per row (context_cache._gather_context), the pass's keys
             after it, GQA's keys repeated, transformers' 4D mask, SDPA: what a tree pass did before
             cascade attention, and what it still does for a layer the cascade does not take
   cascade   klpipe's cascade (model/cascade.py): the rows' queries over their path where it lies, in
@@ -61,8 +61,8 @@ def plan(path: Path):
 
 def make_pass(tree, step, kept):
     """A pass in the left layout (each node's own tokens first in its slots, pads after), with random queries,
-    keys and values; what later passes read of it is kept as tree.py keeps it."""
-    from klpipe.model.tree import Kept
+    keys and values; what later passes read of it is kept as context_cache.py keeps it."""
+    from klpipe.model.context_cache import Kept
 
     nodes = step.nodes.tolist()
     own = tree.end[step.nodes] - tree.start[step.nodes]
@@ -77,7 +77,7 @@ def make_pass(tree, step, kept):
 
 
 def gathered_way(tree, p, kept):
-    from klpipe.model.tree import _gather_context
+    from klpipe.model.context_cache import _gather_context
 
     b, fed, context = len(p["nodes"]), int(p["own"].max()), int(p["cached"].max())
     keys, values = p["k"], p["v"]
@@ -99,7 +99,7 @@ def gathered_way(tree, p, kept):
 
 def cascade_way(tree, p, kept):
     from klpipe.model import cascade
-    from klpipe.model.tree import _context_parts
+    from klpipe.model.context_cache import _context_parts
 
     return cascade.PassContexts(_context_parts(p["ancestors"]), kept, 0).attend(p["q"], p["k"], p["v"], SCALE)
 

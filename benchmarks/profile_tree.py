@@ -61,7 +61,7 @@ def instrument() -> None:
     from transformers.integrations import sdpa_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from klpipe.model import cascade, head, tree
+    from klpipe.model import cascade, context_cache, head
 
     linear_forward = torch.nn.Linear.forward
 
@@ -114,20 +114,20 @@ def instrument() -> None:
 
         if hasattr(llama, name):
             setattr(llama, name, mask)
-    gather = tree._gather_context
+    gather = context_cache._gather_context
 
     def gather_context(*args, **kwargs):
         with timed("gather"):
             return gather(*args, **kwargs)
 
-    tree._gather_context = gather_context
-    whole = tree.ContextLayer.whole
+    context_cache._gather_context = gather_context
+    whole = context_cache.ContextLayer.whole
 
     def context_whole(self, *args, **kwargs):
         with timed("cat"):
             return whole(self, *args, **kwargs)
 
-    tree.ContextLayer.whole = context_whole
+    context_cache.ContextLayer.whole = context_whole
     logprobs = head.LMHead.logprobs
 
     def head_logprobs(self, selected, *args, **kwargs):

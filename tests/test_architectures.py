@@ -153,9 +153,9 @@ def test_a_hybrid_shares_prefixes_through_the_command_line(qwen3_5, tmp_path):
 
 def test_a_layout_the_tree_does_not_know_falls_back_under_auto_and_is_refused_under_on(qwen3_5, tmp_path,
                                                                                       monkeypatch):
-    from klpipe.model import tree
+    from klpipe.model import continuation
 
-    monkeypatch.delitem(tree.CONTINUATIONS, "linear_attention")
+    monkeypatch.delitem(continuation.CONTINUATIONS, "linear_attention")
     rows = tmp_path / "rows.parquet"
     write_rows(rows, agent_rows(512)[:6])
     why = ("UnknownLayer: the prefix tree does not know how a 'linear_attention' cache layer (layer 0) "
@@ -171,13 +171,13 @@ def test_a_layout_the_tree_does_not_know_falls_back_under_auto_and_is_refused_un
 
 
 def test_rows_run_whole_ask_nothing_of_the_tree(qwen3_5, tmp_path, monkeypatch):
-    from klpipe.model import ReferenceModel, tree
+    from klpipe.model import ReferenceModel, context_cache, continuation
 
     def refuse(*args):
         raise AssertionError("--prefix-sharing off asked the prefix tree")
 
-    for name in ("layer_kinds", "cache_cost"):
-        monkeypatch.setattr(tree, name, refuse)
+    monkeypatch.setattr(continuation, "layer_kinds", refuse)
+    monkeypatch.setattr(context_cache, "cache_cost", refuse)
     monkeypatch.setattr(ReferenceModel, "kernel_note", "the kernel note")
     rows = tmp_path / "rows.parquet"
     write_rows(rows, agent_rows(512)[:6])
@@ -190,7 +190,8 @@ def test_rows_run_whole_ask_nothing_of_the_tree(qwen3_5, tmp_path, monkeypatch):
 def test_a_state_taken_before_a_nodes_pass_ends_is_refused(qwen3_5):
     """Pads after a node would enter its recurrent state: the planner keeps continued nodes the longest in
     their pass (exact_ends), and the tree refuses a plan that does not, rather than hand on a wrong state."""
-    from klpipe.model.tree import Wanted, score_tree
+    from klpipe.model.tree import score_tree
+    from klpipe.plan import Wanted
     from klpipe.precompute import prefix_tree
 
     reference = ReferenceModel.load(ModelSpec(str(qwen3_5), dtype="float32", device="cpu"))

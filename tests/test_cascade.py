@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klpipe.model import ModelSpec, ReferenceModel, cascade
-from klpipe.model.tree import Kept, _by_parent, _context_parts
+from klpipe.model.context_cache import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 

@@ -131,3 +131,14 @@ def test_an_error_module_sits_below_what_raises_it():
     named = {node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
     assert "klpipe.errors" in named  # the imports are read, not empty
     assert not {m for m in named if m and m.startswith("klpipe.files")}, named
+
+
+def test_the_plan_sits_below_planning_and_running():
+    # precompute/ plans and model/ runs: the plan (Tree, Pass, Wanted) is their contract, in klpipe/plan.py,
+    # which imports neither; model/ reads nothing of precompute/, even lazily.
+    graph = imports_within(Path(klpipe.__file__).parent)
+    assert "klpipe.plan" in graph["klpipe.model.tree"] and "klpipe.plan" in graph["klpipe.precompute.prefix_tree"]
+    assert graph["klpipe.plan"] == set()
+    upward = sorted(f"{module} imports {dep}" for module, deps in graph.items() if module.startswith("klpipe.model")
+                    for dep in deps if dep.startswith("klpipe.precompute"))
+    assert not upward, upward

@@ -123,8 +123,7 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
 
 @pytest.mark.parametrize("fault", ["queries", "context"])
 def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault, request):
-    from klpipe.model import cascade
-    from klpipe.model import tree as tree_module
+    from klpipe.model import cascade, context_cache
 
     in_place = reference.cascade
     request.addfinalizer(reference.use_cascade)  # put back after the test: the probe may turn it off
@@ -137,12 +136,12 @@ def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatc
         return
     if fault == "queries":
         # Queries placed three slots later than they are: the causal (and sliding) masks shift.
-        monkeypatch.setattr(tree_module.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
+        monkeypatch.setattr(context_cache.ContextLayer, "get_seq_length", lambda layer: layer.full_length + 3)
     else:
         # Each kept node's keys one slot off from their values, as a wrong cut would pair them; both ways of
         # attending read them. (Rolling keys and values together is no fault for a row that sees its whole
         # context: attention sums over its slots.)
-        state_of = tree_module.ContextCache.state_of
+        state_of = context_cache.ContextCache.state_of
 
         def shifted(self, *args):
             kept = state_of(self, *args)
@@ -151,7 +150,7 @@ def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatc
                     layer.keys = layer.keys.roll(1, dims=-2)
             return kept
 
-        monkeypatch.setattr(tree_module.ContextCache, "state_of", shifted)
+        monkeypatch.setattr(context_cache.ContextCache, "state_of", shifted)
     problem = check_tree(reference)
     assert problem is not None and problem.startswith("continuing a prefix's keys and values changes the logprobs")
     assert not reference.cascade  # probed both ways

@@ -3,7 +3,10 @@
 loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
 head.py       the LM head on selected hidden states, in blocks, fp32 logsumexp
 reference.py  ReferenceModel: rows in, response-token logprobs out
-tree.py       a chunk's prefix tree: every distinct prefix once, continuing its ancestors' keys and values
+tree.py       a chunk's prefix tree run pass by pass, in its layout: every distinct prefix once
+continuation.py  what each kind of cache layer continues a prefix from (the table the tree reads)
+context_cache.py the cache a tree pass reads: each node's kept state, gathered or read in place (cascade.py)
+cascade.py    attention over a row's path where it lies, for the tree's full-attention layers
 probes.py     load-time check of the chunked head against the model's own logits
 runtime.py    what the stage records and sizes from torch: the device's memory, the library versions
 """

@@ -10,7 +10,7 @@ log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
 
     own      each row's queries over the pass's own keys, causal: in the left layout a node's real
              tokens come first in its slots, so the causal kernel needs no mask (pads come after them)
-    context  the row's path, in parts (tree._context_parts): the nodes that adjacent runs of rows all
+    context  the row's path, in parts (context_cache._context_parts): the nodes that adjacent runs of rows all
              open with (an agent pass's system prompt), then each run of rows with one parent over the
              rest of its path. Each part is one unmasked product of its rows' queries, stacked (and all
              query heads of a KV head), over the kept keys and values read where they lie
@@ -153,7 +153,8 @@ def active(cache):
 
 
 class PassContexts:
-    """One pass's context in parts (tree._context_parts), for every layer: rows and the path nodes they attend over."""
+    """One pass's context in parts (context_cache._context_parts), for every layer: rows and the path nodes they
+    attend over."""
 
     def __init__(self, parts: list[tuple[slice, list[int]]], kept: dict, layer: int):
         self.parts = parts  # (a slice of batch rows, path nodes every one of them sees), in merge order

@@ -126,10 +126,10 @@ class ReferenceModel:
 
     @property
     def layer_kinds(self):
-        """How each decoder layer continues a prefix (tree.layer_kinds); raises for a layout the tree does not know.
+        """How each decoder layer continues a prefix (continuation.layer_kinds); raises for a layout the tree does not know.
         Only the prefix tree asks: rows run whole need none of it."""
         if self._layer_kinds is None:
-            from klpipe.model.tree import layer_kinds
+            from klpipe.model.continuation import layer_kinds
 
             self._layer_kinds = layer_kinds(self.model)
         return self._layer_kinds
@@ -152,7 +152,7 @@ class ReferenceModel:
 
     def _measured_cost(self):
         if self._cache_cost is None:
-            from klpipe.model.tree import cache_cost
+            from klpipe.model.context_cache import cache_cost
 
             self._cache_cost = cache_cost(self)
         return self._cache_cost

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from klpipe.plan import ROOT, Pass, Tree, Wanted
 from klpipe.precompute import prefix_tree
 from klpipe.precompute.batching import padding_efficiency, plan_batches
 
@@ -54,8 +55,8 @@ class ChunkPlan:
     needed: list[np.ndarray]  # (rows,) bool per response token: the logprobs to compute
     fed: list[np.ndarray]  # (rows,) what each row feeds
     tree_rows: np.ndarray  # rows through the tree
-    tree: object | None  # prefix_tree.Tree of `tree_rows`, or None
-    passes: list  # its passes
+    tree: Tree | None  # the tree of `tree_rows`, or None
+    passes: list[Pass]  # its passes
     batches: list[np.ndarray]  # rows run whole: each batch's row indices
     padded_tokens_alone: int = 0  # what the batches feed, padding included
     masked: bool = False  # whether a mask said which logprobs are needed (else every one is)
@@ -166,9 +167,7 @@ def _first_needed(rows, needed, chosen: np.ndarray) -> np.ndarray:
     return np.array([len(rows[i][0]) - 1 + int(np.argmax(needed[i])) for i in chosen], dtype=np.int64)
 
 
-def _wanted(rows, needed, chosen: np.ndarray):
-    from klpipe.model.tree import Wanted  # torch lives behind this import
-
+def _wanted(rows, needed, chosen: np.ndarray) -> Wanted:
     return Wanted(first=_first_needed(rows, needed, chosen),
                   base=np.array([len(rows[i][0]) - 1 for i in chosen], dtype=np.int64),
                   targets=[rows[i][1] for i in chosen], needed=[needed[i] for i in chosen])
@@ -182,7 +181,7 @@ def _worth_a_tree(model, rows, fed, needed, candidates: np.ndarray, sharing: str
     tree = pruned_tree(rows, fed, candidates, needed)
     kids = tree.children()
     ending = np.bincount(tree.end_node, minlength=tree.num_nodes)
-    shares = np.array([tree.parent[n] != prefix_tree.ROOT or bool(kids[n]) or ending[n] > 1
+    shares = np.array([tree.parent[n] != ROOT or bool(kids[n]) or ending[n] > 1
                        for n in tree.end_node.tolist()], dtype=bool)
     return candidates[shares], candidates[~shares]
 

@@ -1,6 +1,7 @@
 """The prefix tree of a chunk: every distinct prefix of the rows' token sequences, computed once.
 
-Pure index arithmetic (numpy), no torch: model/tree.py runs the passes this module plans.
+Pure index arithmetic (numpy), no torch: model/tree.py runs the passes this module plans, and the plan's
+types (Tree, Pass) live below both, in klpipe/plan.py.
 
 A row feeds the model its prompt and its response less the last token (that one is only ever a
 target), and needs the hidden states at the positions that predict its response tokens. The rows of
@@ -23,13 +24,12 @@ an uninterrupted run bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from klpipe.plan import ROOT, Pass, Tree
 from klpipe.precompute.batching import cheapest_cut, within_budget
-
-ROOT = 0  # node 0 is the empty prefix: no tokens, never run
 
 # A pass charges one budget token for every this many context positions a row attends to. Those
 # positions are held as keys and values, gathered one layer at a time, while a fed token carries
@@ -48,44 +48,6 @@ CONTEXT_COST = 16
 # Where the model skips layers for positions whose output nobody needs, a run of at least this many
 # such positions before a node's first needed position is cut off into a node of its own.
 MIN_SKIPPED_PREFIX = 16
-
-
-@dataclass
-class Tree:
-    """A radix tree over token sequences. Node 0 is the root; every other node is a span of tokens.
-
-    A node's tokens are `sequences[rep[n]][start[n]:end[n]]`: positions `start..end` of the path
-    from the root, which every row below the node shares.
-    """
-
-    sequences: list[np.ndarray]  # (rows,) the fed token ids of each row
-    parent: np.ndarray  # (nodes,) int64; the root is its own parent
-    start: np.ndarray  # (nodes,) int64 path position of the node's first token
-    end: np.ndarray  # (nodes,) int64 path position after its last token
-    rep: np.ndarray  # (nodes,) int64 a row whose sequence passes through the node
-    end_node: np.ndarray  # (rows,) int64 the node where each row's sequence ends; -1 for an empty one
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.parent)
-
-    def tokens(self, node: int, start: int | None = None) -> np.ndarray:
-        """The node's tokens, or the path's tokens from `start` to the node's end."""
-        return self.sequences[self.rep[node]][self.start[node] if start is None else start:self.end[node]]
-
-    def children(self) -> list[list[int]]:
-        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for node in range(1, self.num_nodes):
-            kids[self.parent[node]].append(node)
-        return kids
-
-    def path(self, node: int) -> list[int]:
-        """The nodes from the root's first child down to `node`."""
-        nodes = []
-        while node != ROOT:
-            nodes.append(node)
-            node = int(self.parent[node])
-        return nodes[::-1]
 
 
 def build_tree(sequences: list[np.ndarray]) -> Tree:
@@ -216,15 +178,6 @@ def _renumber(tree: Tree, parent: np.ndarray, start: np.ndarray, removed: np.nda
 
 
 # -- the passes -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Pass:
-    """One forward: each node continues its parent's keys and values, all rows aligned at the right."""
-
-    nodes: np.ndarray  # (rows,) node ids
-    only_last: bool  # no node needs more than its last position's output
-    release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
 
 
 def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_tokens: int,

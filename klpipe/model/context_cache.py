@@ -1,0 +1,302 @@
+"""The cache a tree pass reads (tree.py): each layer's context gathered from the nodes its rows continue.
+
+Each node's own state is kept (`Kept`: keys and values cut to its real tokens, recurrent and convolution
+states at its last token) while any of its descendants is still to run. A pass's `ContextCache` is a
+transformers Cache whose layers hand the model's own code that context: keys and values gathered into the
+pass's slots (`ContextLayer`), the parent's states (`StateLayer`), or both (`ContextAndStateLayer`), as
+continuation.py says each kind of layer needs.
+
+Where the model runs sdpa on CPU in the left layout, a full-attention layer does not gather its context
+into the pass's slots at all: cascade.py's attention reads the kept keys and values of each row's path
+where they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take
+exactly gets them gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
+
+from klpipe.model import cascade
+from klpipe.model.continuation import LayerKind
+
+if TYPE_CHECKING:
+    from klpipe.plan import Tree
+
+
+@dataclass
+class Kept:
+    """One layer's state after a node's own tokens: what its descendants continue from."""
+
+    keys: torch.Tensor | None = None  # (h, own length, d)
+    values: torch.Tensor | None = None  # (h, own length, d_v)
+    states: tuple | None = None  # per state index, (convolution window (C, K) or None, recurrent state or None)
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.states or () for t in pair if t is not None)
+
+
+class ContextLayer(CacheLayerMixin):
+    """One layer's context (its rows' ancestors' keys and values, left-padded) plus the pass's own.
+
+    `update` returns context + new, as a cache that had seen the context would, and keeps the new
+    keys and values for the nodes to be continued; nothing is written into the context.
+    """
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, full_length: int, sliding: bool,
+                 cascade=None, gather=None, held: int = 0):
+        CacheLayerMixin.__init__(self)
+        self.context_keys, self.context_values = keys, values  # (b, h, c, d), c <= full_length
+        self.full_length = full_length  # slots before the fed tokens: the queries' offset
+        self.is_sliding = sliding
+        self.held = held if keys is None else keys.shape[-2]  # context slots the mask covers
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.is_initialized = True
+        # With a cascade (cascade.PassContexts), `update` hands back the pass's own keys alone and the
+        # attention function reads the context where it lies; `gather` makes the slots for a call it cannot take.
+        self.cascade, self.gather, self.pending = cascade, gather, False
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        pass  # built whole in __init__
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.new = (key_states, value_states)
+        if self.cascade is not None:
+            self.pending = True
+            return key_states, value_states
+        return self.whole(key_states, value_states)
+
+    def whole(self, key_states, value_states):
+        """The context's slots and the pass's own, as the mask lays them out."""
+        if self.gather is not None:
+            self.context_keys, self.context_values = self.gather()
+            self.gather = None
+        if self.context_keys is None:
+            return key_states, value_states
+        return (torch.cat([self.context_keys, key_states], dim=-2),
+                torch.cat([self.context_values, value_states], dim=-2))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.held + query_length, self.full_length - self.held  # a sliding layer holds the last slots only
+
+    def get_seq_length(self) -> int:
+        return self.full_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StateLayer(LinearAttentionLayer):
+    """A linear-attention, SSM or short-convolution layer's states at each row's context end (its parent's
+    last token; zeros, as a fresh prefill starts, for a row without context), as a cache that had run the
+    context would hold them. The model updates them in place with the pass's own tokens."""
+
+    def __init__(self, states: list[tuple] | None, number_of_states: int = 1):
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        self.written = False
+        for index, (conv, recurrent) in enumerate(states or ()):
+            if conv is not None:
+                self.conv_states[index], self.conv_kernel_size[index] = conv, conv.shape[-1]
+                self.is_conv_states_initialized[index] = True
+                self.dtype, self.device = conv.dtype, conv.device
+            if recurrent is not None:
+                self.recurrent_states[index] = recurrent
+                self.is_recurrent_states_initialized[index] = True
+            self.has_previous_state[index] = True
+
+    def update_conv_state(self, *args, **kwargs):
+        self.written = True
+        return LinearAttentionLayer.update_conv_state(self, *args, **kwargs)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        self.written = True
+        return LinearAttentionLayer.update_recurrent_state(self, *args, **kwargs)
+
+    def states_of(self, row: int) -> tuple:
+        return tuple((self.conv_states[i][row].clone() if self.is_conv_states_initialized[i] else None,
+                      self.recurrent_states[i][row].clone() if self.is_recurrent_states_initialized[i] else None)
+                     for i in range(self.number_of_states))
+
+
+class ContextAndStateLayer(StateLayer, ContextLayer):
+    """A layer with attention and a recurrent path side by side (Falcon-H1): both continuations at once."""
+
+    def __init__(self, keys, values, full_length: int, sliding: bool, states, number_of_states: int = 1,
+                 cascade=None, gather=None, held: int = 0):
+        ContextLayer.__init__(self, keys, values, full_length, sliding, cascade, gather, held)
+        StateLayer.__init__(self, states, number_of_states)
+
+    lazy_initialization = StateLayer.lazy_initialization  # the recurrent path's (keys come whole)
+
+
+class ContextCache(Cache):
+    """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
+
+    def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
+                 tree: Tree, kept: dict, in_place: bool = False):
+        """`in_place`: full-attention layers leave each row's context where it lies, for cascade.py's attention
+        (only in the left layout, where a row sees every position of its path: `cached` is each node's start)."""
+        layers = []
+        parts = _context_parts(ancestors) if in_place else None
+        for index, kind in enumerate(kinds):
+            attention, state = kind.continuation.keys_values, kind.continuation.state
+            keys = values = None
+            contexts = gather = None
+            held = 0
+            if attention is not None:
+                # A sliding layer's queries see at most the window's last `window - 1` context slots.
+                held = context if attention == "full" else min(context, kind.window - 1)
+                if in_place and kind.continuation.cascade:
+                    contexts = cascade.PassContexts(parts, kept, index)
+                    if held:
+                        gather = (lambda index=index, held=held:
+                                  _gather_context(index, held, ancestors, cached, tree, kept))
+                elif held:
+                    keys, values = _gather_context(index, held, ancestors, cached, tree, kept)
+            states = _gather_states(index, ancestors, kept) if state else None
+            if attention is not None and state:
+                layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states,
+                                                   contexts, gather, held))
+            elif attention is not None:
+                layers.append(ContextLayer(keys, values, context, attention == "sliding", contexts, gather, held))
+            elif state:
+                layers.append(StateLayer(states, kind.states))
+            else:
+                layers.append(DummyLayer())
+        super().__init__(layers=layers)
+
+    def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
+        """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
+        of the pass's `fed`."""
+        kept_row, written = [], False
+        for layer in self.layers:
+            kept = Kept()
+            new = getattr(layer, "new", None)
+            if new is not None:
+                keys, values = new  # (b, h, T, d)
+                kept.keys = keys[row, :, first:first + length].clone()
+                kept.values = values[row, :, first:first + length].clone()
+                written = True
+            if isinstance(layer, StateLayer):
+                if first + length != fed:
+                    # A state is the one after the pass's last position: pads after the node would be in it.
+                    raise RuntimeError("a recurrent state was asked for at a node shorter than its pass")
+                kept.states = layer.states_of(row)
+                written = written or layer.written
+            kept_row.append(kept)
+        if not written:
+            # A forward that takes its cache under another name drops it silently (**kwargs).
+            raise RuntimeError("the model's forward wrote no keys, values or states into the cache it was given")
+        return kept_row
+
+
+def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: np.ndarray, tree: Tree,
+                    kept: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, h, held, d) keys and values: each row's last `held` context positions, left-padded with zeros."""
+    sample = next(kept[a][layer] for path in ancestors for a in path if kept[a][layer].keys is not None)
+    sample_keys, sample_values = sample.keys, sample.values
+    heads, dim, device = sample_keys.shape[0], sample_keys.shape[-1], sample_keys.device
+    keys = torch.zeros((len(ancestors), heads, held, dim), dtype=sample_keys.dtype, device=device)
+    values = torch.zeros((len(ancestors), heads, held, sample_values.shape[-1]), dtype=sample_values.dtype,
+                         device=device)
+    for row, path in enumerate(ancestors):
+        stop = int(cached[row])  # context positions 0..stop-1 come from the cache
+        first = max(stop - held, 0)
+        for node in path:
+            low, high = max(int(tree.start[node]), first), min(int(tree.end[node]), stop)
+            if low >= high:
+                continue
+            node_kept = kept[node][layer]  # (h, own length, d), on this layer's device
+            at = held - (stop - low)  # slot of position `low`, counted from the left of the held slots
+            keys[row, :, at:at + high - low] = node_kept.keys[:, low - tree.start[node]:high - tree.start[node]]
+            values[row, :, at:at + high - low] = node_kept.values[:, low - tree.start[node]:high - tree.start[node]]
+    return keys, values
+
+
+def _context_parts(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
+    """The pass's context in parts, in the order the cascade merges them: (a slice of batch rows, path nodes
+    that every one of those rows attends over in full).
+
+    First, for each stretch of consecutive runs (`_by_parent`) whose paths open with the same node, the
+    nodes they all open with: one product for all their rows. An agent pass's rows share a long system
+    prompt but few parents, and the kernel runs one large product much faster than a product per run
+    (benchmarks/prefix_attention.py). Then, per run, the rest of its path."""
+    runs = _by_parent(ancestors)
+    parts: list[tuple[slice, list[int]]] = []
+    tails: list[tuple[slice, list[int]]] = []
+    start = 0
+    while start < len(runs):
+        stop = start + 1  # runs[start:stop]: adjacent rows, every path opening with the same node
+        while (stop < len(runs) and runs[stop][1][0] == runs[start][1][0]
+               and runs[stop][0].start == runs[stop - 1][0].stop):
+            stop += 1
+        shared = 0
+        if stop - start > 1:
+            paths = [path for _, path in runs[start:stop]]
+            while all(len(path) > shared and path[shared] == paths[0][shared] for path in paths):
+                shared += 1
+            parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared]))
+        tails += [(rows, path[shared:]) for rows, path in runs[start:stop] if len(path) > shared]
+        start = stop
+    return parts + tails
+
+
+def _by_parent(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
+    """The pass's rows with context in runs of one parent: (a slice of batch rows, their path from the root).
+    Runs, not groups: a slice of the batch is a view, so the cascade reads and merges a run where it lies."""
+    runs: list[tuple[slice, list[int]]] = []
+    for row, path in enumerate(ancestors):
+        if not path:
+            continue
+        if runs and runs[-1][0].stop == row and runs[-1][1][-1] == path[-1]:
+            runs[-1] = (slice(runs[-1][0].start, row + 1), runs[-1][1])
+        else:
+            runs.append((slice(row, row + 1), path))
+    return runs
+
+
+def _gather_states(layer: int, ancestors: list[list[int]], kept: dict) -> list[tuple] | None:
+    """Per state index, (b, ...) convolution windows and recurrent states: each row's parent's (the state at its
+    context's last token), zeros for a row without context; None when no row has one (a fresh prefill)."""
+    parents = [path[-1] if path else None for path in ancestors]
+    sample = next((kept[p][layer].states for p in parents if p is not None), None)
+    if sample is None:
+        return None
+    stacked = []
+    for index, pair in enumerate(sample):
+        stacked.append(tuple(
+            None if like is None else torch.stack([kept[p][layer].states[index][which] if p is not None
+                                                   else torch.zeros_like(like) for p in parents])
+            for which, like in enumerate(pair)))
+    return stacked
+
+
+@dataclass(frozen=True)
+class CacheCost:
+    """What the tree keeps for a node, in bytes: keys and values per token, and recurrent and convolution
+    states per node, whatever its length."""
+
+    kv_bytes_per_token: int
+    state_bytes_per_node: int
+
+
+def cache_cost(reference) -> CacheCost:
+    """Bytes one token holds as keys and values, and one node as states: one token's forward, measured."""
+    cache = ContextCache(reference.layer_kinds, 0, [[]], np.zeros(1, dtype=np.int64), None, {})
+    one = torch.zeros((1, 1), dtype=torch.long, device=reference.input_device)
+    with torch.inference_mode():
+        reference.body(input_ids=one, attention_mask=torch.ones_like(one), position_ids=torch.zeros_like(one),
+                       use_cache=True, **{reference.cache_argument: cache})
+    kept = cache.state_of(0, 0, 1, 1)
+    return CacheCost(sum(layer.kv_bytes() for layer in kept), sum(layer.state_bytes() for layer in kept))

@@ -1,0 +1,75 @@
+"""The plan of a chunk: the contract between planning (precompute/prefix_tree.py) and running (model/tree.py).
+
+precompute/ builds these and model/ runs them; both import them from here, below both, as both stages read
+the cache's contract from cache.py. Pure numpy: importing this module never pulls in torch.
+
+    Tree    the radix tree over a chunk's fed token sequences: each node a span of tokens its rows share
+    Pass    one forward: the nodes that run side by side, and whose state is done with after it
+    Wanted  the positions of each row whose hidden states the chunk needs, and their target tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROOT = 0  # node 0 is the empty prefix: no tokens, never run
+
+
+@dataclass
+class Tree:
+    """A radix tree over token sequences. Node 0 is the root; every other node is a span of tokens.
+
+    A node's tokens are `sequences[rep[n]][start[n]:end[n]]`: positions `start..end` of the path
+    from the root, which every row below the node shares.
+    """
+
+    sequences: list[np.ndarray]  # (rows,) the fed token ids of each row
+    parent: np.ndarray  # (nodes,) int64; the root is its own parent
+    start: np.ndarray  # (nodes,) int64 path position of the node's first token
+    end: np.ndarray  # (nodes,) int64 path position after its last token
+    rep: np.ndarray  # (nodes,) int64 a row whose sequence passes through the node
+    end_node: np.ndarray  # (rows,) int64 the node where each row's sequence ends; -1 for an empty one
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent)
+
+    def tokens(self, node: int, start: int | None = None) -> np.ndarray:
+        """The node's tokens, or the path's tokens from `start` to the node's end."""
+        return self.sequences[self.rep[node]][self.start[node] if start is None else start:self.end[node]]
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for node in range(1, self.num_nodes):
+            kids[self.parent[node]].append(node)
+        return kids
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's first child down to `node`."""
+        nodes = []
+        while node != ROOT:
+            nodes.append(node)
+            node = int(self.parent[node])
+        return nodes[::-1]
+
+
+@dataclass
+class Pass:
+    """One forward: each node continues its parent's keys and values, all rows aligned at the right."""
+
+    nodes: np.ndarray  # (rows,) node ids
+    only_last: bool  # no node needs more than its last position's output
+    release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
+
+
+@dataclass
+class Wanted:
+    """The hidden states a chunk's rows need: row r, positions base[r] + j for each response token j that
+    needed[r] marks (all of them without a mask), all between first[r] and len(sequence r) - 1."""
+
+    first: np.ndarray  # (rows,) int64 the first needed position, which the planner runs from
+    base: np.ndarray  # (rows,) int64 the position that predicts response token 0: the prompt's length − 1
+    targets: list[np.ndarray]  # (rows,) the row's response: position base + j predicts targets[j]
+    needed: list[np.ndarray] | None = None  # (rows,) bool per response token: the logprobs to compute
