@@ -99,7 +99,14 @@ def save_tiny(name: str, directory: Path, seed: int = 0, scale: float = 4.0, hea
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(ARCHITECTURES[name].config())
+    return save_spread(AutoModelForCausalLM.from_config(ARCHITECTURES[name].config()), directory, scale, head_scale)
+
+
+def save_spread(model, directory: Path, scale: float = 4.0, head_scale: float = 4.0) -> Path:
+    """`model`'s weights times `scale` (norms stay 1; the LM head `head_scale` times more), saved in `directory`
+    as safetensors with the sample tokenizer beside it."""
+    import torch
+
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if parameter.ndim >= 2 and "norm" not in parameter_name:

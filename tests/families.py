@@ -7,13 +7,10 @@ head cannot reproduce (RecurrentGemma's `logits_soft_cap`), hybrids whose recurr
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from tests.helpers import TINY_LLAMA
 
 VOCAB = 512  # the sample tokenizer's
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=1)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
@@ -56,14 +53,7 @@ def save_family(name: str, directory: Path, seed: int = 0, scale: float = 4.0, h
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tests.architectures import save_spread
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(name))
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if parameter.ndim >= 2 and "norm" not in parameter_name:
-                parameter.mul_(scale)
-        model.get_output_embeddings().weight.mul_(head_scale)
-    model.save_pretrained(directory)
-    for file in TOKENIZER_FILES:
-        shutil.copy(TINY_LLAMA / file, directory / file)
-    return directory
+    return save_spread(AutoModelForCausalLM.from_config(config(name)), directory, scale, head_scale)

@@ -19,7 +19,6 @@ import argparse
 import inspect
 import json
 import re
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -165,21 +164,13 @@ def save_tiny(model_type: str, directory: Path, seed: int = 0, scale: float = 4.
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.architectures import TOKENIZER_FILES
-    from tests.helpers import TINY_LLAMA
+    from tests.architectures import save_spread
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
     with torch.no_grad():
         model(input_ids=torch.arange(3, 3 + 2 * WINDOW)[None])  # the tiny config runs: what fails after is klpipe
-        for parameter_name, parameter in model.named_parameters():
-            if parameter.ndim >= 2 and "norm" not in parameter_name:
-                parameter.mul_(scale)
-        model.get_output_embeddings().weight.mul_(head_scale)
-    model.save_pretrained(directory)
-    for file in TOKENIZER_FILES:
-        shutil.copy(TINY_LLAMA / file, directory / file)
-    return directory
+    return save_spread(model, directory, scale, head_scale)
 
 
 def agent_rows(vocab: int, seed: int = 0):

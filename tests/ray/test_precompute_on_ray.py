@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,11 +90,12 @@ def test_three_shards_are_one_process_bit_for_bit_and_score_the_same(cluster, si
     assert controller_state(tmp_path / "ray.state.json") == controller_state(tmp_path / "single.state.json")
 
 
-def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes(cluster, single, tmp_path):
-    out, faults = tmp_path / "cached", tmp_path / "faults"
-    faults.mkdir()
+@contextmanager
+def paused_driver(cluster, out, shard: int, faults):
+    """A `precompute --ray` driver whose `shard` pauses once its first chunk is checkpointed; yields it and the pid
+    of the worker running that shard. A driver still running at the end is killed."""
     env = with_checkout({**cluster.env(), "RAY_JOB_CONFIG_JSON_ENV_VAR": job_config(
-        {"shard": 1, "action": "pause", "dir": str(faults)})})
+        {"shard": shard, "action": "pause", "dir": str(faults)})})
     command = [sys.executable, "-m", "klpipe", "precompute", *COMMON, "--output", str(out), "--ray", cluster.address,
                "--num-shards", str(SHARDS)]
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -101,15 +103,21 @@ def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes(cluster, sing
         deadline = time.monotonic() + 600
         while not (faults / "pid").exists():
             assert driver.poll() is None, driver.communicate()[1]
-            assert time.monotonic() < deadline, "shard 1 never checkpointed its first chunk"
+            assert time.monotonic() < deadline, f"shard {shard} never checkpointed its first chunk"
             time.sleep(0.5)
-        worker = int((faults / "pid").read_text())
-        os.kill(worker, signal.SIGKILL)  # the worker running shard 1, its first chunk on disk
-        _, stderr = driver.communicate(timeout=600)
+        yield driver, int((faults / "pid").read_text())
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes(cluster, single, tmp_path):
+    out, faults = tmp_path / "cached", tmp_path / "faults"
+    faults.mkdir()
+    with paused_driver(cluster, out, 1, faults) as (driver, worker):
+        os.kill(worker, signal.SIGKILL)  # the worker running shard 1, its first chunk on disk
+        _, stderr = driver.communicate(timeout=600)
     assert driver.returncode == 0, stderr
     assert "shard 1: resuming: 1 of 2 chunks already done" in stderr, stderr
     assert "Ray ran again after a worker died: shard 1 1x" in stderr, stderr
@@ -138,23 +146,9 @@ def test_a_shard_that_always_fails_is_named_and_a_rerun_completes_it_alone(clust
 def test_sigterm_to_the_driver_cancels_the_shards_and_a_rerun_finishes_the_same(cluster, single, tmp_path):
     out, faults = tmp_path / "cached", tmp_path / "faults"
     faults.mkdir()
-    env = with_checkout({**cluster.env(), "RAY_JOB_CONFIG_JSON_ENV_VAR": job_config(
-        {"shard": 0, "action": "pause", "dir": str(faults)})})
-    command = [sys.executable, "-m", "klpipe", "precompute", *COMMON, "--output", str(out), "--ray", cluster.address,
-               "--num-shards", str(SHARDS)]
-    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 600
-        while not (faults / "pid").exists():
-            assert driver.poll() is None, driver.communicate()[1]
-            assert time.monotonic() < deadline, "shard 0 never checkpointed its first chunk"
-            time.sleep(0.5)
+    with paused_driver(cluster, out, 0, faults) as (driver, _):
         driver.send_signal(signal.SIGTERM)  # shard 0 is mid-shard, paused after its first chunk
         _, stderr = driver.communicate(timeout=300)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
     assert driver.returncode == 75, stderr
     assert stderr.strip().splitlines()[-1].startswith("Error: stopped by SIGTERM: cancelled "), stderr
     assert not (out / "part-00000-of-00003.parquet").exists()  # the cancelled shard wrote no part
