@@ -89,7 +89,7 @@ def test_the_probe_refuses_a_model_whose_forward_ignores_the_cache(reference, mo
     # Both tiny models accept unknown keyword arguments and drop them: a cache passed under a name
     # the model does not know is silently ignored, and a node then runs without its context.
     monkeypatch.setattr(reference, "cache_argument", "not_a_cache_argument")
-    assert check_tree(reference) == ("RuntimeError: the model's forward wrote no keys, values or states into the cache "
+    assert check_tree(reference) == ("CacheIgnored: the model's forward wrote no keys, values or states into the cache "
                                      "it was given")
 
 

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from klpipe.plan import Tree
 
 
+class CacheIgnored(NotImplementedError):
+    """A model whose forward keeps nothing in the cache it is given: it takes none (GPT, Reformer), or keeps its
+    state in one of its own (RWKV), or takes it under another name and drops it. The tree cannot continue it."""
+
+
 @dataclass
 class Kept:
     """One layer's state after a node's own tokens: what its descendants continue from."""
@@ -197,7 +202,7 @@ class ContextCache(Cache):
             kept_row.append(kept)
         if not written:
             # A forward that takes its cache under another name drops it silently (**kwargs).
-            raise RuntimeError("the model's forward wrote no keys, values or states into the cache it was given")
+            raise CacheIgnored("the model's forward wrote no keys, values or states into the cache it was given")
         return kept_row
 
 
