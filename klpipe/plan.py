@@ -57,7 +57,7 @@ class Tree:
 
 @dataclass
 class Pass:
-    """One forward: each node continues its parent's keys and values, all rows aligned at the right."""
+    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/tree.py picks."""
 
     nodes: np.ndarray  # (rows,) node ids
     only_last: bool  # no node needs more than its last position's output

@@ -95,9 +95,9 @@ class World:
     expected: pa.Table  # an uninterrupted run's output
     census: dict  # calls per phase in that run
     n_chunks: int
-    # The most forward passes one batch (from one stop check to the next) made in that run, before its first
-    # commit and after it.
-    batch_passes: list
+    # The most forward passes one batch (from one stop check to the next) made in that run: [before its first
+    # commit (the first chunk's batches make the probes' passes too), after it].
+    batch_passes: list[int]
 
     def args(self, out: Path, *extra) -> list:
         return precompute_args(self.rollouts, out, *extra)
@@ -121,12 +121,11 @@ def world(tmp_path_factory) -> World:
         result = runner.run(precompute_args(rollouts, out), census=True)
         assert result.returncode == 0, result.stderr
         n_chunks = -(-table.num_rows // CHUNK_ROWS)
-        # The first chunk's batch also makes the probes' passes: its own figure.
-        batch_passes, passes, first = [0, 0], 0, 0
+        batch_passes, passes, committed = [0, 0], 0, False
         for line in result.trace:
-            first = first or line.startswith("commit ")
+            committed = committed or line.startswith("commit ")
             passes = 0 if line == "go" else passes + (line == "pass")
-            batch_passes[first] = max(batch_passes[first], passes)
+            batch_passes[committed] = max(batch_passes[committed], passes)
         world = World(runner, root, rollouts, pq.read_table(out), dict(result.calls()), n_chunks, batch_passes)
         assert world.expected.column("id").to_pylist() == table.column("id").to_pylist()
         # Faults are placed among these calls; a phase that is never reached would make trials vacuous.
@@ -264,13 +263,14 @@ def test_sigterm(world, tmp_path, trial):
     # one: no check may let work go on), and only the chunk in flight may still be committed (its last batch
     # was running, or its file was being written). Reading and tokenizing run ahead in a thread of their own:
     # their signal reaches the main thread when it next runs Python, maybe just after a check went on.
-    after = result.trace[result.trace.index(next(t for t in result.trace if t.startswith("fault "))):]
+    at = result.trace.index(next(t for t in result.trace if t.startswith("fault ")))
+    before, after = result.trace[:at], result.trace[at:]
     went_on, passes = after.count("go"), after.count("pass")
     late = [t for t in after if t.startswith("commit ")]
     assert went_on <= (1 if phase in ("read", "tokenize") else 0), f"{msg}: {went_on} batches began after the signal"
     # The rest of the batch in flight, and the one begun just after the signal: a chunk run past its batches'
     # stop checks would make more passes than that.
-    most = world.batch_passes[any(t.startswith("commit ") for t in result.trace[:len(result.trace) - len(after)])]
+    most = world.batch_passes[any(t.startswith("commit ") for t in before)]
     assert passes <= (went_on + 1) * most, f"{msg}: {passes} passes after the signal (batches make {most} at most)"
     assert len(late) <= (0 if phase == "commit" else 1), f"{msg}: committed {late} after the signal"
     resumed = assert_interrupted_cleanly(out, result, world.expected, msg)

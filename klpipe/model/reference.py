@@ -126,8 +126,8 @@ class ReferenceModel:
 
     @property
     def layer_kinds(self):
-        """How each decoder layer continues a prefix (continuation.layer_kinds); raises for a layout the tree does not know.
-        Only the prefix tree asks: rows run whole need none of it."""
+        """How each decoder layer continues a prefix (continuation.layer_kinds); raises for a layout the tree does not
+        know. Only the prefix tree asks: rows run whole need none of it."""
         if self._layer_kinds is None:
             from klpipe.model.continuation import layer_kinds
 
