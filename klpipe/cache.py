@@ -24,7 +24,10 @@ RESPONSE = "response"
 COMPLETION = "completion"  # TRL's name for the response: used when there is no `response` column
 PROMPT_IDS = "prompt_ids"  # token-id mode (preferred: exact)
 RESPONSE_IDS = "response_ids"
-POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy
+POLICY_LOGPROBS = "policy_logprobs"  # one per response token, from the sampling policy (or, with --policy, the trainer)
+# The sampler's own logprobs, kept beside the trainer's: precompute --policy moves the rollouts' policy_logprobs here
+# (or reads a column mapped to this role), and score measures the sampler against the trainer (score/mismatch.py).
+SAMPLER_LOGPROBS = "sampler_logprobs"
 REWARD = "reward"
 # 1 where the policy sampled the response token, 0 where it did not (a tool's result inside the
 # completion): KL is taken over the 1s only, and precompute runs no LM head on the 0s (klpipe/mask.py).
@@ -76,6 +79,9 @@ class Provenance:
     policy_model: str | None = None
     policy_revision: str | None = None  # as `revision`, for the policy's weights
     policy_dtype: str | None = None
+    # With --policy on rollouts that carry the sampler's logprobs: the rollouts' column they came from, kept in the
+    # cache under the sampler_logprobs role (None: the rollouts had none, or --overwrite-policy-logprobs dropped them).
+    sampler_source: str | None = None
 
     # The fields that decide what the numbers in ref_logprobs (and, with --policy, policy_logprobs) are
     # (the column mapping decides which ids are scored). The others change them at most in float rounding.

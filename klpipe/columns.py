@@ -28,7 +28,9 @@ ROLES: dict[str, str] = {
     cache.RESPONSE: "response text, or TRL conversational completion messages",
     cache.PROMPT_IDS: "prompt token ids",
     cache.RESPONSE_IDS: "response token ids",
-    cache.POLICY_LOGPROBS: "the sampling policy's logprob of each response token",
+    cache.POLICY_LOGPROBS: "the sampling policy's logprob of each response token (with --policy, the trainer's)",
+    cache.SAMPLER_LOGPROBS: "the sampler's own logprobs, kept beside the trainer's policy_logprobs (Atropos' "
+                            "inference_logprobs, verl's rollout_log_probs)",
     cache.REWARD: "each rollout's reward",
     cache.REF_LOGPROBS: "the reference logprobs precompute writes and score reads",
     cache.MASK: "1 where the policy sampled the response token, 0 for a tool's result (TRL tool_mask, env_mask)",

@@ -8,7 +8,7 @@ from klpipe.columns import ROLES, ColumnMap, for_caches, parse_columns
 from klpipe.errors import InputError, ProvenanceError
 from tests.helpers import make_rows, provenance, write_cache
 
-ROLE_LIST = "id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs, mask, tools"
+ROLE_LIST = "id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, reward, ref_logprobs, mask, tools"
 
 
 def test_parse_gives_role_to_column():

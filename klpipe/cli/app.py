@@ -46,8 +46,8 @@ def _root(
 # `--column` for both commands. The roles are klpipe.columns.ROLES, written out so that `--help`
 # need not import pyarrow (a test holds the two together).
 COLUMN_HELP = ("Read role ROLE from column NAME, e.g. `--column response_ids=completion_ids`; repeatable. "
-               "Roles: id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, reward, "
-               "ref_logprobs, mask, tools. The mask is found as tool_mask or env_mask when not mapped. In the "
+               "Roles: id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, "
+               "reward, ref_logprobs, mask, tools. The mask is found as tool_mask or env_mask when not mapped. In the "
                "environment variable, separate mappings with spaces.")
 
 # Exit codes, documented in the README. A KlpipeError carries its own (errors.py: 2, or 75 when stopped).

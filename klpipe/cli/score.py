@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from klpipe.cli.app import COLUMN_HELP, app, defaults, handle_errors
-from klpipe.score.config import ScoreConfig
+from klpipe.score.config import KlFrom, ScoreConfig
 from klpipe.score.controller import ControllerConfig, ControllerKind
 from klpipe.score.kl import Aggregate, Estimator
 
@@ -83,6 +83,10 @@ def score_command(
     clamp: Annotated[bool, typer.Option(
         "--clamp/--no-clamp", help="Clamp the per-row k1 at 0 like the seed (other estimators are never negative).",
         envvar=_env("clamp"), rich_help_panel=KL_PANEL)] = SCORE["clamp"],
+    kl_from: Annotated[KlFrom | None, typer.Option(
+        help="Whose logprobs the KL reads when the cache holds the trainer's (policy_logprobs) and the sampler's "
+             "(sampler_logprobs). Default: the trainer's where present.", envvar=_env("kl_from"),
+        rich_help_panel=KL_PANEL, show_default=False)] = SCORE["kl_from"],
     controller: Annotated[ControllerKind, typer.Option(
         help="window: the seed's windowed rule; proportional: Ziegler et al. (TRL, verl); fixed.",
         envvar=_env("controller"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["controller"],
@@ -156,7 +160,7 @@ def score_command(
             kl_coeff_max=kl_coeff_max, window=window, increase_factor=increase_factor,
             decrease_factor=decrease_factor, controller=controller, horizon=horizon,
         ),
-        columns=parse_columns(column),
+        columns=parse_columns(column), kl_from=kl_from,
     )
     result = score(config)
     console = _stderr_console(Console)

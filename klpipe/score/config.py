@@ -7,11 +7,14 @@ written once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from klpipe.errors import InputError
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator
+
+KlFrom = Literal["trainer", "sampler"]
+KL_FROM: tuple[str, ...] = ("trainer", "sampler")
 
 if TYPE_CHECKING:
     from klpipe.files.store import Location
@@ -36,6 +39,9 @@ class ScoreConfig:
     clamp: bool = True  # clamp the per-row k1 at 0, as the seed does (other estimators are never negative)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     columns: dict[str, str] = field(default_factory=dict)  # role -> column (--column); overrides the caches' own
+    # Whose logprobs the KL penalty reads when a cache holds both the trainer's (policy_logprobs) and the
+    # sampler's (sampler_logprobs): None is the trainer's, what a KL-in-reward trainer computes (verl's old_log_prob).
+    kl_from: KlFrom | None = None
     extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
     batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
     batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
@@ -46,6 +52,8 @@ class ScoreConfig:
             raise InputError(f"unknown estimator {self.estimator!r}; choose one of {', '.join(ESTIMATORS)}")
         if self.aggregate not in AGGREGATES:
             raise InputError(f"unknown aggregate {self.aggregate!r}; choose one of {', '.join(AGGREGATES)}")
+        if self.kl_from is not None and self.kl_from not in KL_FROM:
+            raise InputError(f"unknown --kl-from {self.kl_from!r}; choose one of {', '.join(KL_FROM)}")
         if self.batch_tokens < 1:
             raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
         if self.batch_bytes < 1:

@@ -31,6 +31,7 @@ from klpipe.cache import (
     POLICY_LOGPROBS,
     REF_LOGPROBS,
     REWARD,
+    SAMPLER_LOGPROBS,
     STEP,
     check_compatible,
     read_provenance,
@@ -61,6 +62,12 @@ class Logprobs:
     reward: np.ndarray  # (rows,) float64
     keep: np.ndarray | None = None  # (response tokens,) bool: the mask, when the cache has one
     response_offsets: np.ndarray | None = None  # (rows + 1,) row offsets into `keep`
+    # With a sampler_logprobs column: the trainer's (policy_logprobs) and the sampler's values of the same
+    # scored tokens. The sampler's are NaN where null or in a row whose list has another length (`sampler_rows_ok`).
+    trainer: np.ndarray | None = None  # (tokens,)
+    sampler: np.ndarray | None = None  # (tokens,) float64
+    sampler_rows_ok: np.ndarray | None = None  # (rows,) bool
+    policy_name: str | None = None  # the column `policy` was read from, when not the policy_logprobs role's
 
     @property
     def masked_tokens(self) -> int:
@@ -161,8 +168,13 @@ def rows_per_batch(reader: pq.ParquetFile, batch_tokens: int, batch_bytes: int,
     return max(1, int(min(batch_tokens / mean_tokens, batch_bytes / mean_bytes)))
 
 
-def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, columns: ColumnMap) -> Logprobs:
-    """Refuse a batch with a null, a row whose two logprob lists differ in length, or a non-finite reward."""
+def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, columns: ColumnMap,
+                kl_from_sampler: bool = False) -> Logprobs:
+    """Refuse a batch with a null, a row whose two logprob lists differ in length, or a non-finite reward.
+
+    With a sampler_logprobs column its values come along (read_sampler); with `kl_from_sampler` the KL reads
+    them, and a null, a length that differs or a non-finite value there is refused like the policy's.
+    """
     policy_name, ref_name, reward_name, step_name = (
         columns.name(role) for role in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP)
     )
@@ -195,9 +207,57 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, column
     if bad_reward.any():
         i = int(np.flatnonzero(bad_reward)[0])
         raise InputError(f"{rows.name(i)}: {reward_name} is {_describe(reward[i])}")
+    sampler_name = columns.name(SAMPLER_LOGPROBS)
+    sampler = sampler_ok = None
+    if sampler_name in batch.schema.names:
+        sampler, sampler_ok = read_sampler(batch.column(sampler_name), offsets)
+        if kl_from_sampler:
+            _refuse_unusable_sampler(sampler, sampler_ok, keep, offsets, rows, sampler_name, policy_name)
     if keep is None:
-        return Logprobs(policy_values, ref_values, offsets, reward)
-    return Logprobs(policy_values[keep], ref_values[keep], kept_offsets(keep, offsets), reward, keep, offsets)
+        found = Logprobs(policy_values, ref_values, offsets, reward)
+    else:
+        found = Logprobs(policy_values[keep], ref_values[keep], kept_offsets(keep, offsets), reward, keep, offsets)
+    if sampler is not None:
+        found.trainer = found.policy
+        found.sampler = sampler if keep is None else sampler[keep]
+        found.sampler_rows_ok = sampler_ok
+        if kl_from_sampler:
+            found.policy, found.policy_name = found.sampler, sampler_name
+    return found
+
+
+def read_sampler(array: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's logprobs aligned with the response tokens of `offsets` (response tokens,) float64, NaN where
+    null or in a row whose list (or null list) has another length; and (rows,) bool, True where the row's does not."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    lengths = np.diff(offsets)
+    list_valid = numpy_valid(array) if array.null_count else np.ones(len(array), bool)
+    sampler_offsets = numpy_view(array.offsets).astype(np.int64)
+    start, end = int(sampler_offsets[0]), int(sampler_offsets[-1])
+    flat = array.values.slice(start, end - start)
+    values = numpy_view(flat).astype(np.float64)  # a copy: nulls become NaN below
+    if flat.null_count:
+        values[~numpy_valid(flat)] = np.nan
+    ok = list_valid & (np.diff(sampler_offsets) == lengths)
+    if ok.all():
+        return values, ok
+    aligned = np.full(int(offsets[-1]), np.nan)
+    aligned[np.repeat(ok, lengths)] = values[np.repeat(ok, np.diff(sampler_offsets))]
+    return aligned, ok
+
+
+def _refuse_unusable_sampler(sampler: np.ndarray, ok: np.ndarray, keep: np.ndarray | None, offsets: np.ndarray,
+                             rows: RowLocator, name: str, policy_name: str) -> None:
+    """--kl-from sampler: the KL reads the sampler's logprobs, so a gap in them is bad input, as in the policy's."""
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise InputError(f"{rows.name(i)}: {name} has no list of the response's {offsets[i + 1] - offsets[i]} tokens "
+                         f"(as {policy_name} has); --kl-from sampler needs one")
+    bad = np.isnan(sampler) if keep is None else np.isnan(sampler) & keep
+    if bad.any():
+        i = int(np.searchsorted(offsets, np.flatnonzero(bad)[0], side="right") - 1)
+        raise InputError(f"{rows.name(i)}: {name} holds a null" + (" where the mask is 1" if keep is not None else ""))
 
 
 def _first_null_kept(array: pa.Array, keep: np.ndarray | None, offsets: np.ndarray) -> int | None:
@@ -221,7 +281,8 @@ def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimato
     if bad_rows.any():
         i = int(np.flatnonzero(bad_rows)[0])
         start, stop = logprobs.offsets[i], logprobs.offsets[i + 1]
-        named = ((columns.name(POLICY_LOGPROBS), logprobs.policy), (columns.name(REF_LOGPROBS), logprobs.ref))
+        named = ((logprobs.policy_name or columns.name(POLICY_LOGPROBS), logprobs.policy),
+                 (columns.name(REF_LOGPROBS), logprobs.ref))
         for name, values in named:
             bad = values[start:stop][~np.isfinite(values[start:stop])]
             if bad.size:
@@ -254,6 +315,11 @@ def _check_columns(path: Path, schema: pa.Schema, columns: ColumnMap) -> None:
     reward_type = schema.field(reward).type
     if not (pa.types.is_floating(reward_type) or pa.types.is_integer(reward_type)):
         raise InputError(f"{path}: {reward} must be numeric, got {reward_type}")
+    sampler = columns.name(SAMPLER_LOGPROBS)
+    if sampler in schema.names:
+        kind = schema.field(sampler).type
+        if not (is_list_type(kind) and pa.types.is_floating(kind.value_type)):
+            raise InputError(f"{path}: {sampler} must be a list of floats, got {kind}")
     if columns.name(MASK) in schema.names:
         check_mask_type(path, schema, columns.name(MASK))
     if step in schema.names:

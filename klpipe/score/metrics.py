@@ -26,7 +26,8 @@ from klpipe.errors import OutputError
 from klpipe.files.atomic import OutputGroup, scratch_directory
 from klpipe.files.store import Location
 
-# Event tags are PREFIX + name; JSONL keys are the names, plus `step`.
+# Event tags are PREFIX + name (the mismatch figures', which hold a "/", their own name); JSONL keys are the
+# names, plus `step`.
 PREFIX = "klpipe/"
 METRICS = (
     "kl",  # mean per-row KL of the step, nats (TRL's name)
@@ -70,16 +71,20 @@ class StepMetrics:
     rows: np.ndarray  # (batches,) int64
     tokens: np.ndarray  # (batches,) int64 response tokens
     kl_target: float  # nats, the same for every batch
+    # Per batch, the sampler-against-trainer figures (score/mismatch.py) under their own names, verl's
+    # `rollout_corr/…` and klpipe's `mismatch/…`: written unprefixed, so dashboards line up with verl's.
+    mismatch: list[dict] | None = None
 
     def records(self) -> Iterator[dict]:
         """One dict per batch: `step`, then every name in METRICS, as Python numbers."""
         target = self.kl_target
         columns = (self.step, self.kl, self.kl_coef, self.kl_coef_after, self.reward, self.kl_penalty,
                    self.adjusted_reward, self.rows, self.tokens)
-        for step, kl, coef, after, reward, penalty, adjusted, rows, tokens in zip(
-            *(c.tolist() for c in columns), strict=True
+        extras = self.mismatch or [{}] * len(self.step)
+        for (step, kl, coef, after, reward, penalty, adjusted, rows, tokens), extra in zip(
+            zip(*(c.tolist() for c in columns), strict=True), extras, strict=True
         ):
-            yield {
+            yield extra | {
                 "step": step, "kl": kl, "kl_coef": coef, "kl_coef_after": after,
                 "reward_kl_penalty": kl, "reward_kl_penalty_coeff": coef,
                 "reward": reward, "kl_penalty": penalty, "adjusted_reward": adjusted,
@@ -106,7 +111,13 @@ def from_steps(entries: list[dict], kl_target: float, first_batch: int | None) -
         reward=column("reward_mean_before"), kl_penalty=column("kl_penalty_mean"),
         adjusted_reward=column("reward_mean_after"), rows=column("rows", np.int64),
         tokens=column("tokens", np.int64), kl_target=kl_target,
+        mismatch=[_numbers(entry["mismatch"]) for entry in entries] if entries and "mismatch" in entries[0] else None,
     )  # fmt: skip
+
+
+def _numbers(figures: dict) -> dict:
+    """The numeric figures of a step's mismatch entry (a quantile of no tokens is None: left out)."""
+    return {name: value for name, value in figures.items() if isinstance(value, int | float)}
 
 
 def from_rows(kls: np.ndarray, coeffs: np.ndarray, final_coeff: float, rewards: np.ndarray, tokens: np.ndarray,
@@ -199,7 +210,8 @@ def write_tensorboard(outputs: OutputGroup, directory: Location, metrics: StepMe
             try:
                 for record in metrics.records():
                     step = record.pop("step")
-                    values = [Summary.Value(tag=PREFIX + name, simple_value=value) for name, value in record.items()]
+                    values = [Summary.Value(tag=name if "/" in name else PREFIX + name, simple_value=value)
+                              for name, value in record.items()]
                     writer.write_event(Event(wall_time=wall_time, step=step, summary=Summary(value=values)))
             finally:
                 writer.close()

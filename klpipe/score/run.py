@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from klpipe import __version__
 from klpipe.arrow import from_numpy, list_array
-from klpipe.cache import SCORED_METADATA_KEY, STEP
+from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError, StateError
 from klpipe.files.atomic import OutputGroup, write_json_atomic
@@ -36,6 +36,7 @@ from klpipe.files.parquet import RowGroups, parquet_writer
 from klpipe.files.store import Location, check_output, expand
 from klpipe.rows import RowLocator
 from klpipe.score import report
+from klpipe.score import sampler as sampler_section
 from klpipe.score.config import ScoreConfig
 from klpipe.score.controller import KLController
 from klpipe.score.input import (
@@ -124,19 +125,24 @@ def score(config: ScoreConfig) -> ScoreResult:
             f"{config.state}: these inputs were already scored into this state file; "
             "scoring them again moves the controller twice"
         )
-    replaced = [name for name in SCORED_COLUMNS if name in schema.names]
+    has_sampler = names.name(SAMPLER_LOGPROBS) in schema.names
+    kl_from = _kl_from(config, has_sampler, source, names)
+    replaced = [name for name in SCORED_COLUMNS + (sampler_section.COLUMNS if has_sampler else ())
+                if name in schema.names]
     if replaced:
         warnings.append(f"the input already has scored columns ({', '.join(replaced)}); they are replaced")
-    out_schema = _output_schema(schema, config, replaced)
+    out_schema = _output_schema(schema, config, replaced, has_sampler)
 
     has_steps = names.name(STEP) in schema.names
     metrics_wanted = config.tensorboard is not None or config.metrics_jsonl is not None
+    sampler = sampler_section.SamplerRun(config.estimator, has_steps) if has_sampler else None
     batches = ControllerSteps(
         controller,
         has_steps=has_steps,
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
         keep_rows=metrics_wanted,
+        sampler=sampler,
     )
     totals = report.RunTotals()
     # The output, report, plot and metrics appear together, once all are written: a run that fails
@@ -151,7 +157,8 @@ def score(config: ScoreConfig) -> ScoreResult:
                 batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
                 with closing(prefetch(batch_stream)) as stream:
                     for batch, rows in stream:
-                        scored = _score_batch(batch, rows, config, batches, totals, replaced, names)
+                        scored = _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
+                                              kl_from == "sampler")
                         row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
                 row_groups.flush()
         batches.finish()
@@ -159,6 +166,7 @@ def score(config: ScoreConfig) -> ScoreResult:
             warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
                                                         source["computed"]))
         settings = _settings(config)
+        settings["kl_from"] = kl_from
         settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
         run_report = report.build_report(
             inputs=files, output=output, settings=settings, controller=controller,
@@ -166,6 +174,9 @@ def score(config: ScoreConfig) -> ScoreResult:
             totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
         )  # fmt: skip
         run_report["policy_logprobs"] = source
+        run_report["mismatch"] = None if sampler is None else sampler.section(
+            names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), kl_from,
+            source.get("model") if source["computed"] else None)
         if config.plot is not None:
             trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
             with outputs.file(config.plot) as tmp:
@@ -231,11 +242,27 @@ def _write_metrics(outputs: OutputGroup, config: ScoreConfig, batches: Controlle
         metrics.write_jsonl(outputs, config.metrics_jsonl, step_metrics)
 
 
-def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str]) -> pa.Schema:
+def _kl_from(config: ScoreConfig, has_sampler: bool, source: dict, names: ColumnMap) -> str:
+    """Whose logprobs the KL reads: "trainer" (policy_logprobs) or "sampler" (sampler_logprobs).
+
+    Without a sampler column, policy_logprobs are the sampler's own unless precompute --policy computed them.
+    """
+    if config.kl_from != "sampler":
+        return "trainer" if has_sampler or source["computed"] else "sampler"
+    if not has_sampler and source["computed"]:
+        raise InputError(f"--kl-from sampler: the caches hold no {names.name(SAMPLER_LOGPROBS)} column, and their "
+                         f"{names.name(POLICY_LOGPROBS)} were computed by {source.get('model')}; the sampler's "
+                         "logprobs were not kept")
+    return "sampler"
+
+
+def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str], has_sampler: bool = False) -> pa.Schema:
     kept = [f for f in schema if f.name not in replaced]
     added = [pa.field(name, pa.float64()) for name in (KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD)]
     if config.per_token:
         added.append(pa.field(KL_PER_TOKEN, pa.list_(pa.float64())))
+    if has_sampler:
+        added += sampler_section.output_fields(config.per_token)
     metadata = dict(schema.metadata or {})
     metadata[SCORE_METADATA_KEY] = json.dumps(_settings(config), sort_keys=True).encode()
     return pa.schema(kept + added, metadata=metadata)
@@ -295,12 +322,19 @@ def _score_batch(
     totals: report.RunTotals,
     replaced: list[str],
     names: ColumnMap,
+    sampler: sampler_section.SamplerRun | None = None,
+    kl_from_sampler: bool = False,
 ) -> list[pa.Array]:
     """Check one record batch and return its output columns."""
-    logprobs = check_batch(batch, rows, batches.has_steps, names)
+    logprobs = check_batch(batch, rows, batches.has_steps, names, kl_from_sampler)
     estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, config.estimator, config.aggregate,
                       config.clamp, config.per_token)
     check_finite(estimate, logprobs, rows, config.estimator, names)
+
+    measured = None
+    if sampler is not None:  # before the coefficients, which hand each step its rows
+        keys = sampler_section.group_keys(batch, [names.name(PROMPT_IDS), names.name(PROMPT)])
+        measured = sampler.measure(logprobs, rows.name, keys)
 
     kl = estimate.kl
     reward = logprobs.reward
@@ -328,6 +362,8 @@ def _score_batch(
     columns += [from_numpy(kl), from_numpy(coeffs), from_numpy(penalty), from_numpy(adjusted)]
     if config.per_token:
         columns.append(_per_token_column(estimate, logprobs))
+    if measured is not None:
+        columns += sampler_section.row_columns(measured[0], config.per_token, logprobs, measured[1])
     return columns
 
 

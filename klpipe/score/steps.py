@@ -34,7 +34,7 @@ class ControllerSteps:
     """Cuts the row stream into controller batches and hands each row its coefficient."""
 
     def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str],
-                 keep_rows: bool = False):
+                 keep_rows: bool = False, sampler=None):
         self.controller = controller
         self.has_steps = has_steps
         self.previous_last_step = previous_last_step
@@ -50,6 +50,8 @@ class ControllerSteps:
         self.keep_rows = keep_rows and not has_steps
         self.per_row_rewards: list[np.ndarray] = []
         self.per_row_tokens: list[np.ndarray] = []
+        # With a sampler column, a score.sampler.SamplerRun: each step's rows go to it, and its figures to the entry.
+        self.sampler = sampler
 
     def coefficients(
         self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray, tokens: np.ndarray
@@ -80,6 +82,8 @@ class ControllerSteps:
             step.rewards.append(reward[start:end])
             step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
             step.tokens += int(np.sum(tokens[start:end]))
+            if self.sampler is not None:
+                self.sampler.add_rows(start, end)
             coeffs[start:end] = step.kl_coeff
         return coeffs
 
@@ -102,6 +106,8 @@ class ControllerSteps:
                 "as a new controller batch, so its coefficients differ from scoring both runs together"
             )
         self.open = _OpenStep(label=label, kl_coeff=self.controller.kl_coeff)
+        if self.sampler is not None:
+            self.sampler.open_step()
         self.batch_count += 1
         self.last_label = label
 
@@ -112,8 +118,11 @@ class ControllerSteps:
         kls = np.concatenate(step.kls)
         self.controller.observe_batch(kls.tolist())
         rewards = np.concatenate(step.rewards)
-        self.steps.append(report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, step.tokens,
-                                            self.controller))
+        entry = report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, step.tokens,
+                                  self.controller)
+        if self.sampler is not None:
+            entry["mismatch"] = self.sampler.close_step()
+        self.steps.append(entry)
 
     def finish(self) -> None:
         self._close()

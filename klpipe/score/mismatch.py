@@ -1,0 +1,297 @@
+"""The sampler against the trainer: the training–inference mismatch of every sampled token.
+
+Rollouts carry the sampler's logprobs (vLLM, SGLang); `klpipe precompute --policy` adds the trainer's
+own forward of the same tokens. On a token the policy sampled (mask 1):
+
+    ℓ_t = log π_trainer(y_t) − log π_sampler(y_t),    r_t = exp(ℓ_t)
+
+Every figure here counts mask-1 tokens whose sampler logprob is usable (finite, not a placeholder,
+in a row whose sampler list covers the response; diagnosis.py names the others), never padding.
+Token-weighted figures average over those tokens; row-weighted ones average per-row values over rows
+that hold at least one of them. verl's names and definitions (`rollout_corr_helper.py`):
+
+    rollout_corr/kl            token-weighted   mean −ℓ
+    rollout_corr/k3_kl         token-weighted   mean e^ℓ − 1 − ℓ
+    rollout_corr/chi2_token    token-weighted   mean r² − 1
+    rollout_corr/training_ppl  row-weighted     mean exp(−mean_t log π_trainer)
+    rollout_corr/rollout_ppl   row-weighted     mean exp(−mean_t log π_sampler)
+    rollout_corr/log_ppl_diff  row-weighted     mean −mean_t ℓ
+    rollout_corr/ppl_ratio     row-weighted     mean exp(−mean_t ℓ)   (training ppl / rollout ppl per row)
+    rollout_corr/chi2_seq      row-weighted     mean exp(2·clip(Σ_t ℓ, ±20)) − 1
+
+Quantiles come from a histogram of ℓ with 100 log-spaced bins per decade of |ℓ| (1e-9 to 1e3, one
+bin for |ℓ| < 1e-9, sign kept): a quantile is its bin's centre, within 0.6% of the exact order
+statistic, so memory stays bounded however many tokens a run holds. Pure numpy: no loop over rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from klpipe.score.kl import row_reduce
+
+# verl clamps a log-ratio sum at ±20 before exp (its SAFETY_BOUND), so one wild row cannot overflow.
+SAFETY_BOUND = 20.0
+
+QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
+QUANTILE_NAMES = ("p0.1", "p1", "p50", "p99", "p99.9")
+
+# The histogram of ℓ: bins of |ℓ| from 10^LOW_DECADE to 10^HIGH_DECADE, BINS_PER_DECADE per decade,
+# for each sign, around one bin for |ℓ| < 10^LOW_DECADE (0 included). Index order is the order of ℓ.
+LOW_DECADE, HIGH_DECADE, BINS_PER_DECADE = -9, 3, 100
+MAGNITUDE_BINS = (HIGH_DECADE - LOW_DECADE) * BINS_PER_DECADE
+BINS = 2 * MAGNITUDE_BINS + 1
+
+# Breakdowns: the sampler's probability of the sampled token (edges on p), the token's position in
+# the response (edges on the index), and where it sits against the tool results of its row.
+PROBABILITY_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
+PROBABILITY_LABELS = ("p<0.001", "0.001≤p<0.01", "0.01≤p<0.1", "0.1≤p<0.5", "0.5≤p<0.9", "p≥0.9")
+POSITION_EDGES = (1, 4, 16, 64, 256, 1024)
+POSITION_LABELS = ("0", "1-3", "4-15", "16-63", "64-255", "256-1023", "≥1024")
+AFTER_TOOL_FIRST = 4  # the first tokens the policy samples after a tool result get their own bucket
+MASK_RUN_LABELS = ("before any tool result", "first 4 tokens after a tool result", "later after a tool result")
+BREAKDOWNS = {"sampler_probability": PROBABILITY_LABELS, "position": POSITION_LABELS, "mask_run": MASK_RUN_LABELS}
+
+
+def bin_index(log_ratio: np.ndarray) -> np.ndarray:
+    """(tokens,) int64 histogram bin of each ℓ; monotone in ℓ."""
+    magnitude = np.abs(log_ratio)
+    with np.errstate(divide="ignore"):
+        level = np.floor((np.log10(magnitude) - LOW_DECADE) * BINS_PER_DECADE)  # −inf for 0
+    np.clip(level, -1, MAGNITUDE_BINS - 1, out=level)  # −1: below the lowest bin; the top bin takes overflow
+    step = (level + 1).astype(np.int64)  # 0 .. MAGNITUDE_BINS
+    return np.where(log_ratio < 0, MAGNITUDE_BINS - step, MAGNITUDE_BINS + step)
+
+
+def bin_centres() -> np.ndarray:
+    """(BINS,) the value each bin stands for: its geometric centre, 0 for the middle bin."""
+    magnitude = 10.0 ** (LOW_DECADE + (np.arange(MAGNITUDE_BINS) + 0.5) / BINS_PER_DECADE)
+    return np.concatenate((-magnitude[::-1], [0.0], magnitude))
+
+
+def histogram_quantiles(counts: np.ndarray, absolute: bool = False) -> dict[str, float | None]:
+    """The inverted-CDF quantiles (QUANTILES) of a bin_index histogram, of |ℓ| with `absolute`; None when empty.
+
+    The q-quantile is the k-th smallest value, k = ⌈q·n⌉: reported as the centre of its bin.
+    """
+    centres = bin_centres()
+    if absolute:  # fold the negative half onto the positive one
+        folded = counts[MAGNITUDE_BINS:].copy()
+        folded[1:] += counts[:MAGNITUDE_BINS][::-1]
+        counts, centres = folded, centres[MAGNITUDE_BINS:]
+    total = int(counts.sum())
+    if total == 0:
+        return dict.fromkeys(QUANTILE_NAMES)
+    ranks = np.maximum(np.ceil(np.array(QUANTILES) * total - 1e-9), 1)
+    index = np.searchsorted(np.cumsum(counts), ranks, side="left")
+    return dict(zip(QUANTILE_NAMES, centres[index].tolist(), strict=True))
+
+
+@dataclass
+class TokenMismatch:
+    """A block of rows' usable sampled tokens, flat, and what the figures are made of.
+
+    `offsets` are zero-based row offsets into the token arrays; a row may hold none (an empty
+    response, a row masked whole, or one whose sampler logprobs were unusable).
+    """
+
+    trainer: np.ndarray  # (tokens,) float64 log π_trainer
+    sampler: np.ndarray  # (tokens,) float64 log π_sampler
+    ref: np.ndarray  # (tokens,) float64 log π_ref
+    offsets: np.ndarray  # (rows + 1,) int64
+    position: np.ndarray  # (tokens,) int64 index of the token in its response (masked tokens counted)
+    after_tool: np.ndarray  # (tokens,) int64 tokens since the last mask-0 token of its row; −1: none before it
+    log_ratio: np.ndarray = field(init=False)  # (tokens,) ℓ = trainer − sampler
+
+    def __post_init__(self) -> None:
+        self.log_ratio = self.trainer - self.sampler
+
+    def rows(self, start: int, stop: int) -> TokenMismatch:
+        """Rows start..stop as views, their offsets rebased."""
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        part = TokenMismatch.__new__(TokenMismatch)
+        for name in ("trainer", "sampler", "ref", "position", "after_tool", "log_ratio"):
+            setattr(part, name, getattr(self, name)[lo:hi])
+        part.offsets = self.offsets[start:stop + 1] - lo
+        return part
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)  # (rows,)
+
+
+@dataclass
+class RowMismatch:
+    """Per-row values (rows,) float64: what the scored file gains, and the row-weighted figures' terms."""
+
+    tokens: np.ndarray  # (rows,) int64 usable sampled tokens
+    sum_ratio: np.ndarray  # Σ_t ℓ
+    mean_ratio: np.ndarray  # mean_t ℓ (0 for a row without tokens)
+    mean_trainer: np.ndarray  # mean_t log π_trainer
+    mean_sampler: np.ndarray  # mean_t log π_sampler
+
+    def rows(self, start: int, stop: int) -> RowMismatch:
+        return RowMismatch(*(getattr(self, name)[start:stop] for name in self.__dataclass_fields__))
+
+    @property
+    def has_tokens(self) -> np.ndarray:
+        return self.tokens > 0
+
+    @property
+    def mismatch_kl(self) -> np.ndarray:
+        return -self.mean_ratio  # mean −ℓ over the row
+
+    @property
+    def log_ppl_diff(self) -> np.ndarray:
+        # log(training ppl) − log(rollout ppl) per row = mean log π_sampler − mean log π_trainer = −mean ℓ: the
+        # row's mismatch_kl; the two differ only in how a batch averages them (tokens against rows).
+        return self.mean_sampler - self.mean_trainer
+
+    @property
+    def sequence_weight(self) -> np.ndarray:
+        return np.exp(np.clip(self.sum_ratio, -SAFETY_BOUND, SAFETY_BOUND))  # exp Σℓ, verl's clamp
+
+    @property
+    def geometric_weight(self) -> np.ndarray:
+        return np.exp(self.mean_ratio)  # exp mean ℓ
+
+
+def per_row(tokens: TokenMismatch) -> RowMismatch:
+    counts = tokens.counts
+    safe = np.maximum(counts, 1)
+    sum_ratio = row_reduce(np.add, tokens.log_ratio, tokens.offsets)
+    return RowMismatch(
+        tokens=counts, sum_ratio=sum_ratio, mean_ratio=sum_ratio / safe,
+        mean_trainer=row_reduce(np.add, tokens.trainer, tokens.offsets) / safe,
+        mean_sampler=row_reduce(np.add, tokens.sampler, tokens.offsets) / safe,
+    )  # fmt: skip
+
+
+def categories(tokens: TokenMismatch) -> dict[str, np.ndarray]:
+    """(tokens,) int64 bucket of each token in each breakdown (BREAKDOWNS)."""
+    probability = np.searchsorted(np.log(PROBABILITY_EDGES), tokens.sampler, side="right")
+    position = np.searchsorted(POSITION_EDGES, tokens.position, side="right")
+    mask_run = np.where(tokens.after_tool < 0, 0, np.where(tokens.after_tool < AFTER_TOOL_FIRST, 1, 2))
+    return {"sampler_probability": probability, "position": position, "mask_run": mask_run}
+
+
+def ess_fraction(sum_w: float, sum_w2: float, n: int) -> float | None:
+    """Kish's effective sample size (Σw)² / Σw², as a fraction of the n weights (verl's ESS, normalised)."""
+    if n == 0 or sum_w2 <= 0:
+        return None
+    return float(sum_w * sum_w / (n * sum_w2))
+
+
+@dataclass
+class MismatchSums:
+    """Running sums over a step or a run: every figure of the report's mismatch section is read from these."""
+
+    tokens: int = 0
+    rows: int = 0  # rows with at least one usable token
+    neg_ratio: float = 0.0  # Σ −ℓ
+    k3: float = 0.0  # Σ e^ℓ − 1 − ℓ
+    ratio: float = 0.0  # Σ r
+    ratio_sq: float = 0.0  # Σ r²
+    training_ppl: float = 0.0  # Σ over rows
+    rollout_ppl: float = 0.0
+    log_ppl_diff: float = 0.0
+    ppl_ratio: float = 0.0
+    seq_sq: float = 0.0  # Σ over rows exp(2·clip Σℓ)
+    seq_weight: float = 0.0  # Σ over rows exp(clip Σℓ)
+    geo_weight: float = 0.0  # Σ over rows exp(mean ℓ)
+    geo_sq: float = 0.0
+    kl_trainer: float = 0.0  # Σ k(trainer − ref)
+    kl_sampler: float = 0.0  # Σ k(sampler − ref)
+    kl_corrected: float = 0.0  # Σ r·k(trainer − ref)
+    histogram: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
+    breakdowns: dict | None = None  # name -> (categories, BINS) int64; run totals only
+
+    def add(self, tokens: TokenMismatch, rows: RowMismatch, token_kl, breakdowns: bool = False) -> None:
+        """Add a block of rows. `token_kl(diff)` is score's per-token estimator."""
+        ratio = tokens.log_ratio
+        r = np.exp(ratio)
+        self.tokens += len(ratio)
+        self.neg_ratio -= float(np.sum(ratio))
+        self.k3 += float(np.sum(np.expm1(ratio) - ratio))
+        self.ratio += float(np.sum(r))
+        self.ratio_sq += float(np.dot(r, r))
+        has = rows.has_tokens
+        self.rows += int(np.count_nonzero(has))
+        self.training_ppl += float(np.sum(np.exp(-rows.mean_trainer[has])))
+        self.rollout_ppl += float(np.sum(np.exp(-rows.mean_sampler[has])))
+        self.log_ppl_diff += float(np.sum(rows.log_ppl_diff[has]))
+        self.ppl_ratio += float(np.sum(np.exp(rows.log_ppl_diff[has])))
+        seq = rows.sequence_weight[has]
+        self.seq_weight += float(np.sum(seq))
+        self.seq_sq += float(np.dot(seq, seq))
+        geo = rows.geometric_weight[has]
+        self.geo_weight += float(np.sum(geo))
+        self.geo_sq += float(np.dot(geo, geo))
+        k_trainer = token_kl(tokens.trainer - tokens.ref)
+        self.kl_trainer += float(np.sum(k_trainer))
+        self.kl_sampler += float(np.sum(token_kl(tokens.sampler - tokens.ref)))
+        self.kl_corrected += float(np.dot(r, k_trainer))
+        bins = bin_index(ratio)
+        self.histogram += np.bincount(bins, minlength=BINS)
+        if breakdowns:
+            if self.breakdowns is None:
+                self.breakdowns = {name: np.zeros((len(labels), BINS), np.int64) for name, labels in BREAKDOWNS.items()}
+            for name, category in categories(tokens).items():
+                counts = self.breakdowns[name]
+                counts += np.bincount(category * BINS + bins, minlength=counts.size).reshape(counts.shape)
+
+    def merge(self, other: MismatchSums) -> None:
+        for name in self.__dataclass_fields__:
+            if name in ("histogram", "breakdowns"):
+                continue
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.histogram += other.histogram
+        if other.breakdowns is not None:
+            if self.breakdowns is None:
+                self.breakdowns = {name: counts.copy() for name, counts in other.breakdowns.items()}
+            else:
+                for name, counts in other.breakdowns.items():
+                    self.breakdowns[name] += counts
+
+    def figures(self) -> dict:
+        """verl's metrics under verl's names, then klpipe's own; None where nothing was counted."""
+        n, rows = self.tokens, self.rows
+        tok = (lambda total: total / n) if n else (lambda total: None)
+        row = (lambda total: total / rows) if rows else (lambda total: None)
+        figures = {
+            "rollout_corr/kl": tok(self.neg_ratio),
+            "rollout_corr/k3_kl": tok(self.k3),
+            "rollout_corr/chi2_token": tok(self.ratio_sq - n) if n else None,
+            "rollout_corr/training_ppl": row(self.training_ppl),
+            "rollout_corr/rollout_ppl": row(self.rollout_ppl),
+            "rollout_corr/log_ppl_diff": row(self.log_ppl_diff),
+            "rollout_corr/ppl_ratio": row(self.ppl_ratio),
+            "rollout_corr/chi2_seq": row(self.seq_sq - rows) if rows else None,
+            "mismatch/tokens": n,
+            "mismatch/rows": rows,
+            "mismatch/kl_trainer": tok(self.kl_trainer),
+            "mismatch/kl_sampler": tok(self.kl_sampler),
+            "mismatch/kl_importance_corrected": tok(self.kl_corrected),
+            "mismatch/ess_token_is": ess_fraction(self.ratio, self.ratio_sq, n),
+            "mismatch/ess_sequence_is": ess_fraction(self.seq_weight, self.seq_sq, rows),
+            "mismatch/ess_geometric": ess_fraction(self.geo_weight, self.geo_sq, rows),
+        }
+        for name, value in histogram_quantiles(self.histogram).items():
+            figures[f"mismatch/log_ratio_{name}"] = value
+        for name, value in histogram_quantiles(self.histogram, absolute=True).items():
+            figures[f"mismatch/abs_log_ratio_{name}"] = value
+        return figures
+
+    def breakdown_tables(self) -> dict:
+        """Per breakdown, per bucket: tokens and the quantiles of ℓ and |ℓ|."""
+        tables = {}
+        for name, labels in BREAKDOWNS.items():
+            counts = self.breakdowns[name] if self.breakdowns is not None else np.zeros((len(labels), BINS), np.int64)
+            tables[name] = [
+                {"bucket": label, "tokens": int(counts[i].sum()),
+                 "log_ratio": histogram_quantiles(counts[i]), "abs_log_ratio": histogram_quantiles(counts[i], True)}
+                for i, label in enumerate(labels)
+            ]  # fmt: skip
+        return tables
