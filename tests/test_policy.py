@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
+from klpipe.cache import read_provenance
 from klpipe.errors import InputError, ModelError, OutputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
@@ -105,17 +106,34 @@ def test_the_computed_policy_logprobs_are_the_samplers_own(tmp_path):
     assert np.max(np.abs(sampled - computed)) < 1e-3  # the sampler's incremental forward against a whole one
 
 
-def test_an_input_with_policy_logprobs_is_refused_unless_asked(tmp_path):
-    with pytest.raises(InputError, match=r"rollouts\.parquet: already has a policy_logprobs column; pass "
-                                         r"--overwrite-policy-logprobs to replace it"):
-        run(tmp_path, [ROLLOUTS])
-    assert not (tmp_path / "out.parquet").exists()
-    summary = run(tmp_path, [ROLLOUTS], overwrite_policy_logprobs=True)
+def test_an_input_with_policy_logprobs_keeps_them_as_the_samplers(tmp_path):
+    # The rollouts' policy_logprobs are the sampler's: the cache keeps them as sampler_logprobs, in their place,
+    # and adds the policy's computed ones; the provenance says where each came from.
+    summary = run(tmp_path, [ROLLOUTS])
     table = pq.read_table(summary.output)
     source = pq.read_table(ROLLOUTS)
+    assert table.column_names == [("sampler_logprobs" if c == "policy_logprobs" else c) for c in source.column_names] + [
+        "ref_logprobs", "policy_logprobs"]
+    assert table.column("sampler_logprobs").to_pylist() == source.column("policy_logprobs").to_pylist()
+    provenance = read_provenance(summary.output)
+    assert provenance.sampler_source == "policy_logprobs" and provenance.policy_model == str(POLICY)
+    # --overwrite-policy-logprobs drops the sampler's instead.
+    summary = run(tmp_path, [ROLLOUTS], name="dropped.parquet", overwrite_policy_logprobs=True)
+    table = pq.read_table(summary.output)
     assert table.column_names == [c for c in source.column_names if c != "policy_logprobs"] + [
         "ref_logprobs", "policy_logprobs"]
     assert not table.column("policy_logprobs").equals(source.column("policy_logprobs"))
+    assert read_provenance(summary.output).sampler_source is None
+
+
+def test_an_input_with_both_policy_and_sampler_columns_is_refused_unless_asked(tmp_path):
+    both = tmp_path / "both.parquet"
+    table = pq.read_table(ROLLOUTS)
+    pq.write_table(table.append_column("sampler_logprobs", table.column("policy_logprobs")), both)
+    with pytest.raises(InputError, match=r"both\.parquet: already has a policy_logprobs column; pass "
+                                         r"--overwrite-policy-logprobs to replace it"):
+        run(tmp_path, [both])
+    assert not (tmp_path / "out.parquet").exists()
 
 
 def test_a_rerun_or_resume_with_another_policy_is_refused_naming_it(tmp_path, monkeypatch):

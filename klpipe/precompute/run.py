@@ -237,7 +237,7 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         klpipe_version=__version__,
         inputs=[fingerprint(f.path) for f in rollouts.files],
         shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
-        columns=dict(rollouts.columns.given),
+        columns=_recorded_columns(config, rollouts),
         device=device.split(":")[0],
         prefix_sharing=config.prefix_sharing,
         max_tokens_per_batch=config.max_tokens_per_batch or default_max_tokens(device),
@@ -251,7 +251,38 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         policy_model=config.policy,
         policy_revision=reference.weights_fingerprint(policy_spec, policy_config) if policy_spec is not None else None,
         policy_dtype=str(dtype).removeprefix("torch.") if policy_spec is not None else None,
+        sampler_source=_sampler_source(config, rollouts),
     )
+
+
+def _recorded_columns(config: PrecomputeConfig, rollouts) -> dict[str, str]:
+    """The --column mapping, plus where the sampler's logprobs stay when --column policy_logprobs=NAME leaves the
+    rollouts' policy_logprobs in place: score then finds them under the sampler_logprobs role."""
+    columns = dict(rollouts.columns.given)
+    source = _sampler_source(config, rollouts)
+    names = rollouts.columns
+    if source is not None and source not in (names.name(cache.SAMPLER_LOGPROBS), names.name(cache.POLICY_LOGPROBS)):
+        columns[cache.SAMPLER_LOGPROBS] = source
+    return columns
+
+
+def _sampler_source(config: PrecomputeConfig, rollouts) -> str | None:
+    """With --policy: the rollouts' column of the sampler's own logprobs, which the cache keeps under the
+    sampler_logprobs role beside the policy's computed policy_logprobs; None when there is none to keep.
+
+    A column mapped to (or named) sampler_logprobs is kept as it is. Otherwise the rollouts' policy_logprobs are the
+    sampler's: the cache keeps them renamed sampler_logprobs, unless --overwrite-policy-logprobs drops them or
+    --column policy_logprobs=NAME writes the computed ones elsewhere (then they stay where they are).
+    """
+    if config.policy is None:
+        return None
+    names = rollouts.schema.names
+    sampler = rollouts.columns.name(cache.SAMPLER_LOGPROBS)
+    if sampler in names:
+        return sampler
+    if cache.POLICY_LOGPROBS in names and not config.overwrite_policy_logprobs:
+        return cache.POLICY_LOGPROBS
+    return None
 
 
 def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:

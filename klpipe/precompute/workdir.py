@@ -73,6 +73,10 @@ class WorkDir:
         self.ref_logprobs = rollouts.columns.name(cache.REF_LOGPROBS)  # the column written
         self.mask_column = rollouts.columns.name(cache.MASK)  # written for conversational rows that have none
         self.policy_logprobs = rollouts.columns.name(cache.POLICY_LOGPROBS)  # written with --policy
+        # --policy on rollouts whose policy_logprobs are the sampler's: the cache keeps them under this name.
+        self.sampler_rename = None
+        if provenance.sampler_source is not None and provenance.sampler_source == self.policy_logprobs:
+            self.sampler_rename = rollouts.columns.name(cache.SAMPLER_LOGPROBS)
         self.output_schema = self._output_schema(rollouts, overwrite_policy)
         self._lock_file = None
 
@@ -93,7 +97,15 @@ class WorkDir:
         schema = schema.append(pa.field(self.ref_logprobs, cache.REF_LOGPROBS_TYPE))
         if self.provenance.policy_model is not None:  # --policy: its logprobs, as the reference's
             policy = rollouts.columns.name(cache.POLICY_LOGPROBS)
-            if policy in rollouts.schema.names and not overwrite_policy:
+            if self.sampler_rename is not None:  # the rollouts' policy_logprobs are the sampler's: kept, renamed
+                if self.sampler_rename in schema.names:
+                    raise InputError(f"{rollouts.files[0].path}: has both {policy} (the sampler's logprobs, which the "
+                                     f"cache keeps as {self.sampler_rename}) and a {self.sampler_rename} column; map "
+                                     f"the sampler's with --column {cache.SAMPLER_LOGPROBS}=NAME, or pass "
+                                     "--overwrite-policy-logprobs to drop them")
+                index = schema.get_field_index(policy)
+                schema = schema.set(index, schema.field(index).with_name(self.sampler_rename))
+            elif policy in rollouts.schema.names and not overwrite_policy:
                 raise InputError(f"{rollouts.files[0].path}: already has a {policy} column; pass "
                                  f"--overwrite-policy-logprobs to replace it with {self.provenance.policy_model}'s, "
                                  f"or write them under another name with --column {cache.POLICY_LOGPROBS}=NAME")
@@ -158,7 +170,10 @@ class WorkDir:
         column = _logprobs_column(logprobs, tokenized.mask)  # cache.REF_LOGPROBS_TYPE
         table = tokenized.table
         if policy_logprobs is not None:
-            if self.policy_logprobs in table.column_names:  # --overwrite-policy-logprobs
+            if self.sampler_rename is not None:  # the sampler's, kept beside the policy's computed ones
+                table = table.rename_columns([self.sampler_rename if name == self.policy_logprobs else name
+                                              for name in table.column_names])
+            elif self.policy_logprobs in table.column_names:  # --overwrite-policy-logprobs
                 table = table.drop_columns([self.policy_logprobs])
         if tokenized.derived_mask:
             table = table.append_column(self.mask_column,

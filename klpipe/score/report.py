@@ -217,9 +217,38 @@ def render_table(report: dict, console) -> None:
         highlight=False,
     )
     source = report.get("policy_logprobs") or {}
+    mismatch = report.get("mismatch")
     if source.get("computed"):
+        kept = f"; the sampler's kept in {mismatch['sampler_logprobs']}" if mismatch else ""
         console.print(f"policy logprobs computed by klpipe precompute --policy {source['model']} "
-                      f"({source['revision']}, {source['dtype']}), not by a sampler", markup=False, highlight=False)
+                      f"({source['revision']}, {source['dtype']}), not by a sampler{kept}", markup=False,
+                      highlight=False)
+    if mismatch:
+        for line in mismatch_lines(mismatch):
+            console.print(line, markup=False, highlight=False)
+
+
+def mismatch_lines(mismatch: dict) -> list[str]:
+    """The mismatch section in a few lines for the terminal: the headline figures, then one line per finding."""
+    run = mismatch["run"]
+
+    def number(key: str) -> str:
+        value = run.get(key)
+        return "n/a" if value is None else f"{value:.4g}"
+
+    lines = [
+        f"sampler against trainer ({mismatch['sampler_logprobs']} vs {mismatch['trainer_logprobs']}, "
+        f"{run['mismatch/tokens']:,} sampled tokens): rollout_corr/kl {number('rollout_corr/kl')}, "
+        f"k3_kl {number('rollout_corr/k3_kl')}, |ℓ| p99 {number('mismatch/abs_log_ratio_p99')}, "
+        f"ESS token IS {number('mismatch/ess_token_is')}; KL from the {mismatch['kl_from']}'s logprobs "
+        f"(trainer's {number('mismatch/kl_trainer')}, sampler's {number('mismatch/kl_sampler')}, importance-corrected "
+        f"{number('mismatch/kl_importance_corrected')} per token)",
+    ]
+    codes = mismatch["mismatch/diagnosis"]
+    lines.append(f"mismatch diagnosis: {', '.join(codes) if codes else 'none'}")
+    lines += [f"  {f['code']}: {f['evidence']}" + (f" (rows {', '.join(f['rows'])})" if f["rows"] else "")
+              for f in mismatch["findings"]]
+    return lines
 
 
 def plot(path: Path, trajectory: Trajectory, report: dict) -> None:

@@ -175,6 +175,7 @@ class SamplerRun:
             "run": self.run.figures(),
             "breakdowns": self.run.breakdown_tables(),
             "corrections": self.corrections.table(self.run),
+            "groups": self.corrections.groups,  # GRPO groups: rows of one step with one prompt (None: no prompt)
             "mismatch/diagnosis": [f["code"] for f in findings],
             "findings": findings,
             "excluded": {"nonfinite_tokens": self.diagnosis.nonfinite, "placeholder_tokens": self.diagnosis.placeholder,
