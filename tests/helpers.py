@@ -505,3 +505,65 @@ def kill_9_after_chunks(args: list, work: Path, pattern: str, chunks: int = 3, e
     process.wait()
     process.stderr.close()
     return len(list(work.glob(pattern)))
+
+
+# -- the sampler against the trainer (klpipe/score/mismatch.py) -------------------------------------------
+
+MISMATCH_FAULTS = ("temperature", "top_p", "shift", "placeholder", "nonfinite")
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def mismatch_cache(path: Path, fault: str | None = None, rows: int = 64, seed: int = 0, vocab: int = 64,
+                   rows_per_step: int = 16, group: int = 4) -> Path:
+    """A cache with the trainer's (policy_logprobs) and the sampler's (sampler_logprobs) logprobs of tokens drawn
+    from a known softmax, and exactly one planted `fault` (MISMATCH_FAULTS), or none:
+
+    clean: the sampler's are the trainer's with 1% relative noise (an engine in another precision);
+    temperature: the sampler samples and scores at T = 0.7, the trainer at 1; top_p: the sampler renormalises over
+    the top-0.9 set; shift: the sampler's list runs one token ahead; placeholder: 0.0 and 1.0 at some sampled
+    tokens; nonfinite: NaN and −inf at some sampled tokens. Every fourth row has a tool result (mask 0) inside.
+    """
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(rows):
+        length = int(rng.integers(5, 40))
+        logits = rng.normal(0, 1, (length, vocab)) * rng.uniform(0.5, 4, (length, 1))  # (T, V) flat to peaked
+        trainer_all = _log_softmax(logits)
+        if fault == "temperature":
+            sampler_all = _log_softmax(logits / 0.7)
+        elif fault == "top_p":
+            order = np.argsort(-trainer_all, axis=1)
+            sorted_p = np.exp(np.take_along_axis(trainer_all, order, axis=1))
+            inside = np.zeros_like(trainer_all, dtype=bool)
+            np.put_along_axis(inside, order, np.cumsum(sorted_p, axis=1) - sorted_p < 0.9, axis=1)
+            sampler_all = _log_softmax(np.where(inside, trainer_all, -np.inf))
+        else:
+            sampler_all = trainer_all
+        probs = np.exp(sampler_all)
+        tokens = (np.cumsum(probs, axis=1) > rng.random((length, 1))).argmax(axis=1)
+        trainer = trainer_all[np.arange(length), tokens]
+        sampler = sampler_all[np.arange(length), tokens]
+        if fault not in ("temperature", "top_p"):
+            sampler = sampler + rng.normal(0, 0.01, length) * np.abs(sampler)
+        if fault == "shift":
+            sampler = np.append(sampler[1:], sampler[-1])
+        mask = np.ones(length, np.int8)
+        if i % 4 == 1 and length > 8:
+            mask[3:6] = 0
+        if fault == "placeholder" and i % 8 == 0:
+            sampler[0], sampler[-1] = 1.0, 0.0
+        if fault == "nonfinite" and i % 16 == 0:
+            sampler[1], sampler[2] = np.nan, -np.inf
+        ref = trainer - rng.normal(0.05, 0.1, length)
+        records.append({
+            "id": f"r{i}", "step": i // rows_per_step, "prompt_ids": [i // group] * 3,
+            "response_ids": tokens.astype(np.int32).tolist(),
+            "policy_logprobs": trainer.astype(np.float32).tolist(), "sampler_logprobs": sampler.astype(np.float32).tolist(),
+            "ref_logprobs": ref.astype(np.float32).tolist(), "reward": float(rng.random()), "mask": mask.tolist(),
+        })  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path

@@ -178,9 +178,12 @@ def categories(tokens: TokenMismatch) -> dict[str, np.ndarray]:
 
 
 def ess_fraction(sum_w: float, sum_w2: float, n: int) -> float | None:
-    """Kish's effective sample size (Σw)² / Σw², as a fraction of the n weights (verl's ESS, normalised)."""
-    if n == 0 or sum_w2 <= 0:
+    """Kish's effective sample size (Σw)² / Σw², as a fraction of the n weights (verl's ESS, normalised); 0 when
+    every weight is 0 (a scheme that rejects everything), None when there are no weights."""
+    if n == 0:
         return None
+    if sum_w2 <= 0:
+        return 0.0
     return float(sum_w * sum_w / (n * sum_w2))
 
 
