@@ -3,8 +3,6 @@ mismatch section, per step and for the run, and every per-row column, against nu
 own columns."""
 
 import json
-import math
-
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -12,77 +10,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from klpipe.errors import InputError
 from klpipe.score import ScoreConfig, score
-from klpipe.score.mismatch import BINS_PER_DECADE
-from tests.helpers import mismatch_cache, run_cli
-
-# A quantile is its histogram bin's centre: within half a bin, 10^(0.5/100) − 1 ≈ 0.58%, of the exact value.
-QUANTILE_TOLERANCE = 10 ** (0.5 / BINS_PER_DECADE) - 1 + 1e-12
-
-
-def sampled(path, fault_free=True):
-    """Per row: (trainer, sampler, ref) float64 over mask-1 tokens, the step, and the row's id."""
-    rows = []
-    for row in pq.read_table(path).to_pylist():
-        keep = np.array(row["mask"], bool)
-        trainer, sampler, ref = (np.array(row[c], np.float64)[keep] for c in
-                                 ("policy_logprobs", "sampler_logprobs", "ref_logprobs"))
-        rows.append({"t": trainer, "s": sampler, "ref": ref, "step": row["step"], "id": row["id"]})
-    return rows
-
-
-def expected_figures(rows) -> dict:
-    """verl's definitions, written out: token-weighted over every sampled token, row-weighted over rows with one."""
-    rows = [r for r in rows if len(r["t"])]
-    ratio = np.concatenate([r["t"] - r["s"] for r in rows])
-    r = np.exp(ratio)
-    k1_trainer = np.concatenate([r_["t"] - r_["ref"] for r_ in rows])
-    k1_sampler = np.concatenate([r_["s"] - r_["ref"] for r_ in rows])
-    mean_t = np.array([np.mean(x["t"]) for x in rows])
-    mean_s = np.array([np.mean(x["s"]) for x in rows])
-    sums = np.array([np.sum(x["t"] - x["s"]) for x in rows])
-    seq = np.exp(np.clip(sums, -20, 20))
-    geo = np.exp(sums / np.array([len(x["t"]) for x in rows]))
-    return {
-        "rollout_corr/kl": np.mean(-ratio),
-        "rollout_corr/k3_kl": np.mean(np.exp(ratio) - 1 - ratio),
-        "rollout_corr/chi2_token": np.mean(r ** 2) - 1,
-        "rollout_corr/training_ppl": np.mean(np.exp(-mean_t)),
-        "rollout_corr/rollout_ppl": np.mean(np.exp(-mean_s)),
-        "rollout_corr/log_ppl_diff": np.mean(mean_s - mean_t),
-        "rollout_corr/ppl_ratio": np.mean(np.exp(-mean_t) / np.exp(-mean_s)),
-        "rollout_corr/chi2_seq": np.mean(seq ** 2) - 1,
-        "mismatch/tokens": len(ratio),
-        "mismatch/rows": len(rows),
-        "mismatch/kl_trainer": np.mean(k1_trainer),
-        "mismatch/kl_sampler": np.mean(k1_sampler),
-        "mismatch/kl_importance_corrected": np.mean(r * k1_trainer),
-        "mismatch/ess_token_is": np.sum(r) ** 2 / (len(r) * np.sum(r ** 2)),
-        "mismatch/ess_sequence_is": np.sum(seq) ** 2 / (len(seq) * np.sum(seq ** 2)),
-        "mismatch/ess_geometric": np.sum(geo) ** 2 / (len(geo) * np.sum(geo ** 2)),
-    }
-
-
-def order_statistic(values: np.ndarray, q: float) -> float:
-    """The inverted-CDF quantile: the k-th smallest value, k = ⌈q·n⌉."""
-    ordered = np.sort(values)
-    return float(ordered[max(math.ceil(q * len(values) - 1e-9), 1) - 1])
-
-
-def assert_quantile(reported, exact):
-    if abs(exact) < 1e-9:
-        assert reported == 0.0
-    else:
-        assert np.sign(reported) == np.sign(exact) and abs(reported / exact - 1) <= QUANTILE_TOLERANCE, (reported, exact)
-
-
-def assert_figures(figures: dict, rows: list[dict]) -> None:
-    for name, value in expected_figures(rows).items():
-        assert figures[name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
-    ratio = np.concatenate([r["t"] - r["s"] for r in rows])
-    for name, q in (("p0.1", 0.001), ("p1", 0.01), ("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999)):
-        assert_quantile(figures[f"mismatch/log_ratio_{name}"], order_statistic(ratio, q))
-        assert_quantile(figures[f"mismatch/abs_log_ratio_{name}"], order_statistic(np.abs(ratio), q))
-
+from tests.helpers import assert_mismatch_figures as assert_figures
+from tests.helpers import assert_quantile, mismatch_cache, order_statistic, run_cli
+from tests.helpers import sampled_logprobs as sampled
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):

@@ -14,7 +14,17 @@ from klpipe.cache import read_provenance
 from klpipe.errors import InputError, ModelError, OutputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.helpers import ROLLOUTS, SAMPLE, TINY_GEMMA, TINY_LLAMA, agent_rollouts, oracle_logprobs, run_cli
+from tests.helpers import (
+    ROLLOUTS,
+    SAMPLE,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    agent_rollouts,
+    assert_mismatch_figures,
+    oracle_logprobs,
+    run_cli,
+    sampled_logprobs,
+)
 
 TOLERANCE = 1e-4
 POLICY = SAMPLE / "tiny-gemma4-policy"  # the policy that sampled rollouts.parquet
@@ -117,6 +127,16 @@ def test_an_input_with_policy_logprobs_keeps_them_as_the_samplers(tmp_path):
     assert table.column("sampler_logprobs").to_pylist() == source.column("policy_logprobs").to_pylist()
     provenance = read_provenance(summary.output)
     assert provenance.sampler_source == "policy_logprobs" and provenance.policy_model == str(POLICY)
+    # klpipe score measures the one against the other: every figure is numpy's over the cache's own columns.
+    scored = score(ScoreConfig(inputs=[summary.output], output=tmp_path / "scored.parquet"))
+    section = scored.report["mismatch"]
+    assert section["trainer_computed_by"] == str(POLICY) and section["kl_from"] == "trainer"
+    rows = sampled_logprobs(summary.output)
+    assert_mismatch_figures(section["run"], rows)
+    for entry in scored.report["steps"]:
+        assert_mismatch_figures(entry["mismatch"], [r for r in rows if r["step"] == entry["step"]])
+    # The same model sampled them: the gap is float rounding, and no setup mistake is named.
+    assert section["mismatch/diagnosis"] == [] and abs(section["run"]["rollout_corr/kl"]) < 1e-4
     # --overwrite-policy-logprobs drops the sampler's instead.
     summary = run(tmp_path, [ROLLOUTS], name="dropped.parquet", overwrite_policy_logprobs=True)
     table = pq.read_table(summary.output)
