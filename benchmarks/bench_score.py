@@ -2,6 +2,7 @@
 
     python benchmarks/bench_score.py            # 200k rows × ~200 tokens, ~1000-row steps
     python benchmarks/bench_score.py --rows 20000
+    python benchmarks/bench_score.py --mismatch --skip-seed   # the cost of the sampler-against-trainer section
 
 The cache is generated once under build/bench/ and reused. Every contender reads the same file and
 writes parquet with pyarrow's default settings (snappy, dictionary on), so the ratios compare work,
@@ -9,6 +10,11 @@ not codecs. The seed loop writes the same four scored columns as klpipe; the bar
 the input columns only, and unlike klpipe they neither fsync nor rename atomically.
 Contenders run interleaved and the best of --repeat runs counts, because the machine is shared.
 Targets: seed/klpipe ≥ 2×, klpipe/bare ≤ 1.5×.
+
+`--mismatch` scores a second cache that also holds the sampler's logprobs (`sampler_logprobs`: the trainer's with
+the noise of a bf16 engine) and 32-token prompts shared by groups of 8 rows, so `klpipe score` writes the whole
+mismatch section (figures, breakdowns, the correction sweep with its GRPO groups, the diagnosis, four per-row
+columns) against a bare read+write of that same file.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the seed loader of the test suite: one way to import it
 
-from klpipe.cache import POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
+from klpipe.cache import POLICY_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, REWARD, SAMPLER_LOGPROBS, STEP
 from klpipe.score import ScoreConfig, score
 from tests.helpers import CACHE_SCHEMA, load_seed, seed_missing
 
@@ -66,6 +72,35 @@ def make_cache(rows: int) -> Path:
                     schema=schema,
                 )
             )
+    tmp.rename(path)
+    return path
+
+
+def make_mismatch_cache(rows: int) -> Path:
+    """make_cache's rows plus sampler_logprobs (policy with bf16-sized noise) and prompt_ids (groups of 8)."""
+    path = BUILD / f"cache-mismatch-{rows}.parquet"
+    if path.exists():
+        return path
+    plain = pq.ParquetFile(make_cache(rows))
+    rng = np.random.default_rng(1)
+    tmp = path.with_suffix(".tmp")
+    writer = None
+    start = 0
+    for table in (plain.read_row_group(g) for g in range(plain.num_row_groups)):
+        policy = table.column(POLICY_LOGPROBS).combine_chunks()
+        values = policy.values.to_numpy()
+        sampler = (values + rng.normal(0, 2**-9, len(values)) * np.abs(values)).astype(np.float32)
+        n = table.num_rows
+        groups = (np.arange(start, start + n) // 8).astype(np.int32)
+        prompt = np.repeat(groups, 32)
+        table = table.append_column(SAMPLER_LOGPROBS, pa.ListArray.from_arrays(policy.offsets, pa.array(sampler)))
+        table = table.append_column(PROMPT_IDS, pa.ListArray.from_arrays(
+            pa.array(np.arange(0, 32 * n + 1, 32, dtype=np.int32)), pa.array(prompt)))
+        if writer is None:
+            writer = pq.ParquetWriter(tmp, table.schema)
+        writer.write_table(table)
+        start += n
+    writer.close()
     tmp.rename(path)
     return path
 
@@ -130,6 +165,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3, help="runs per contender, interleaved; the best counts")
     parser.add_argument("--skip-seed", action="store_true", help="skip the slow seed loop")
+    parser.add_argument("--mismatch", action="store_true",
+                        help="also score a cache with the sampler's logprobs, against a bare read+write of it")
     args = parser.parse_args()
 
     cache = make_cache(args.rows)
@@ -154,6 +191,11 @@ def main() -> None:
     }
     if not args.skip_seed:
         contenders["seed Python loop"] = lambda c, o: run_seed(seed, c, o)
+    if args.mismatch:
+        mismatch = make_mismatch_cache(args.rows)
+        print(f"mismatch cache: {mismatch.relative_to(ROOT)} ({mismatch.stat().st_size / 1e6:.0f} MB)")
+        contenders["bare pyarrow: read_table + write_table, with sampler"] = lambda c, o: run_bare(mismatch, o)
+        contenders["klpipe score with the mismatch section"] = lambda c, o: run_klpipe(mismatch, o)
     outputs = {name: out / f"{i}.parquet" for i, name in enumerate(contenders)}
     run_bare(cache, out / "warmup.parquet")  # page cache and lazy imports, for everyone
     runs: dict[str, list[float]] = {name: [] for name in contenders}
@@ -188,6 +230,11 @@ def main() -> None:
     )
     print(f"klpipe / bare pyarrow read+write: {library / bare:.2f}×  (target ≤ 1.5×; in-process, warm)")
     print(f"klpipe CLI / bare, both fresh:    {cli / bare_fresh:.2f}×  (start-up and cold memory on both sides)")
+    if args.mismatch:
+        with_section = best["klpipe score with the mismatch section"]
+        bare_sampler = best["bare pyarrow: read_table + write_table, with sampler"]
+        print(f"klpipe with the mismatch section / bare read+write of the same file: {with_section / bare_sampler:.2f}×"
+              "  (target ≤ 1.5×)")
     if not args.skip_seed:
         print(f"seed loop / klpipe:               {best['seed Python loop'] / library:.2f}×  (target ≥ 2×)")
     print(

@@ -59,10 +59,10 @@ SCHEMES: tuple[Scheme, ...] = (
     *(Scheme("veto", "row", "reject", floor, None, who) for floor, who in ((1e-6, ""), (1e-4, "verl"), (1e-3, ""))),
 )
 
-# Token schemes leave r_t in (TAIL_LOW, TAIL_HIGH) untouched, so only the tail outside is looked at per threshold.
+# Token schemes leave r_t with |ℓ_t| below TAIL untouched, so only the tail at or above it is looked at per threshold.
 _TOKEN = [s for s in SCHEMES if s.name in ("token_tis", "icepop", "veto")]
-TAIL_LOW = max(s.low for s in _TOKEN if s.low is not None)
-TAIL_HIGH = min(s.high for s in _TOKEN if s.high is not None)
+TAIL = float(min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
+                 min(-np.log(s.low) for s in _TOKEN if s.low is not None)))
 
 
 @dataclass
@@ -81,16 +81,15 @@ class CorrectionSums:
     _keys: list = field(default_factory=list)
     _lost: list = field(default_factory=list)
 
-    def add(self, tokens: TokenMismatch, rows: RowMismatch, group_keys: np.ndarray | None) -> None:
-        ratio = tokens.log_ratio
+    def add(self, tokens: TokenMismatch, rows: RowMismatch, group_keys: np.ndarray | None, sum_r: float,
+            sum_r2: float) -> None:
+        """Add a block of rows; (Σr, Σr²) over its tokens are MismatchSums.add's."""
         offsets = tokens.offsets
         counts = rows.tokens
         n_rows = len(counts)
-        tail = np.flatnonzero((ratio <= np.log(TAIL_LOW)) | (ratio >= np.log(TAIL_HIGH)))
-        tail_r = np.exp(ratio[tail])
+        tail = np.flatnonzero(tokens.magnitude >= TAIL * (1 - 1e-12))
+        tail_r = tokens.expm1[tail] + 1.0
         tail_row = np.searchsorted(offsets, tail, side="right") - 1
-        r = np.exp(ratio)
-        sum_r, sum_r2 = float(np.sum(r)), float(np.dot(r, r))
         has = rows.has_tokens
         lost = np.zeros(n_rows, np.uint32)
         for i, scheme in enumerate(SCHEMES):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from klpipe.score.mismatch import TokenMismatch
+from klpipe.score.mismatch import TokenMismatch, bin_of
 
 CODES = ("nonfinite", "placeholder_values", "misaligned", "truncated_sampling", "temperature")
 
@@ -37,6 +37,7 @@ CLEARLY_NEGATIVE = 1e-3
 SHIFT_MIN_ALIGNED = 0.05  # mean |ℓ| (nats) of aligned pairs at or above this ...
 SHIFT_RATIO = 0.5  # ... and a one-token shift's mean |difference| at most this fraction of it
 NAMED_ROWS = 5
+SHIFT_SAMPLE = 1 << 16  # tokens of each record batch the one-token-shift test reads
 
 
 @dataclass
@@ -54,12 +55,23 @@ def screen(trainer: np.ndarray, sampler: np.ndarray, offsets: np.ndarray, rows_o
 
     `sampler` is NaN where the column held a null or its row's list had another length (`rows_ok` False).
     """
-    lengths = np.diff(offsets)
-    in_bad_row = np.repeat(~rows_ok, lengths)
-    nonfinite = ~np.isfinite(sampler) & ~in_bad_row
-    placeholder = (sampler == 1.0) | ((sampler == 0.0) & (trainer < PLACEHOLDER_TRAINER_MAX))
-    return Screen(usable=~(nonfinite | placeholder | in_bad_row), nonfinite=nonfinite, placeholder=placeholder,
-                  length_rows=~rows_ok)
+    # One pass finds every candidate (a logprob is finite and below 0); the rare candidates are then sorted out.
+    suspect = np.flatnonzero(~((sampler < 0) & (sampler > -np.inf)))
+    nonfinite = np.zeros(len(sampler), bool)
+    placeholder = np.zeros(len(sampler), bool)
+    in_bad_row = None
+    if not rows_ok.all():
+        in_bad_row = np.repeat(~rows_ok, np.diff(offsets))
+    if len(suspect):
+        values = sampler[suspect]
+        nonfinite[suspect] = ~np.isfinite(values)
+        placeholder[suspect] = (values == 1.0) | ((values == 0.0) & (trainer[suspect] < PLACEHOLDER_TRAINER_MAX))
+    if in_bad_row is not None:
+        nonfinite &= ~in_bad_row
+    usable = ~(nonfinite | placeholder) if len(suspect) else np.ones(len(sampler), bool)
+    if in_bad_row is not None:
+        usable &= ~in_bad_row
+    return Screen(usable=usable, nonfinite=nonfinite, placeholder=placeholder, length_rows=~rows_ok)
 
 
 @dataclass
@@ -77,8 +89,6 @@ class DiagnosisSums:
     sxx: float = 0.0
     sxy: float = 0.0
     syy: float = 0.0
-    nonpositive: int = 0
-    negative: int = 0
     # consecutive usable tokens of one row: |ℓ| aligned, and shifted by one token either way
     pairs: int = 0
     aligned: float = 0.0
@@ -98,23 +108,26 @@ class DiagnosisSums:
         if room > 0:
             self.named["misaligned"] += [row_name(int(i)) for i in np.flatnonzero(found.length_rows)[:room]]
 
-    def add_tokens(self, tokens: TokenMismatch) -> None:
+    def add_tokens(self, tokens: TokenMismatch, sum_trainer: float) -> None:
+        """Add a batch's usable tokens; `sum_trainer` is Σ log π_trainer over them (the per-row sums')."""
         x, y = tokens.sampler, tokens.log_ratio
+        sum_y = float(np.sum(y))
         self.tokens += len(y)
-        self.sx += float(np.sum(x))
-        self.sy += float(np.sum(y))
+        self.sx += sum_trainer - sum_y  # Σ log π_sampler = Σ log π_trainer − Σℓ
+        self.sy += sum_y
         self.sxx += float(np.dot(x, x))
         self.sxy += float(np.dot(x, y))
         self.syy += float(np.dot(y, y))
-        self.nonpositive += int(np.count_nonzero(y <= ZERO_TOLERANCE))
-        self.negative += int(np.count_nonzero(y < -CLEARLY_NEGATIVE))
+        # The shift test compares means of |differences|: the first SHIFT_SAMPLE tokens of each batch tell them.
+        n = min(len(y), SHIFT_SAMPLE)
+        offsets = tokens.offsets[tokens.offsets <= n]
+        y, trainer, sampler = y[:n], tokens.trainer[:n], x[:n]
         # Pairs (t, t+1) inside one row: drop the pairs that straddle a row boundary.
-        same_row = np.ones(max(len(y) - 1, 0), bool)
-        inner = tokens.offsets[1:-1]
-        same_row[inner[(inner > 0) & (inner < len(y))] - 1] = False
-        trainer, sampler = tokens.trainer, tokens.sampler
+        same_row = np.ones(max(n - 1, 0), bool)
+        inner = offsets[(offsets > 0) & (offsets < n)]
+        same_row[inner - 1] = False
         self.pairs += int(np.count_nonzero(same_row))
-        self.aligned += float(np.sum(np.abs(y[1:][same_row])))
+        self.aligned += float(np.sum(np.abs(y[1:])[same_row]))
         self.shift_forward += float(np.sum(np.abs(trainer[1:] - sampler[:-1])[same_row]))
         self.shift_back += float(np.sum(np.abs(trainer[:-1] - sampler[1:])[same_row]))
 
@@ -132,9 +145,12 @@ class DiagnosisSums:
         r2 = cov * cov / (vx * vy) if vy > 0 else 0.0
         return slope, r2
 
-    def findings(self, sampler_name: str) -> list[dict]:
-        """[{code, evidence, rows}] in CODES order: what the data shows, one entry each."""
+    def findings(self, sampler_name: str, histogram: np.ndarray) -> list[dict]:
+        """[{code, evidence, rows}] in CODES order: what the data shows, one entry each. `histogram` is the run's
+        histogram of ℓ (mismatch.bin_index), whose bin edges hold ZERO_TOLERANCE and CLEARLY_NEGATIVE exactly."""
         found = []
+        self.nonpositive = int(histogram[:bin_of(ZERO_TOLERANCE)].sum())  # ℓ < 1e-6
+        self.negative = int(histogram[:bin_of(-CLEARLY_NEGATIVE)].sum())  # ℓ < −1e-3, to the bin
 
         def say(code: str, evidence: str) -> None:
             found.append({"code": code, "evidence": evidence, "rows": self.named.get(code) or []})
@@ -178,7 +194,7 @@ class DiagnosisSums:
 
     def merge(self, other: DiagnosisSums) -> None:
         for name in self.__dataclass_fields__:
-            if name != "named":
+            if name not in ("named",):
                 setattr(self, name, getattr(self, name) + getattr(other, name))
         for code in CODES:
             self.named[code] = (self.named[code] + other.named[code])[:NAMED_ROWS]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from klpipe.score.kl import row_reduce
+from klpipe.score.kl import row_reduce, token_kl
 
 # verl clamps a log-ratio sum at ±20 before exp (its SAFETY_BOUND), so one wild row cannot overflow.
 SAFETY_BOUND = 20.0
@@ -55,20 +55,30 @@ MASK_RUN_LABELS = ("before any tool result", "first 4 tokens after a tool result
 BREAKDOWNS = {"sampler_probability": PROBABILITY_LABELS, "position": POSITION_LABELS, "mask_run": MASK_RUN_LABELS}
 
 
-def bin_index(log_ratio: np.ndarray) -> np.ndarray:
-    """(tokens,) int64 histogram bin of each ℓ; monotone in ℓ."""
-    magnitude = np.abs(log_ratio)
+def bin_index(log_ratio: np.ndarray, magnitude: np.ndarray | None = None) -> np.ndarray:
+    """(tokens,) int64 histogram bin of each ℓ, monotone in ℓ; `magnitude` is |ℓ| when the caller has it."""
+    level = np.abs(log_ratio) if magnitude is None else magnitude.copy()
     with np.errstate(divide="ignore"):
-        level = np.floor((np.log10(magnitude) - LOW_DECADE) * BINS_PER_DECADE)  # −inf for 0
+        np.log10(level, out=level)  # −inf for 0
+    level -= LOW_DECADE
+    level *= BINS_PER_DECADE
+    np.floor(level, out=level)
     np.clip(level, -1, MAGNITUDE_BINS - 1, out=level)  # −1: below the lowest bin; the top bin takes overflow
-    step = (level + 1).astype(np.int64)  # 0 .. MAGNITUDE_BINS
-    return np.where(log_ratio < 0, MAGNITUDE_BINS - step, MAGNITUDE_BINS + step)
+    level += 1  # 0 .. MAGNITUDE_BINS: steps away from the middle bin
+    np.copysign(level, log_ratio, out=level)  # −0.0 and 0 both land in the middle bin
+    level += MAGNITUDE_BINS
+    return level.astype(np.int64)
 
 
 def bin_centres() -> np.ndarray:
     """(BINS,) the value each bin stands for: its geometric centre, 0 for the middle bin."""
     magnitude = 10.0 ** (LOW_DECADE + (np.arange(MAGNITUDE_BINS) + 0.5) / BINS_PER_DECADE)
     return np.concatenate((-magnitude[::-1], [0.0], magnitude))
+
+
+def bin_of(value: float) -> int:
+    """The bin holding ℓ = value."""
+    return int(bin_index(np.array([value], np.float64))[0])
 
 
 def histogram_quantiles(counts: np.ndarray, absolute: bool = False) -> dict[str, float | None]:
@@ -99,21 +109,29 @@ class TokenMismatch:
 
     trainer: np.ndarray  # (tokens,) float64 log π_trainer
     sampler: np.ndarray  # (tokens,) float64 log π_sampler
-    ref: np.ndarray  # (tokens,) float64 log π_ref
+    ref: np.ndarray  # (tokens,) log π_ref (float32 as cached, or float64)
     offsets: np.ndarray  # (rows + 1,) int64
     position: np.ndarray  # (tokens,) int64 index of the token in its response (masked tokens counted)
-    after_tool: np.ndarray  # (tokens,) int64 tokens since the last mask-0 token of its row; −1: none before it
+    after_tool: np.ndarray | None  # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
+    # Computed once for the whole block, then sliced by `rows`: each is one numpy pass over the tokens.
     log_ratio: np.ndarray = field(init=False)  # (tokens,) ℓ = trainer − sampler
+    expm1: np.ndarray = field(init=False)  # (tokens,) r − 1 = e^ℓ − 1, exact for small ℓ
+    magnitude: np.ndarray = field(init=False)  # (tokens,) |ℓ|
+    cell: np.ndarray = field(init=False)  # (tokens,) int64 category × BINS + bin: the joint histogram's cell
 
     def __post_init__(self) -> None:
         self.log_ratio = self.trainer - self.sampler
+        self.expm1 = np.expm1(self.log_ratio)
+        self.magnitude = np.abs(self.log_ratio)
+        self.cell = categories(self) * BINS + bin_index(self.log_ratio, self.magnitude)
 
     def rows(self, start: int, stop: int) -> TokenMismatch:
         """Rows start..stop as views, their offsets rebased."""
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         part = TokenMismatch.__new__(TokenMismatch)
-        for name in ("trainer", "sampler", "ref", "position", "after_tool", "log_ratio"):
+        for name in ("trainer", "sampler", "ref", "position", "log_ratio", "expm1", "magnitude", "cell"):
             setattr(part, name, getattr(self, name)[lo:hi])
+        part.after_tool = None if self.after_tool is None else self.after_tool[lo:hi]
         part.offsets = self.offsets[start:stop + 1] - lo
         return part
 
@@ -162,19 +180,37 @@ def per_row(tokens: TokenMismatch) -> RowMismatch:
     counts = tokens.counts
     safe = np.maximum(counts, 1)
     sum_ratio = row_reduce(np.add, tokens.log_ratio, tokens.offsets)
-    return RowMismatch(
-        tokens=counts, sum_ratio=sum_ratio, mean_ratio=sum_ratio / safe,
-        mean_trainer=row_reduce(np.add, tokens.trainer, tokens.offsets) / safe,
-        mean_sampler=row_reduce(np.add, tokens.sampler, tokens.offsets) / safe,
-    )  # fmt: skip
+    mean_ratio = sum_ratio / safe
+    mean_trainer = row_reduce(np.add, tokens.trainer, tokens.offsets) / safe
+    # mean_t log π_sampler = mean_t log π_trainer − mean_t ℓ
+    return RowMismatch(tokens=counts, sum_ratio=sum_ratio, mean_ratio=mean_ratio, mean_trainer=mean_trainer,
+                       mean_sampler=mean_trainer - mean_ratio)
 
 
-def categories(tokens: TokenMismatch) -> dict[str, np.ndarray]:
-    """(tokens,) int64 bucket of each token in each breakdown (BREAKDOWNS)."""
-    probability = np.searchsorted(np.log(PROBABILITY_EDGES), tokens.sampler, side="right")
-    position = np.searchsorted(POSITION_EDGES, tokens.position, side="right")
-    mask_run = np.where(tokens.after_tool < 0, 0, np.where(tokens.after_tool < AFTER_TOOL_FIRST, 1, 2))
-    return {"sampler_probability": probability, "position": position, "mask_run": mask_run}
+# The joint category of a token: its sampler-probability bucket, position bucket and mask-run bucket in one index.
+CATEGORY_SHAPE = tuple(len(labels) for labels in BREAKDOWNS.values())  # (probability, position, mask run)
+CATEGORIES = int(np.prod(CATEGORY_SHAPE))
+
+
+def categories(tokens: TokenMismatch) -> np.ndarray:
+    """(tokens,) int64 joint bucket of each token: probability + 6·(position + 7·mask run) (BREAKDOWNS)."""
+    probability = np.zeros(len(tokens.sampler), np.int8)  # bytes: a third of int64's time
+    for edge in np.log(PROBABILITY_EDGES):
+        probability += tokens.sampler >= edge
+    # Position buckets are powers of 4, so a bucket is half the binary exponent: frexp(p) gives e with
+    # 2^(e−1) ≤ p < 2^e, and (e + 1) // 2 is 0 for p = 0, 1 for 1–3, 2 for 4–15, … (POSITION_EDGES).
+    exponent = np.frexp(tokens.position.astype(np.float64))[1].astype(np.int64)
+    exponent += 1
+    exponent //= 2
+    np.minimum(exponent, len(POSITION_LABELS) - 1, out=exponent)
+    joint = exponent
+    joint *= len(PROBABILITY_LABELS)
+    joint += probability
+    if tokens.after_tool is not None:
+        run = (tokens.after_tool >= 0).astype(np.int64)
+        run += tokens.after_tool >= AFTER_TOOL_FIRST
+        joint += len(PROBABILITY_LABELS) * len(POSITION_LABELS) * run
+    return joint
 
 
 def ess_fraction(sum_w: float, sum_w2: float, n: int) -> float | None:
@@ -208,18 +244,21 @@ class MismatchSums:
     kl_trainer: float = 0.0  # Σ k(trainer − ref)
     kl_sampler: float = 0.0  # Σ k(sampler − ref)
     kl_corrected: float = 0.0  # Σ r·k(trainer − ref)
-    histogram: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
-    breakdowns: dict | None = None  # name -> (categories, BINS) int64; run totals only
+    # (CATEGORIES, BINS) int64 counts of ℓ per joint category: the histogram and every breakdown are its marginals.
+    joint: np.ndarray = field(default_factory=lambda: np.zeros((CATEGORIES, BINS), np.int64))
 
-    def add(self, tokens: TokenMismatch, rows: RowMismatch, token_kl, breakdowns: bool = False) -> None:
-        """Add a block of rows. `token_kl(diff)` is score's per-token estimator."""
-        ratio = tokens.log_ratio
-        r = np.exp(ratio)
-        self.tokens += len(ratio)
-        self.neg_ratio -= float(np.sum(ratio))
-        self.k3 += float(np.sum(np.expm1(ratio) - ratio))
-        self.ratio += float(np.sum(r))
-        self.ratio_sq += float(np.dot(r, r))
+    def add(self, tokens: TokenMismatch, rows: RowMismatch, estimator: str) -> tuple[float, float]:
+        """Add a block of rows; score's per-token `estimator` gives the KL figures. Returns the block's (Σr, Σr²)."""
+        ratio, expm1 = tokens.log_ratio, tokens.expm1
+        n = len(ratio)
+        sum_ratio, sum_expm1 = float(np.sum(ratio)), float(np.sum(expm1))
+        sum_r = sum_expm1 + n
+        sum_r2 = float(np.dot(expm1, expm1)) + 2 * sum_expm1 + n  # Σ (1 + (r − 1))²
+        self.tokens += n
+        self.neg_ratio -= sum_ratio
+        self.k3 += sum_expm1 - sum_ratio
+        self.ratio += sum_r
+        self.ratio_sq += sum_r2
         has = rows.has_tokens
         self.rows += int(np.count_nonzero(has))
         self.training_ppl += float(np.sum(np.exp(-rows.mean_trainer[has])))
@@ -232,31 +271,27 @@ class MismatchSums:
         geo = rows.geometric_weight[has]
         self.geo_weight += float(np.sum(geo))
         self.geo_sq += float(np.dot(geo, geo))
-        k_trainer = token_kl(tokens.trainer - tokens.ref)
-        self.kl_trainer += float(np.sum(k_trainer))
-        self.kl_sampler += float(np.sum(token_kl(tokens.sampler - tokens.ref)))
-        self.kl_corrected += float(np.dot(r, k_trainer))
-        bins = bin_index(ratio)
-        self.histogram += np.bincount(bins, minlength=BINS)
-        if breakdowns:
-            if self.breakdowns is None:
-                self.breakdowns = {name: np.zeros((len(labels), BINS), np.int64) for name, labels in BREAKDOWNS.items()}
-            for name, category in categories(tokens).items():
-                counts = self.breakdowns[name]
-                counts += np.bincount(category * BINS + bins, minlength=counts.size).reshape(counts.shape)
+        k_trainer = token_kl(np.subtract(tokens.trainer, tokens.ref, dtype=np.float64), estimator)
+        sum_k = float(np.sum(k_trainer))
+        self.kl_trainer += sum_k
+        self.kl_corrected += sum_k + float(np.dot(expm1, k_trainer))  # Σ (1 + (r − 1))·k
+        if estimator == "k1":  # sampler − ref = (trainer − ref) − ℓ
+            self.kl_sampler += sum_k - sum_ratio
+        else:
+            self.kl_sampler += float(np.sum(token_kl(np.subtract(tokens.sampler, tokens.ref, dtype=np.float64),
+                                                     estimator)))
+        self.joint += np.bincount(tokens.cell, minlength=self.joint.size).reshape(self.joint.shape)
+        return sum_r, sum_r2
+
+    @property
+    def histogram(self) -> np.ndarray:
+        return self.joint.sum(axis=0)
 
     def merge(self, other: MismatchSums) -> None:
         for name in self.__dataclass_fields__:
-            if name in ("histogram", "breakdowns"):
-                continue
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.histogram += other.histogram
-        if other.breakdowns is not None:
-            if self.breakdowns is None:
-                self.breakdowns = {name: counts.copy() for name, counts in other.breakdowns.items()}
-            else:
-                for name, counts in other.breakdowns.items():
-                    self.breakdowns[name] += counts
+            if name != "joint":
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.joint += other.joint
 
     def figures(self) -> dict:
         """verl's metrics under verl's names, then klpipe's own; None where nothing was counted."""
@@ -281,20 +316,22 @@ class MismatchSums:
             "mismatch/ess_sequence_is": ess_fraction(self.seq_weight, self.seq_sq, rows),
             "mismatch/ess_geometric": ess_fraction(self.geo_weight, self.geo_sq, rows),
         }
-        for name, value in histogram_quantiles(self.histogram).items():
+        histogram = self.histogram
+        for name, value in histogram_quantiles(histogram).items():
             figures[f"mismatch/log_ratio_{name}"] = value
-        for name, value in histogram_quantiles(self.histogram, absolute=True).items():
+        for name, value in histogram_quantiles(histogram, absolute=True).items():
             figures[f"mismatch/abs_log_ratio_{name}"] = value
         return figures
 
     def breakdown_tables(self) -> dict:
         """Per breakdown, per bucket: tokens and the quantiles of ℓ and |ℓ|."""
-        tables = {}
-        for name, labels in BREAKDOWNS.items():
-            counts = self.breakdowns[name] if self.breakdowns is not None else np.zeros((len(labels), BINS), np.int64)
-            tables[name] = [
-                {"bucket": label, "tokens": int(counts[i].sum()),
-                 "log_ratio": histogram_quantiles(counts[i]), "abs_log_ratio": histogram_quantiles(counts[i], True)}
-                for i, label in enumerate(labels)
-            ]  # fmt: skip
-        return tables
+        joint = self.joint.reshape(*CATEGORY_SHAPE[::-1], BINS)  # (mask run, position, probability, BINS)
+        marginals = {"sampler_probability": joint.sum(axis=(0, 1)), "position": joint.sum(axis=(0, 2)),
+                     "mask_run": joint.sum(axis=(1, 2))}
+        return {
+            name: [{"bucket": label, "tokens": int(marginals[name][i].sum()),
+                    "log_ratio": histogram_quantiles(marginals[name][i]),
+                    "abs_log_ratio": histogram_quantiles(marginals[name][i], True)}
+                   for i, label in enumerate(labels)]
+            for name, labels in BREAKDOWNS.items()
+        }  # fmt: skip

@@ -17,7 +17,6 @@ from klpipe.mask import kept_offsets
 from klpipe.score.corrections import SCHEMES, CorrectionSums
 from klpipe.score.diagnosis import DiagnosisSums, screen
 from klpipe.score.input import Logprobs
-from klpipe.score.kl import token_kl
 from klpipe.score.mismatch import BREAKDOWNS, MismatchSums, RowMismatch, TokenMismatch, per_row
 
 # Columns the scored file gains with a sampler column.
@@ -46,15 +45,15 @@ def output_fields(per_token: bool) -> list[pa.Field]:
     return fields
 
 
-def positions(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray]:
+def positions(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray | None]:
     """(scored tokens,) int64 each: the token's index in its response, and the tokens since the last mask-0
-    token of its row (−1 when none comes before it)."""
+    token of its row (−1 when none comes before it; None without a mask)."""
     offsets = logprobs.response_offsets if logprobs.keep is not None else logprobs.offsets
     lengths = np.diff(offsets)
     index = np.arange(int(offsets[-1]), dtype=np.int64)
     position = index - np.repeat(offsets[:-1], lengths)
     if logprobs.keep is None:
-        return position, np.full(len(index), -1, np.int64)
+        return position, None
     # The last mask-0 index at or before each token, within its row: a running maximum seeded with
     # start − 1 at each row's start, which no earlier row's index can exceed.
     last_zero = np.where(logprobs.keep, -1, index)
@@ -109,7 +108,7 @@ class SamplerRun:
     """The mismatch sums of one scoring run."""
 
     def __init__(self, estimator: str, has_steps: bool):
-        self.token_kl = lambda diff: token_kl(diff, estimator)
+        self.estimator = estimator
         self.has_steps = has_steps
         self.run = MismatchSums()
         self.corrections = CorrectionSums()
@@ -128,17 +127,16 @@ class SamplerRun:
         pick = (lambda a: a) if everything else (lambda a: a[usable])
         tokens = TokenMismatch(
             trainer=pick(logprobs.trainer).astype(np.float64, copy=False),
-            sampler=pick(logprobs.sampler), ref=pick(logprobs.ref).astype(np.float64, copy=False),
+            sampler=pick(logprobs.sampler), ref=pick(logprobs.ref),
             offsets=logprobs.offsets if everything else kept_offsets(usable, logprobs.offsets),
-            position=pick(position), after_tool=pick(after_tool),
+            position=pick(position), after_tool=None if after_tool is None else pick(after_tool),
         )  # fmt: skip
-        self.diagnosis.add_tokens(tokens)
         rows = per_row(tokens)
+        self.diagnosis.add_tokens(tokens, float(np.dot(rows.mean_trainer, rows.tokens)))
         if self.has_steps:
             self._batch = (tokens, rows, keys)
         else:
-            self.run.add(tokens, rows, self.token_kl, breakdowns=True)
-            self.corrections.add(tokens, rows, keys)
+            self.corrections.add(tokens, rows, keys, *self.run.add(tokens, rows, self.estimator))
         return rows, usable
 
     def open_step(self) -> None:
@@ -149,8 +147,8 @@ class SamplerRun:
         tokens, rows, keys = self._batch
         part = tokens.rows(start, stop)
         part_rows = rows.rows(start, stop)
-        self.step.add(part, part_rows, self.token_kl, breakdowns=True)
-        self.step_corrections.add(part, part_rows, None if keys is None else keys[start:stop])
+        sums = self.step.add(part, part_rows, self.estimator)
+        self.step_corrections.add(part, part_rows, None if keys is None else keys[start:stop], *sums)
 
     def close_step(self) -> dict:
         """The closed step's figures; its sums join the run's (groups are a step's rows with one prompt)."""
@@ -163,7 +161,7 @@ class SamplerRun:
 
     def section(self, sampler_name: str, trainer_name: str, kl_from: str, computed_by: str | None) -> dict:
         """The report's `mismatch` section."""
-        findings = self.diagnosis.findings(sampler_name)
+        findings = self.diagnosis.findings(sampler_name, self.run.histogram)
         return {
             "sampler_logprobs": sampler_name,
             "trainer_logprobs": trainer_name,
