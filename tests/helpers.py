@@ -568,7 +568,11 @@ def mismatch_cache(path: Path, fault: str | None = None, rows: int = 64, seed: i
             "policy_logprobs": trainer.astype(np.float32).tolist(), "sampler_logprobs": sampler.astype(np.float32).tolist(),
             "ref_logprobs": ref.astype(np.float32).tolist(), "reward": float(rng.random()), "mask": mask.tolist(),
         })  # fmt: skip
-    pq.write_table(pa.Table.from_pylist(records), path)
+    table = pa.Table.from_pylist(records)
+    for name in ("policy_logprobs", "sampler_logprobs", "ref_logprobs"):  # float32, as caches hold them
+        table = table.set_column(table.schema.get_field_index(name), name,
+                                 table.column(name).cast(pa.list_(pa.float32())))
+    pq.write_table(table, path)
     return path
 
 

@@ -50,7 +50,7 @@ def test_a_sampler_list_of_another_length_is_misaligned_not_an_error(tmp_path):
     sampler[5] = sampler[5][:-1]
     path = tmp_path / "short.parquet"
     pq.write_table(table.set_column(table.schema.get_field_index("sampler_logprobs"), "sampler_logprobs",
-                                    pa.array(sampler, pa.list_(pa.float32()))), path)
+                                    pa.array(sampler, pa.list_(pa.float32()))), path)  # float32 as cached
     section = diagnose(tmp_path, path)
     assert section["mismatch/diagnosis"] == ["misaligned"] and section["excluded"]["rows_of_another_length"] == 1
     assert "1 row(s) whose sampler_logprobs list has another length" in section["findings"][0]["evidence"]

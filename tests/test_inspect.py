@@ -23,7 +23,7 @@ from klpipe.errors import InputError
 from klpipe.inspect import InspectConfig, inspect
 from klpipe.inspect.decode import load_decoder
 from klpipe.score import ScoreConfig, score
-from tests.helpers import RUN_KLPIPE, TINY_GEMMA, block_imports, provenance, run_cli, run_python
+from tests.helpers import RUN_KLPIPE, TINY_GEMMA, block_imports, mismatch_cache, provenance, run_cli, run_python
 
 TOKENIZER = Tokenizer.from_file(str(TINY_GEMMA / "tokenizer.json"))
 TEXTS = ["the café ☕ costs 3€\n\tthen<end_of_turn>\n", "a plain answer", "line one\nline two\n\n  indented",
@@ -283,3 +283,61 @@ def test_a_hub_id_offline_never_touches_the_network_and_inspect_needs_no_torch(s
         assert "decoded with</dt><dd>someone/model" in out.read_text()
         with pytest.raises(TimeoutError):
             server.accept()
+
+
+# -- the sampler against the trainer ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def with_sampler(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mismatch")
+    cache = mismatch_cache(tmp / "cache.parquet", fault="temperature", rows=32)
+    score(ScoreConfig(inputs=[cache], output=tmp / "scored.parquet"))
+    return tmp / "scored.parquet"
+
+
+def test_the_mismatch_view_carries_the_samplers_logprobs_and_each_rows_log_ppl_diff(with_sampler, tmp_path):
+    inspect(InspectConfig(input=with_sampler, output=tmp_path / "kl.html", top=32, tokenizer=str(TINY_GEMMA)))
+    html = (tmp_path / "kl.html").read_text()
+    data = page_data(html)
+    table = pq.read_table(with_sampler).to_pylist()
+    assert data["mismatch"] is True and len(data["rows"]) == 32
+    ratios = []
+    for entry in data["rows"]:
+        row = table[entry["index"]]
+        # The file's own float32 values, digit for digit, for the hover's third logprob.
+        assert entry["float"] == "f4"
+        np.testing.assert_array_equal(decoded(entry["sampler"], "<f4"), np.array(row["sampler_logprobs"], np.float32))
+        keep = np.array(row["mask"], bool)
+        trainer = np.array(row["policy_logprobs"], np.float64)[keep]
+        sampler = np.array(row["sampler_logprobs"], np.float64)[keep]
+        assert entry["logPplDiff"] == pytest.approx(np.mean(sampler) - np.mean(trainer), rel=1e-9)
+        ratios.append(np.abs(trainer - sampler))
+    assert data["mismatchScale"] == pytest.approx(np.percentile(np.concatenate(ratios), 99), rel=1e-12)
+    assert '<h2 id="mismatch-heading">Sampler against trainer</h2>' in html
+    assert "mismatch diagnosis: temperature" in html
+    # One bar per scheme and threshold of the report's sweep, each titled with its value.
+    sweep = score(ScoreConfig(inputs=[with_sampler], output=tmp_path / "again.parquet")).report["mismatch"]["corrections"]
+    bars = re.findall(r'<rect class="bar"[^>]*><title>([^<]*)</title>', html.split('class="sweep"')[1].split("</figure>")[0])
+    assert len(bars) == len(sweep)
+    assert bars[0].startswith(f"{sweep[0]['scheme']} {sweep[0]['threshold']}")
+    # The worst rows by |log_ppl_diff| are listed first.
+    listed = re.findall(r'<li><a href="#row-(\d+)">', html)
+    ranks = {entry["rank"]: abs(entry["logPplDiff"]) for entry in data["rows"]}
+    assert [ranks[int(r)] for r in listed] == sorted(ranks.values(), reverse=True)[:10]
+    assert 'data-key="logPplDiff"' in html
+
+
+def test_sort_by_log_ppl_diff_embeds_the_worst_rows(with_sampler, tmp_path):
+    inspect(InspectConfig(input=with_sampler, output=tmp_path / "kl.html", top=5, sort="log-ppl-diff",
+                          tokenizer=str(TINY_GEMMA), extreme_nats=1e9))
+    data = page_data((tmp_path / "kl.html").read_text())
+    table = pq.read_table(with_sampler).to_pylist()
+    expected = sorted(range(len(table)), key=lambda i: -abs(table[i]["log_ppl_diff"]))[:5]
+    assert [r["index"] for r in data["rows"]] == expected
+
+
+def test_sort_by_log_ppl_diff_needs_the_samplers_logprobs(scored, tmp_path):
+    with pytest.raises(InputError, match="--sort log-ppl-diff needs the sampler's logprobs"):
+        inspect(InspectConfig(input=scored, output=tmp_path / "kl.html", sort="log-ppl-diff"))
+    assert not (tmp_path / "kl.html").exists()

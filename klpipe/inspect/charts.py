@@ -129,3 +129,20 @@ def histogram_chart(title: str, counts: list[int], edges: list[float], x_label: 
                          f'height="{HEIGHT - BOTTOM - y:.1f}"><title>{count} rows in {_fmt(left)}–{_fmt(right)}'
                          f"</title></rect>")
     return _svg(title, parts)
+
+
+def bar_chart(title: str, labels: list[str], values: list[float], y_label: str) -> str:
+    """One bar a label, in order, each with its label and value in a tooltip; the labels under the axis when few."""
+    height = HEIGHT + 120  # room for the labels, written sideways
+    frame = _Frame(0, max(len(values), 1), 0, max(max(values, default=0.0), 1e-9))
+    parts = frame.axes("", y_label)[:2] + [p for p in frame.axes("", y_label)[2:] if 'class="grid"' in p]
+    width = (WIDTH - LEFT - RIGHT) / max(len(values), 1)
+    for k, (label, value) in enumerate(zip(labels, values, strict=True)):
+        x0 = LEFT + k * width
+        y = float(frame.y(value))
+        parts.append(f'<rect class="bar" x="{x0 + 1:.1f}" y="{y:.1f}" width="{max(width - 2, 0.5):.1f}" '
+                     f'height="{HEIGHT - BOTTOM - y:.1f}"><title>{escape(label)}: {_fmt(value)}</title></rect>')
+        parts.append(f'<text class="tick" x="{x0 + width / 2:.1f}" y="{HEIGHT - BOTTOM + 6}" text-anchor="end" '
+                     f'transform="rotate(-60 {x0 + width / 2:.1f} {HEIGHT - BOTTOM + 6})">{escape(label)}</text>')
+    svg = _svg(title, parts)
+    return svg.replace(f'viewBox="0 0 {WIDTH} {HEIGHT}"', f'viewBox="0 0 {WIDTH} {height}"', 1)

@@ -10,8 +10,8 @@ from klpipe.errors import InputError
 if TYPE_CHECKING:
     from klpipe.files.store import Location
 
-SortKey = Literal["kl", "max-token", "penalty"]
-SORT_KEYS: tuple[str, ...] = ("kl", "max-token", "penalty")
+SortKey = Literal["kl", "max-token", "penalty", "log-ppl-diff"]
+SORT_KEYS: tuple[str, ...] = ("kl", "max-token", "penalty", "log-ppl-diff")
 
 
 @dataclass
@@ -21,7 +21,9 @@ class InspectConfig:
     input: Location  # a scored file, or a cache with policy_logprobs and ref_logprobs
     output: Location | None = None  # None: <input's stem>.kl.html beside the input
     top: int = 50  # rows embedded when no --row names them
-    sort: SortKey = "kl"  # kl: per-row KL; max-token: the largest |policy − ref| of a token; penalty: kl_penalty
+    # kl: per-row KL; max-token: the largest |policy − ref| of a token; penalty: kl_penalty; log-ppl-diff: the row's
+    # |log_ppl_diff| between trainer and sampler (a file with sampler_logprobs)
+    sort: SortKey = "kl"
     rows: list[str] = field(default_factory=list)  # ids of the rows to embed; empty: the top rows
     steps: list[str] = field(default_factory=list)  # only rows of these steps; empty: every step
     tokenizer: str | None = None  # a directory, a tokenizer.json, or a hub id; None: the cache's reference model

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from klpipe.arrow import numpy_valid, numpy_view
-from klpipe.cache import ID, MASK, POLICY_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
+from klpipe.cache import ID, MASK, POLICY_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, SAMPLER_LOGPROBS
 from klpipe.errors import InputError
 from klpipe.inspect.select import Source
 from klpipe.mask import read_mask
@@ -30,6 +30,7 @@ class PickedRow:
     policy: np.ndarray  # (response tokens,) as stored (float32 or float64); NaN where null
     ref: np.ndarray  # (response tokens,) likewise; NaN where the mask is 0 (precompute computes none there)
     mask: np.ndarray | None  # (response tokens,) bool: 1 where the policy sampled the token
+    sampler: np.ndarray | None = None  # (response tokens,) the sampler's logprobs as stored; NaN where null
 
 
 def check_token_columns(source: Source) -> None:
@@ -49,7 +50,8 @@ def check_token_columns(source: Source) -> None:
 def gather(source: Source, indices: np.ndarray, batch_tokens: int) -> dict[int, PickedRow]:
     """The rows at `indices` (positions in the file), by position."""
     names = source.columns
-    roles = [role for role in (PROMPT_IDS, RESPONSE_IDS, POLICY_LOGPROBS, REF_LOGPROBS, MASK) if source.has(role)]
+    roles = [role for role in (PROMPT_IDS, RESPONSE_IDS, POLICY_LOGPROBS, REF_LOGPROBS, MASK, SAMPLER_LOGPROBS)
+             if source.has(role)]
     only = [names.name(role) for role in roles] + ([names.name(ID)] if source.has(ID) else [])
     wanted = np.sort(np.asarray(indices, dtype=np.int64))
     found: dict[int, PickedRow] = {}
@@ -87,8 +89,13 @@ def _row(batch: pa.RecordBatch, index: int, name: str, source: Source) -> Picked
         mask = read_mask(batch.column(names.name(MASK)), np.array([len(policy)]), names.name(MASK),
                          names.name(POLICY_LOGPROBS), lambda _: name)
     prompt = values(PROMPT_IDS)
+    sampler = None
+    if source.has(SAMPLER_LOGPROBS) and batch.column(names.name(SAMPLER_LOGPROBS)).null_count == 0:
+        sampler = values(SAMPLER_LOGPROBS)
+        if len(sampler) != len(policy):  # another length: klpipe score names the row misaligned; nothing to align
+            sampler = None
     return PickedRow(index=index, name=name, prompt_ids=None if prompt is None else prompt.astype(np.int64),
-                     response_ids=response_ids, policy=policy, ref=ref, mask=mask)
+                     response_ids=response_ids, policy=policy, ref=ref, mask=mask, sampler=sampler)
 
 
 def _dtype(kind: pa.DataType) -> np.dtype:

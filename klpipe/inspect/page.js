@@ -51,9 +51,9 @@
   function visible(text) {
     return text.replace(/\r/g, "␍").replace(/\t/g, "⇥\t").replace(/\n/g, "↵\n");
   }
-  function colour(gap) {
+  function colour(gap, scale) {
     if (!Number.isFinite(gap)) return "";
-    const a = Math.min(1, Math.abs(gap) / data.scale) * 0.85;
+    const a = Math.min(1, Math.abs(gap) / scale) * 0.85;
     return (gap >= 0 ? "rgba(var(--pos)," : "rgba(var(--neg),") + a.toFixed(3) + ")";
   }
   function el(tag, cls, text) {
@@ -131,28 +131,32 @@
   const container = document.getElementById("row-views");
   const views = new Map();
 
-  function token(row, values, k, pieceIndex, prompt) {
+  // mode "gap": policy − ref (today's view); "mismatch": ℓ = trainer − sampler, on its own scale.
+  function token(row, values, k, pieceIndex, prompt, mode) {
     const piece = pieces[pieceIndex];
     const span = el("span", "tok" + (piece[2] === SPECIAL ? " special" : piece[2] === PARTIAL ? " partial" : ""),
                     visible(piece[1]));
     span.tabIndex = -1;
     span.setAttribute("data-k", k);
     if (!prompt) {
-      const gap = values.policy[k] - values.ref[k];
-      if (!values.mask || values.mask[k]) span.style.background = colour(gap);
+      const mismatch = mode === "mismatch";
+      const gap = mismatch ? values.policy[k] - values.sampler[k] : values.policy[k] - values.ref[k];
+      if (!values.mask || values.mask[k]) span.style.background = colour(gap, mismatch ? data.mismatchScale : data.scale);
     }
     return span;
   }
   function drawResponse(row, target) {
+    const mode = target.classList.contains("mismatch-tokens") ? "mismatch" : "gap";
     const values = {
       pieces: uints(row.response), policy: floats(row.policy, row.float), ref: floats(row.ref, row.float),
       mask: row.mask === null ? null : bytes(row.mask),
+      sampler: row.sampler === null ? null : floats(row.sampler, row.float),
     };
     target.values = values;
     const out = document.createDocumentFragment();
     let group = null;
     for (let k = 0; k < values.pieces.length; k++) {
-      const span = token(row, values, k, values.pieces[k], false);
+      const span = token(row, values, k, values.pieces[k], false, mode);
       if (values.mask && !values.mask[k]) {
         if (group === null) {
           let n = 0;
@@ -176,7 +180,7 @@
   function drawPrompt(row, target) {
     const ids = uints(row.prompt);
     const out = document.createDocumentFragment();
-    for (let k = 0; k < ids.length; k++) out.appendChild(token(row, null, k, ids[k], true));
+    for (let k = 0; k < ids.length; k++) out.appendChild(token(row, null, k, ids[k], true, "gap"));
     target.replaceChildren(out);
     const first = target.querySelector(".tok");
     if (first) first.tabIndex = 0;
@@ -190,6 +194,7 @@
     parts.push("reward " + fixed(row.reward, 4) + (row.adjusted !== null ? " → " + fixed(row.adjusted, 4) : ""));
     parts.push(row.tokens + " tokens scored" + (row.masked ? ", " + row.masked + " masked" : ""));
     parts.push("largest |gap| " + fixed(row.maxGap, 3));
+    if (row.logPplDiff !== null && row.logPplDiff !== undefined) parts.push("log_ppl_diff " + fixed(row.logPplDiff, 5));
     return parts.join(" · ");
   }
   const pending = new Map();
@@ -230,9 +235,21 @@
     response.style.minHeight = Math.ceil((row.tokens + row.masked) * 3 / 140) * 22 + "px";
     response.setAttribute("aria-label", "response tokens of row " + (row.id === null ? row.index : row.id));
     view.appendChild(response);
+    const lines = [response];
+    if (row.sampler !== null) {
+      view.appendChild(el("p", "mismatch-label", "trainer − sampler, ℓ (nats): blue −" + data.mismatchScale.toPrecision(2) +
+                                                 " … +" + data.mismatchScale.toPrecision(2) + " red"));
+      const mismatch = el("div", "tokens response mismatch-tokens");
+      mismatch.style.minHeight = response.style.minHeight;
+      mismatch.setAttribute("aria-label", "trainer against sampler, tokens of row " + (row.id === null ? row.index : row.id));
+      view.appendChild(mismatch);
+      lines.push(mismatch);
+    }
     container.appendChild(view);
     views.set(row.rank, view);
-    if (observer) { pending.set(response, row); observer.observe(response); } else drawResponse(row, response);
+    for (const line of lines) {
+      if (observer) { pending.set(line, row); observer.observe(line); } else drawResponse(row, line);
+    }
   }
 
   // -- hover and focus -----------------------------------------------------------------------------
@@ -260,8 +277,15 @@
     if (!prompt) {
       const v = tokens.values;
       out.push(line("policy", exact(v.policy[k], row.float)), line("ref", exact(v.ref[k], row.float)));
+      if (v.sampler) out.push(line("sampler", exact(v.sampler[k], row.float)));
       if (v.mask && !v.mask[k]) out.push(line("mask", "0: not sampled by the policy (a tool's result); not scored"));
-      else out.push(line("gap", (v.policy[k] - v.ref[k] >= 0 ? "+" : "") + (v.policy[k] - v.ref[k]).toFixed(4)));
+      else {
+        out.push(line("gap", (v.policy[k] - v.ref[k] >= 0 ? "+" : "") + (v.policy[k] - v.ref[k]).toFixed(4)));
+        if (v.sampler) {
+          const ratio = v.policy[k] - v.sampler[k];
+          out.push(line("ℓ", (ratio >= 0 ? "+" : "") + ratio.toPrecision(4)));
+        }
+      }
     }
     tip.replaceChildren(...out);
     tip.hidden = false;

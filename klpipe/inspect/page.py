@@ -77,6 +77,7 @@ def page_data(page: PageInput) -> dict:
     figures, decoder = page.figures, page.decoder
     encoded = []
     gaps = []
+    ratios = []  # |trainer − sampler| of the embedded rows' sampled tokens
     for rank, (index, extreme) in enumerate(zip(page.selection.indices.tolist(), page.selection.extreme.tolist(),
                                                 strict=True)):
         row = page.rows[index]
@@ -89,7 +90,12 @@ def page_data(page: PageInput) -> dict:
         gap = row.policy.astype(np.float64) - row.ref.astype(np.float64)
         scored = np.isfinite(gap) if row.mask is None else row.mask & np.isfinite(gap)
         gaps.append(np.abs(gap[scored]))
-        float_type = "<f8" if row.policy.dtype == np.float64 or row.ref.dtype == np.float64 else "<f4"
+        float_type = "<f8" if np.float64 in (row.policy.dtype, row.ref.dtype) or (
+            row.sampler is not None and row.sampler.dtype == np.float64) else "<f4"
+        if row.sampler is not None:
+            ratio = row.policy.astype(np.float64) - row.sampler.astype(np.float64)
+            counted = np.isfinite(ratio) if row.mask is None else row.mask & np.isfinite(ratio)
+            ratios.append(np.abs(ratio[counted]))
         entry = {
             "rank": rank + 1, "index": index, "name": where, "extreme": bool(extreme),
             "id": _json_value(figures.row_id(index)),
@@ -104,6 +110,9 @@ def page_data(page: PageInput) -> dict:
             "response": response, "prompt": prompt_pieces, "promptTokens": len(prompt),
             "policy": _b64(row.policy, float_type), "ref": _b64(row.ref, float_type),
             "mask": None if row.mask is None else _b64(row.mask.astype(np.uint8), "u1"),
+            "sampler": None if row.sampler is None else _b64(row.sampler, float_type),
+            "logPplDiff": None if figures.log_ppl_diff is None or not np.isfinite(figures.log_ppl_diff[index])
+            else float(figures.log_ppl_diff[index]),
         }  # fmt: skip
         encoded.append(entry)
     # Two bytes a token into the token table while it has fewer than 65,536 entries (it nearly always has).
@@ -115,7 +124,11 @@ def page_data(page: PageInput) -> dict:
     # The colour scale saturates at the 99th percentile of the embedded tokens' |gap|: one 30-nat token
     # would otherwise wash every other token out to white.
     scale = max(0.5, float(np.percentile(every_gap, 99))) if every_gap.size else 1.0
+    every_ratio = np.concatenate(ratios) if ratios else np.zeros(0)
+    # The mismatch view's own scale: trainer − sampler gaps are orders of magnitude below policy − ref ones.
+    mismatch_scale = max(1e-6, float(np.percentile(every_ratio, 99))) if every_ratio.size else 1.0
     return {"rows": encoded, "pieces": pieces.rows(), "index": index_type[1:], "scale": scale,
+            "mismatch": figures.log_ppl_diff is not None, "mismatchScale": mismatch_scale,
             "extremeNats": page.extreme_nats,
             "estimator": page.source.settings.get("estimator"), "aggregate": page.source.settings.get("aggregate")}
 
@@ -155,6 +168,7 @@ def render(page: PageInput) -> str:
         "embedded": escape(embedded_note(page)),
         "charts": charts_html(page),
         "extreme": extreme_html(page),
+        "mismatch": mismatch_html(page),
         "table_head": table_head(page),
         "data": _script_json(data),
         "script": script,
@@ -275,5 +289,35 @@ def table_head(page: PageInput) -> str:
                ("masked", "masked", "num"), ("maxGap", "largest gap", "num")]
     if page.figures.penalty is None:
         columns = [col for col in columns if col[0] != "penalty"]
+    if page.figures.log_ppl_diff is not None:
+        columns.append(("logPplDiff", "log_ppl_diff", "num"))
     return "".join(f'<th scope="col" data-key="{key}" data-type="{kind}" aria-sort="none">'
                    f'<button type="button">{escape(label)}</button></th>' for key, label, kind in columns)
+
+
+def mismatch_html(page: PageInput) -> str:
+    """The sampler-against-trainer section: the headline, the correction sweep as a chart, the findings, and the
+    embedded rows by |log_ppl_diff| (their tokens, coloured by ℓ_t, sit under each row's policy − ref view)."""
+    section = page.figures.mismatch
+    if section is None:
+        return ""
+    lines = report.mismatch_lines(section)
+    table = section["corrections"]
+    chart = charts.bar_chart(
+        "What each correction would do: rows truncated, masked or rejected",
+        [f"{e['scheme']} {e['threshold']}" + (f" ({e['default_of']})" if e["default_of"] else "") for e in table],
+        [e["rows_affected_fraction"] or 0.0 for e in table], "fraction of rows")
+    rows = [page.rows[i] for i in page.selection.indices.tolist()]
+    ranked = sorted(range(len(rows)), key=lambda k: -abs(_finite(page.figures.log_ppl_diff[rows[k].index])))
+    worst = "".join(
+        f'<li><a href="#row-{k + 1}">{escape(rows[k].name)}</a>: log_ppl_diff '
+        f"{_finite(page.figures.log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
+    return (f'<section class="mismatch" aria-labelledby="mismatch-heading"><h2 id="mismatch-heading">Sampler against '
+            f"trainer</h2>" + "".join(f"<p>{escape(line)}</p>" for line in lines)
+            + f'<figure class="sweep">{chart}</figure>'
+            + f"<p>Embedded rows, worst |log_ppl_diff| first (each row's tokens below carry a second line coloured by "
+              f"ℓ = trainer − sampler):</p><ol class=\"worst\">{worst}</ol></section>")
+
+
+def _finite(value: float) -> float:
+    return float(value) if np.isfinite(value) else 0.0

@@ -20,8 +20,11 @@ from klpipe.cache import (
     ID,
     MASK,
     POLICY_LOGPROBS,
+    PROMPT,
+    PROMPT_IDS,
     REF_LOGPROBS,
     REWARD,
+    SAMPLER_LOGPROBS,
     SCORED_METADATA_KEY,
     STEP,
     Provenance,
@@ -34,6 +37,7 @@ from klpipe.files.store import Location
 from klpipe.score.config import ScoreConfig
 from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
 from klpipe.score.kl import row_kl
+from klpipe.score.sampler import SamplerRun, group_keys
 
 # The columns klpipe score adds (score/run.py names them; repeated here so that reading a file's figures
 # does not import the scoring stage's writer).
@@ -96,6 +100,10 @@ class RowFigures:
     masked: np.ndarray  # (rows,) int64: response tokens the mask left out
     max_gap: np.ndarray  # (rows,) float64: the largest |policy − ref| of a scored token
     negative_k1: np.ndarray  # (rows,) bool: the row's raw k1 sum is below zero
+    # With a sampler_logprobs column: each row's log_ppl_diff (NaN without a usable sampled token), and the
+    # mismatch section klpipe score would write (score/sampler.py), the whole file as one controller batch.
+    log_ppl_diff: np.ndarray | None = None
+    mismatch: dict | None = None
 
     def __len__(self) -> int:
         return len(self.reward)
@@ -107,7 +115,12 @@ class RowFigures:
 def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     """Every row's figures, one record batch at a time, with score's checks on every row."""
     names = source.columns
-    wanted = [names.name(role) for role in (ID, STEP, REWARD, POLICY_LOGPROBS, REF_LOGPROBS, MASK) if source.has(role)]
+    has_sampler = source.has(SAMPLER_LOGPROBS)
+    roles = (ID, STEP, REWARD, POLICY_LOGPROBS, REF_LOGPROBS, MASK) + ((SAMPLER_LOGPROBS, PROMPT_IDS, PROMPT)
+                                                                      if has_sampler else ())
+    wanted = [names.name(role) for role in roles if source.has(role)]
+    sampler = SamplerRun(source.settings["estimator"], has_steps=False) if has_sampler else None
+    log_ppl_diff = []
     wanted += [name for name in SCORED if source.scored]
     has_steps = source.has(STEP)
     parts: dict[str, list] = {key: [] for key in ("ids", "steps", "reward", "kl", "kl_coeff", "penalty", "adjusted",
@@ -119,6 +132,10 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, settings["estimator"],
                           settings["aggregate"], settings["clamp"])
         check_finite(estimate, logprobs, rows, settings["estimator"], names)
+        if sampler is not None:
+            keys = group_keys(batch, [names.name(PROMPT_IDS), names.name(PROMPT)])
+            measured = sampler.measure(logprobs, rows.name, keys)[0]
+            log_ppl_diff.append(np.where(measured.has_tokens, measured.log_ppl_diff, np.nan))
         tokens = np.diff(logprobs.offsets)
         response = tokens if logprobs.response_offsets is None else np.diff(logprobs.response_offsets)
         parts["tokens"].append(tokens)
@@ -157,6 +174,9 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         adjusted=joined("adjusted") if source.scored else None,
         tokens=joined("tokens", np.int64), masked=joined("masked", np.int64),
         max_gap=joined("max_gap"), negative_k1=joined("negative_k1", bool),
+        log_ppl_diff=(np.concatenate(log_ppl_diff) if log_ppl_diff else np.zeros(0)) if has_sampler else None,
+        mismatch=sampler.section(names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), "trainer", None)
+        if has_sampler else None,
     )  # fmt: skip
 
 
@@ -230,6 +250,11 @@ def sort_values(figures: RowFigures, sort: str, path: object) -> np.ndarray:
         return figures.kl
     if sort == "max-token":
         return figures.max_gap
+    if sort == "log-ppl-diff":
+        if figures.log_ppl_diff is None:
+            raise InputError(f"{path}: --sort log-ppl-diff needs the sampler's logprobs (a sampler_logprobs column) "
+                             "beside the trainer's policy_logprobs")
+        return np.nan_to_num(np.abs(figures.log_ppl_diff), nan=-1.0)  # rows without a usable token last
     if figures.penalty is None:
         raise InputError(f"{path}: --sort penalty needs a scored file (kl_penalty); this is a cache: "
                          "run klpipe score on it, or sort by kl")

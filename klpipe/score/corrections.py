@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from klpipe.score.mismatch import MismatchSums, RowMismatch, TokenMismatch, ess_fraction
+from klpipe.score.mismatch import TAIL, MismatchSums, RowMismatch, TokenMismatch, dot, ess_fraction
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,11 @@ SCHEMES: tuple[Scheme, ...] = (
     *(Scheme("veto", "row", "reject", floor, None, who) for floor, who in ((1e-6, ""), (1e-4, "verl"), (1e-3, ""))),
 )
 
-# Token schemes leave r_t with |ℓ_t| below TAIL untouched, so only the tail at or above it is looked at per threshold.
+# Token schemes leave r_t with |ℓ_t| below mismatch.TAIL untouched, so only the tail at or above it (each block's
+# `tail`) is looked at per threshold. A threshold nearer to r = 1 would need a smaller TAIL.
 _TOKEN = [s for s in SCHEMES if s.name in ("token_tis", "icepop", "veto")]
-TAIL = float(min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
-                 min(-np.log(s.low) for s in _TOKEN if s.low is not None)))
+assert TAIL <= min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
+                   min(-np.log(s.low) for s in _TOKEN if s.low is not None)) + 1e-12
 
 
 @dataclass
@@ -87,7 +88,7 @@ class CorrectionSums:
         offsets = tokens.offsets
         counts = rows.tokens
         n_rows = len(counts)
-        tail = np.flatnonzero(tokens.magnitude >= TAIL * (1 - 1e-12))
+        tail = tokens.tail
         tail_r = tokens.expm1[tail] + 1.0
         tail_row = np.searchsorted(offsets, tail, side="right") - 1
         has = rows.has_tokens
@@ -107,7 +108,7 @@ class CorrectionSums:
                 whole = has & (masked == counts)
                 lost |= whole.astype(np.uint32) << i
                 self._tally(i, int(np.count_nonzero(hit)), int(np.count_nonzero(masked)), sum_r,
-                            sum_r - float(np.sum(out)), sum_r2 - float(np.dot(out, out)))
+                            sum_r - float(np.sum(out)), sum_r2 - dot(out, out))
             elif scheme.name == "veto":
                 rejected = np.zeros(n_rows, bool)
                 rejected[tail_row[tail_r < scheme.low]] = True
@@ -121,7 +122,7 @@ class CorrectionSums:
                 hit = weight > scheme.high
                 truncated = np.minimum(weight, scheme.high)
                 self._tally(i, int(np.sum(counts[has][hit])), int(np.count_nonzero(hit)), float(np.sum(weight)),
-                            float(np.sum(truncated)), float(np.dot(truncated, truncated)))
+                            float(np.sum(truncated)), dot(truncated, truncated))
         if group_keys is not None:
             self._keys.append(group_keys[has])
             self._lost.append(lost[has])

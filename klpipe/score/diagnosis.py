@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from klpipe.score.mismatch import TokenMismatch, bin_of
+from klpipe.score.mismatch import TokenMismatch, bin_of, dot
 
 CODES = ("nonfinite", "placeholder_values", "misaligned", "truncated_sampling", "temperature")
 
@@ -115,9 +115,9 @@ class DiagnosisSums:
         self.tokens += len(y)
         self.sx += sum_trainer - sum_y  # Σ log π_sampler = Σ log π_trainer − Σℓ
         self.sy += sum_y
-        self.sxx += float(np.dot(x, x))
-        self.sxy += float(np.dot(x, y))
-        self.syy += float(np.dot(y, y))
+        self.sxx += float(np.einsum("i,i->", x, x, dtype=np.float64))  # the sampler's may be float32
+        self.sxy += float(np.einsum("i,i->", x, y, dtype=np.float64))
+        self.syy += dot(y, y)
         # The shift test compares means of |differences|: the first SHIFT_SAMPLE tokens of each batch tell them.
         n = min(len(y), SHIFT_SAMPLE)
         offsets = tokens.offsets[tokens.offsets <= n]

@@ -65,7 +65,7 @@ class Logprobs:
     # With a sampler_logprobs column: the trainer's (policy_logprobs) and the sampler's values of the same
     # scored tokens. The sampler's are NaN where null or in a row whose list has another length (`sampler_rows_ok`).
     trainer: np.ndarray | None = None  # (tokens,)
-    sampler: np.ndarray | None = None  # (tokens,) float64
+    sampler: np.ndarray | None = None  # (tokens,) as stored
     sampler_rows_ok: np.ndarray | None = None  # (rows,) bool
     policy_name: str | None = None  # the column `policy` was read from, when not the policy_logprobs role's
 
@@ -227,7 +227,7 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, column
 
 
 def read_sampler(array: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The sampler's logprobs aligned with the response tokens of `offsets` (response tokens,) float64, NaN where
+    """The sampler's logprobs aligned with the response tokens of `offsets` (response tokens,) as stored, NaN where
     null or in a row whose list (or null list) has another length; and (rows,) bool, True where the row's does not."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
@@ -236,8 +236,9 @@ def read_sampler(array: pa.Array | pa.ChunkedArray, offsets: np.ndarray) -> tupl
     sampler_offsets = numpy_view(array.offsets).astype(np.int64)
     start, end = int(sampler_offsets[0]), int(sampler_offsets[-1])
     flat = array.values.slice(start, end - start)
-    values = numpy_view(flat).astype(np.float64)  # a copy: nulls become NaN below
+    values = numpy_view(flat)  # as stored; a float64 copy only where nulls must become NaN
     if flat.null_count:
+        values = values.astype(np.float64)
         values[~numpy_valid(flat)] = np.nan
     ok = list_valid & (np.diff(sampler_offsets) == lengths)
     if ok.all():

@@ -17,7 +17,7 @@ from klpipe.mask import kept_offsets
 from klpipe.score.corrections import SCHEMES, CorrectionSums
 from klpipe.score.diagnosis import DiagnosisSums, screen
 from klpipe.score.input import Logprobs
-from klpipe.score.mismatch import BREAKDOWNS, MismatchSums, RowMismatch, TokenMismatch, per_row
+from klpipe.score.mismatch import BREAKDOWNS, MismatchSums, RowMismatch, TokenMismatch, dot, per_row
 
 # Columns the scored file gains with a sampler column.
 MISMATCH_KL = "mismatch_kl"  # mean −ℓ over the row's usable sampled tokens
@@ -126,13 +126,12 @@ class SamplerRun:
         everything = usable.all()
         pick = (lambda a: a) if everything else (lambda a: a[usable])
         tokens = TokenMismatch(
-            trainer=pick(logprobs.trainer).astype(np.float64, copy=False),
-            sampler=pick(logprobs.sampler), ref=pick(logprobs.ref),
+            trainer=pick(logprobs.trainer), sampler=pick(logprobs.sampler), ref=pick(logprobs.ref),
             offsets=logprobs.offsets if everything else kept_offsets(usable, logprobs.offsets),
             position=pick(position), after_tool=None if after_tool is None else pick(after_tool),
         )  # fmt: skip
         rows = per_row(tokens)
-        self.diagnosis.add_tokens(tokens, float(np.dot(rows.mean_trainer, rows.tokens)))
+        self.diagnosis.add_tokens(tokens, dot(rows.mean_trainer, rows.tokens))
         if self.has_steps:
             self._batch = (tokens, rows, keys)
         else:
