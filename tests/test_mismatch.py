@@ -124,12 +124,11 @@ def test_kl_from_sampler_reads_the_samplers_logprobs(tmp_path):
 
 
 def test_kl_from_sampler_without_the_samplers_logprobs_is_refused(tmp_path):
-    from klpipe.cache import Provenance
-    from tests.helpers import provenance, write_cache, make_rows
+    from tests.helpers import make_rows, provenance, write_cache
 
+    # precompute --policy computed these policy_logprobs, and nothing kept the sampler's.
     cache = write_cache(tmp_path / "c.parquet", make_rows(4),
                         provenance=provenance(policy_model="policy-dir", policy_revision="local:1", policy_dtype="float32"))
-    assert isinstance(provenance(), Provenance)
     with pytest.raises(InputError, match="--kl-from sampler: the caches hold no sampler_logprobs column"):
         score(ScoreConfig(inputs=[cache], output=tmp_path / "o.parquet", kl_from="sampler"))
     assert not (tmp_path / "o.parquet").exists()

@@ -121,7 +121,7 @@ class TokenMismatch:
     sampler: np.ndarray  # (tokens,) log π_sampler, likewise
     ref: np.ndarray  # (tokens,) log π_ref (float32 as cached, or float64)
     offsets: np.ndarray  # (rows + 1,) int64
-    position: np.ndarray  # (tokens,) index of the token in its response (masked tokens counted)
+    position_bucket: np.ndarray  # (tokens,) int8 POSITION_EDGES bucket of the token's index in its response
     after_tool: np.ndarray | None  # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
     # Computed once for the whole block, then sliced by `rows`: each is one numpy pass over the tokens.
     log_ratio: np.ndarray = field(init=False)  # (tokens,) ℓ = trainer − sampler
@@ -151,7 +151,7 @@ class TokenMismatch:
         """Rows start..stop as views, their offsets rebased."""
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         part = TokenMismatch.__new__(TokenMismatch)
-        for name in ("trainer", "sampler", "ref", "position", "log_ratio", "expm1", "cell"):
+        for name in ("trainer", "sampler", "ref", "position_bucket", "log_ratio", "expm1", "cell"):
             setattr(part, name, getattr(self, name)[lo:hi])
         part.tail = self.tail[np.searchsorted(self.tail, lo):np.searchsorted(self.tail, hi)] - lo
         part.after_tool = None if self.after_tool is None else self.after_tool[lo:hi]
@@ -230,18 +230,10 @@ def categories(tokens: TokenMismatch) -> np.ndarray:
 
     Small integer types throughout: each pass moves a quarter of int64's bytes.
     """
-    joint = np.zeros(len(tokens.sampler), np.int16)
+    joint = tokens.position_bucket.astype(np.int16)
+    joint *= len(PROBABILITY_LABELS)
     for edge in np.log(PROBABILITY_EDGES).astype(tokens.sampler.dtype):
         joint += tokens.sampler >= edge
-    # Position buckets are powers of 4, so a bucket is half the binary exponent: frexp(p) gives e with
-    # 2^(e−1) ≤ p < 2^e, and (e + 1) // 2 is 0 for p = 0, 1 for 1–3, 2 for 4–15, … (POSITION_EDGES).
-    # float32 holds every position below 2^24 exactly.
-    exponent = np.frexp(tokens.position.astype(np.float32))[1]  # int32
-    exponent += 1
-    exponent //= 2
-    np.minimum(exponent, len(POSITION_LABELS) - 1, out=exponent)
-    exponent *= len(PROBABILITY_LABELS)
-    joint += exponent.astype(np.int16)
     if tokens.after_tool is not None:
         run = (tokens.after_tool >= 0).astype(np.int16)
         run += tokens.after_tool >= AFTER_TOOL_FIRST

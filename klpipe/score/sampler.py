@@ -14,10 +14,10 @@ import pyarrow as pa
 
 from klpipe.arrow import from_numpy, list_array, list_values
 from klpipe.mask import kept_offsets
-from klpipe.score.corrections import SCHEMES, CorrectionSums
+from klpipe.score.corrections import CorrectionSums
 from klpipe.score.diagnosis import DiagnosisSums, screen
 from klpipe.score.input import Logprobs
-from klpipe.score.mismatch import BREAKDOWNS, MismatchSums, RowMismatch, TokenMismatch, dot, per_row
+from klpipe.score.mismatch import POSITION_EDGES, MismatchSums, RowMismatch, TokenMismatch, dot, per_row
 
 # Columns the scored file gains with a sampler column.
 MISMATCH_KL = "mismatch_kl"  # mean −ℓ over the row's usable sampled tokens
@@ -46,14 +46,18 @@ def output_fields(per_token: bool) -> list[pa.Field]:
 
 
 def positions(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray | None]:
-    """(scored tokens,) int64 each: the token's index in its response, and the tokens since the last mask-0
-    token of its row (−1 when none comes before it; None without a mask)."""
+    """(scored tokens,) each: the bucket of the token's index in its response (mismatch.POSITION_EDGES, int8), and
+    the tokens since the last mask-0 token of its row (int64, −1 when none comes before it; None without a mask)."""
     offsets = logprobs.response_offsets if logprobs.keep is not None else logprobs.offsets
     lengths = np.diff(offsets)
-    index = np.arange(int(offsets[-1]), dtype=np.int64)
-    position = index - np.repeat(offsets[:-1], lengths)
+    # A row's tokens fill the buckets in order, so each (row, bucket) is one run: its length is how much of
+    # [edge_b, edge_b+1) the row reaches. One np.repeat writes every token's bucket, with no per-token arithmetic.
+    edges = np.array((0, *POSITION_EDGES, np.iinfo(np.int64).max))
+    runs = np.clip(np.minimum(lengths[:, None], edges[None, 1:]) - edges[None, :-1], 0, None)  # (rows, buckets)
+    bucket = np.repeat(np.tile(np.arange(len(POSITION_EDGES) + 1, dtype=np.int8), len(lengths)), runs.ravel())
     if logprobs.keep is None:
-        return position, None
+        return bucket, None
+    index = np.arange(int(offsets[-1]), dtype=np.int64)
     # The last mask-0 index at or before each token, within its row: a running maximum seeded with
     # start − 1 at each row's start, which no earlier row's index can exceed.
     last_zero = np.where(logprobs.keep, -1, index)
@@ -63,7 +67,7 @@ def positions(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray | None]:
     row_start = np.repeat(offsets[:-1], lengths)
     after = np.where(last_zero >= row_start, index - last_zero - 1, -1)
     keep = logprobs.keep
-    return position[keep], after[keep]
+    return bucket[keep], after[keep]
 
 
 def group_keys(batch: pa.RecordBatch, names: list[str]) -> np.ndarray | None:
@@ -122,13 +126,13 @@ class SamplerRun:
         found = screen(logprobs.trainer, logprobs.sampler, logprobs.offsets, logprobs.sampler_rows_ok)
         self.diagnosis.add_screen(found, logprobs.offsets, row_name)
         usable = found.usable
-        position, after_tool = positions(logprobs)
+        position_bucket, after_tool = positions(logprobs)
         everything = usable.all()
         pick = (lambda a: a) if everything else (lambda a: a[usable])
         tokens = TokenMismatch(
             trainer=pick(logprobs.trainer), sampler=pick(logprobs.sampler), ref=pick(logprobs.ref),
             offsets=logprobs.offsets if everything else kept_offsets(usable, logprobs.offsets),
-            position=pick(position), after_tool=None if after_tool is None else pick(after_tool),
+            position_bucket=pick(position_bucket), after_tool=None if after_tool is None else pick(after_tool),
         )  # fmt: skip
         rows = per_row(tokens)
         self.diagnosis.add_tokens(tokens, dot(rows.mean_trainer, rows.tokens))
@@ -177,8 +181,6 @@ class SamplerRun:
             "findings": findings,
             "excluded": {"nonfinite_tokens": self.diagnosis.nonfinite, "placeholder_tokens": self.diagnosis.placeholder,
                          "rows_of_another_length": self.diagnosis.length_rows},
-            "schemes": len(SCHEMES),
-            "breakdown_names": list(BREAKDOWNS),
         }
 
 
