@@ -43,8 +43,8 @@ def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kw
     ("max_tokens_per_batch", 0, "--max-tokens-per-batch must be at least 1"),
     ("progress", "fancy", "--progress must be auto, bar, log or none, not 'fancy'"),
     ("columns", {"rewards": "score"}, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, "
-                                      "response, prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs, "
-                                          "mask, tools"),
+                                      "response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, "
+                                          "reward, ref_logprobs, mask, tools"),
 ])
 def test_the_config_refuses_bad_arguments(option, value, message):
     with pytest.raises(InputError) as excinfo:

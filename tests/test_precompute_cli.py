@@ -401,7 +401,8 @@ def test_column_mapping_from_the_environment(tmp_path):
 def test_bad_column_options(tmp_path):
     result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "rewards=score")
     assert_bad_input(result, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, response, "
-                             "prompt_ids, response_ids, policy_logprobs, reward, ref_logprobs, mask, tools", tmp_path)
+                             "prompt_ids, response_ids, policy_logprobs, sampler_logprobs, reward, ref_logprobs, mask, "
+                             "tools", tmp_path)
     result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "reward")
     assert_bad_input(result, "--column reward: expected ROLE=NAME, e.g. --column reward=score", tmp_path)
     result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--column", "reward=score")
