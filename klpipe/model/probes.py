@@ -76,7 +76,8 @@ def take_oracle(reference) -> Oracle:
         return Oracle(ids, own_logprobs(reference.model, [(ids[:1], ids[1:])])[0])
     except Exception as exc:  # noqa: BLE001 - the model's own code fails: nothing klpipe computes could be right
         cause = config_cause(reference.model) or f"{type(exc).__name__}: {first_line(exc)}"
-        raise ModelError(f"{type(reference.model).__name__}: its own forward fails on a probe sequence ({cause})") from None
+        name = type(reference.model).__name__
+        raise ModelError(f"{name}: its own forward fails on a probe sequence ({cause})") from None
 
 
 def config_cause(model) -> str | None:

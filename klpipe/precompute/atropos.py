@@ -99,8 +99,8 @@ def _batch(rows: list[tuple[str, Completion, str | None]], file_schema: pa.Schem
     }
     if cache.POLICY_LOGPROBS in file_schema.names:
         # A group without inference_logprobs has none to give: null, which score names if it needs them.
-        columns[cache.POLICY_LOGPROBS] = pa.array([None if c.policy is None else c.policy.tolist() for c in completions],
-                                                  pa.list_(pa.float64()))
+        policy = [None if c.policy is None else c.policy.tolist() for c in completions]
+        columns[cache.POLICY_LOGPROBS] = pa.array(policy, pa.list_(pa.float64()))
     return pa.RecordBatch.from_arrays([columns[name] for name in file_schema.names], schema=file_schema)
 
 
