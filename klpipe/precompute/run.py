@@ -9,6 +9,9 @@ Resume: finished chunks live in the work directory `<output>.partial/` (workdir.
 deterministic, so the merged output is identical to an uninterrupted run. The work directory is
 removed once the output is in place.
 
+With `--output-format atropos` (Atropos groups in), the merged cache stays in the work directory and goes out as
+the groups it was read from, ref_logprobs filled (klpipe/atropos/writer.py).
+
 Inputs and outputs may be on a store (s3://...; files/store.py): the work directory stays on
 local disk, and the merged cache is uploaded once whole (files/upload.py).
 """
