@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -104,6 +104,18 @@ test-browser: install
 test-ray: install
 	$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[ray]"
 	$(BIN)/python -m pytest -q --durations=0 tests/ray
+
+# Atropos groups against atroposlib's own code (tests/atropos): its ManagedServer builds them, its writer saves them,
+# its ScoredData checks what klpipe writes back, and its API server (`run-api`, started on 127.0.0.1 and stopped by pid)
+# hands klpipe's scored groups to a trainer. atroposlib is test-only, never a klpipe dependency: its wheel without its
+# dependencies (wandb, gymnasium, polars, nltk, math-verify: its environments', not these modules'), plus what the
+# modules used here import.
+ATROPOS_PIN ?= atroposlib==0.4.0
+ATROPOS_DEPS ?= fastapi uvicorn jsonlines openai tenacity
+test-atropos: install
+	$(BIN)/python -c "import atroposlib.api.server, atroposlib.envs.server_handling.managed_server, jsonlines" 2>/dev/null || { \
+		$(BIN)/python -m pip install -q $(ATROPOS_DEPS) && $(BIN)/python -m pip install -q --no-deps '$(ATROPOS_PIN)'; }
+	$(BIN)/python -m pytest -q --durations=5 tests/atropos
 
 # TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency (the test extra has it too).
 TRL_PIN ?= trl==1.16.*

@@ -134,6 +134,6 @@ def test_an_unknown_rollout_format_is_refused_in_one_line(tmp_path):
     from klpipe.errors import InputError
     from klpipe.precompute.config import PrecomputeConfig
 
-    with pytest.raises(InputError, match=r"^--rollout-format must be trl or verl, not 'openrlhf'$"):
+    with pytest.raises(InputError, match=r"^--rollout-format must be trl, verl or atropos, not 'openrlhf'$"):
         PrecomputeConfig(inputs=[tmp_path / "r.parquet"], output=tmp_path / "o.parquet", model="m",
                          rollout_format="openrlhf")

@@ -111,3 +111,28 @@ def test_a_model_whose_code_compares_the_name_never_gets_klpipes_attention():
     assert not cascade.enable(model, model.config) and model.config._attn_implementation == "sdpa"
     llama = load()
     assert not cascade.branches_on_name(llama.model)
+
+
+def test_a_forward_that_fails_for_a_known_reason_in_the_config_is_refused_in_klpipes_words(tmp_path):
+    # DeepSeek-V3's latent attention makes keys for every query head; a config asking for fewer key/value heads makes
+    # transformers' own sdpa call fail with a bare "The size of tensor a (4) must match the size of tensor b (8)".
+    from klpipe.errors import ModelError
+    from tests import families
+
+    name, fields = families.FAMILIES["deepseek_v3"]
+    families.FAMILIES["deepseek_v3"] = (name, {**fields, "num_key_value_heads": 2})
+    try:
+        directory = families.save_family("deepseek_v3", tmp_path / "deepseek_v3")
+    finally:
+        families.FAMILIES["deepseek_v3"] = (name, fields)
+    with pytest.raises(RuntimeError, match=r"The size of tensor a \(4\) must match the size of tensor b \(8\)"):
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(directory)(input_ids=torch.tensor([[1, 2, 3]]))  # the model's own code
+    with pytest.raises(ModelError) as refused:
+        ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
+    assert str(refused.value) == (
+        "DeepseekV3ForCausalLM: its own forward fails on a probe sequence (its multi-head latent attention "
+        "(kv_lora_rank 16) makes keys and values for each of its 4 query heads, and its config asks for 2 key/value "
+        "heads, so transformers repeats them into 8; set num_key_value_heads to num_attention_heads (4), as "
+        "DeepSeek's own configs do)")

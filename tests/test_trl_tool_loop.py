@@ -171,3 +171,32 @@ def test_deepseek_v3_trls_own_loop_fails_on_its_template_and_its_training_templa
     with pytest.raises(ChatError, match=re.escape("its generation prompt ends with 'Assistant｜><think>\\n' where the "
                                                   "rendered turn has 'Assistant｜><｜tool▁calls▁begin｜>")):
         renderer(trainer, "deepseekv3", True).render([trl_loop.PROMPT], [loop["completion"]])
+
+
+def test_qwen3s_hub_template_holds_the_loops_ids_on_the_reasoning_trajectory_alone_so_rows_need_the_trainers(trainers):
+    # GRPOTrainer renders Qwen3's tool rows with its training template. On the reasoning trajectory, and on no other,
+    # the hub template's rendering of the whole conversation happens to hold the loop's ids exactly, then only `\n`:
+    # it keeps the <think> of the turns after the last user message, which the training template keeps always.
+    # Nothing in a row's messages tells the two cases apart, so klpipe rebuilds rows only with the template the
+    # trainer used (--chat-template), and refuses the reasoning row without it as it refuses the others.
+    trainer = trainers("qwen3", "hub")
+    tokenizer = trainer.processing_class  # the hub template
+    agrees = set()
+    for trajectory, turns in trl_loop.TRAJECTORIES.items():
+        loop = trl_loop.run_loop(trainer, turns)
+        whole = tokenizer.apply_chat_template(trl_loop.PROMPT + loop["completion"], tools=trl_loop.TOOL_SCHEMAS,
+                                              tokenize=False)
+        ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+        theirs = loop["prompt_ids"] + loop["completion_ids"]
+        if ids[:len(theirs)] == theirs:
+            assert tokenizer.decode(ids[len(theirs):]) == "\n"
+            agrees.add(trajectory)
+        if trajectory == "reasoning":
+            hub = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS,
+                               stop_ids=trl_loop.stop_ids(tokenizer, "qwen3"))
+            with pytest.raises(ChatError, match="pass the template the trainer used with --chat-template FILE"):
+                hub.render([trl_loop.PROMPT], [loop["completion"]])
+            prompts, responses, masks = renderer(trainer, "qwen3", False).render([trl_loop.PROMPT],
+                                                                               [loop["completion"]])
+            assert prompts[0] + responses[0] == theirs and masks[0].astype(int).tolist() == loop["tool_mask"]
+    assert agrees == {"reasoning"}

@@ -140,16 +140,23 @@ def precompute_command(
              "which GRPOTrainer swaps in with tools), in place of the tokenizer's own.",
         envvar="KLPIPE_CHAT_TEMPLATE", rich_help_panel=INPUT_PANEL, show_default=False)] = None,
     rollout_format: Annotated[str, typer.Option(
-        "--rollout-format", metavar="trl|verl",
+        "--rollout-format", metavar="trl|verl|atropos",
         help="Conversational rows with tool messages: whose tool loop built them, TRL's GRPOTrainer (trl) or "
-             "verl's ToolAgentLoop (verl); the two append a tool's result with other tokens.",
+             "verl's ToolAgentLoop (verl); the two append a tool's result with other tokens. atropos: JSON Lines "
+             "of Atropos groups (found by their columns when not given).",
         envvar="KLPIPE_ROLLOUT_FORMAT", rich_help_panel=INPUT_PANEL)] = "trl",
+    output_format: Annotated[str, typer.Option(
+        "--output-format", metavar="parquet|atropos",
+        help="atropos: Atropos groups in, the same groups out (JSON Lines) with ref_logprobs filled and nothing "
+             "else changed, for trainers that apply the KL in their loss. Default: the parquet cache.",
+        envvar="KLPIPE_OUTPUT_FORMAT")] = "parquet",
 ):
     """Cache the reference model's logprob of every response token.
 
     Reads rollouts with `prompt_ids` + `response_ids` (token ids, exact), `prompt` + `response`
     or `completion` (text, tokenized with the reference tokenizer), or TRL's conversational
-    `prompt` + `completion` messages (rendered with its chat template), and writes every input
+    `prompt` + `completion` messages (rendered with its chat template), or Atropos groups (JSON Lines of
+    `tokens`, `masks`, `scores`), and writes every input
     column plus `ref_logprobs`. `--column` maps these roles to other column names. A killed run
     resumes from its last finished chunk when rerun.
 
@@ -170,6 +177,8 @@ def precompute_command(
         AWS_PROFILE=rl klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42.cached.parquet
 
         klpipe precompute -m ./ref --policy ./ckpt-400 dump.jsonl --column prompt=input --column response=output
+
+        klpipe precompute -m ./ref groups.jsonl --output-format atropos -o groups.ref.jsonl
     """
     from klpipe.columns import parse_columns
     from klpipe.precompute import precompute
@@ -191,6 +200,7 @@ def precompute_command(
         shard=shard, columns=parse_columns(column), tools=read_tools(tools),
         chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),
         chat_template=read_chat_template(chat_template), rollout_format=rollout_format,
+        output_format=output_format,
     )
     if ray is not None:
         from klpipe.precompute.ray_executor import RayConfig, run_on_ray

@@ -65,6 +65,16 @@ def score_command(
     metrics_jsonl: Annotated[str | None, typer.Option(
         metavar="FILE", help="Write the same per-step metrics as JSON Lines.",
         envvar=_env("metrics_jsonl"), rich_help_panel=OUTPUT_PANEL)] = SCORE["metrics_jsonl"],
+    output_format: Annotated[str, typer.Option(
+        "--output-format", metavar="parquet|atropos",
+        help="atropos: a cache of Atropos groups written back as those groups (JSON Lines), scores penalised, "
+             "ref_logprobs filled; an --output ending in .jsonl asks for it too.",
+        envvar=_env("output_format"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output_format"],
+    atropos_api: Annotated[str | None, typer.Option(
+        "--atropos-api", metavar="URL",
+        help="Post the written Atropos groups to this Atropos API server (/scored_data_list), in order; a rerun "
+             "posts only what the server has not taken.",
+        envvar=_env("atropos_api"), rich_help_panel=OUTPUT_PANEL)] = SCORE["atropos_api"],
     per_token: Annotated[bool, typer.Option(
         "--per-token", help="Also write each row's per-token KL list (kl_per_token).",
         envvar=_env("per_token"), rich_help_panel=OUTPUT_PANEL)] = SCORE["per_token"],
@@ -142,6 +152,8 @@ def score_command(
 
         klpipe score dump.parquet --column policy_logprobs=old_log_probs --column reward=score --kl-coeff 0
 
+        klpipe score groups.cached.parquet --output groups.scored.jsonl --atropos-api http://localhost:8000
+
         klpipe score s3://caches/day42/ -o s3://scored/day42.parquet --state s3://scored/kl_state.json
     """
     from rich.console import Console
@@ -153,7 +165,7 @@ def score_command(
 
     config = ScoreConfig(
         inputs=caches, output=output, report=report, state=state, plot=plot, tensorboard=tensorboard,
-        metrics_jsonl=metrics_jsonl, per_token=per_token,
+        metrics_jsonl=metrics_jsonl, per_token=per_token, output_format=output_format, atropos_api=atropos_api,
         reset_state=reset_state, estimator=estimator, aggregate=aggregate, clamp=clamp,
         controller=ControllerConfig(
             kl_coeff=kl_coeff, kl_target=kl_target, adaptive=adaptive, kl_coeff_min=kl_coeff_min,
@@ -168,3 +180,6 @@ def score_command(
     for warning in result.warnings:
         console.print(f"Warning: {warning}", markup=False, highlight=False, style="yellow")
     console.print(f"Wrote {result.output}", markup=False, highlight=False)
+    if result.posted is not None:
+        console.print(f"Posted {result.posted.sent} group(s) to {result.posted.url} ({result.posted.groups} of the "
+                      f"file's groups taken in all; marker {result.posted.marker})", markup=False, highlight=False)

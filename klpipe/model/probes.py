@@ -75,8 +75,28 @@ def take_oracle(reference) -> Oracle:
     try:
         return Oracle(ids, own_logprobs(reference.model, [(ids[:1], ids[1:])])[0])
     except Exception as exc:  # noqa: BLE001 - the model's own code fails: nothing klpipe computes could be right
-        raise ModelError(f"{type(reference.model).__name__}: its own forward fails on a probe sequence "
-                         f"({type(exc).__name__}: {first_line(exc)})") from None
+        cause = config_cause(reference.model) or f"{type(exc).__name__}: {first_line(exc)}"
+        name = type(reference.model).__name__
+        raise ModelError(f"{name}: its own forward fails on a probe sequence ({cause})") from None
+
+
+def config_cause(model) -> str | None:
+    """Why a model's own forward fails, in klpipe's words, where its config says so; None where it does not.
+
+    Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank`) expands its latents into keys and values for every
+    query head, and transformers then repeats them `num_attention_heads // num_key_value_heads` times as if there
+    were fewer: a config asking for fewer key/value heads than query heads fails inside sdpa with a bare shape
+    mismatch ("The size of tensor a (4) must match the size of tensor b (8)")."""
+    from klpipe.model.loading import text_config
+
+    config = text_config(model.config)
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if getattr(config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
+        return (f"its multi-head latent attention (kv_lora_rank {config.kv_lora_rank}) makes keys and values for "
+                f"each of its {heads} query heads, and its config asks for {kv_heads} key/value heads, so "
+                f"transformers repeats them into {heads * max(heads // kv_heads, 1)}; set num_key_value_heads to "
+                f"num_attention_heads ({heads}), as DeepSeek's own configs do")
+    return None
 
 
 def check_causal(reference) -> None:

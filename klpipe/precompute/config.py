@@ -25,6 +25,9 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "add_genera
                                 "return_dict", "return_tensors", "padding", "truncation", "max_length"})
 
 
+OUTPUT_FORMATS = ("parquet", "atropos")
+
+
 @dataclass
 class PrecomputeConfig:
     """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
@@ -63,6 +66,9 @@ class PrecomputeConfig:
     # Conversational rows with tool messages: whose tool loop built them, TRL 1.16's GRPOTrainer or verl's
     # ToolAgentLoop (--rollout-format); the two append a tool's result with other tokens.
     rollout_format: str = "trl"
+    # parquet: the cache. atropos (Atropos groups only): the groups as they came, with ref_logprobs filled in
+    # and nothing else changed, as JSON Lines, for trainers that apply the KL in their loss.
+    output_format: str = "parquet"
 
     def tools_digest(self) -> str | None:
         """sha256 of the --tools list as canonical JSON (provenance), or None without one."""
@@ -92,8 +98,12 @@ class PrecomputeConfig:
             raise InputError("--max-cache-mib must not be negative")
         from klpipe.precompute.chat import ROLLOUT_FORMATS
 
-        if self.rollout_format not in ROLLOUT_FORMATS:
-            raise InputError(f"--rollout-format must be {' or '.join(ROLLOUT_FORMATS)}, not {self.rollout_format!r}")
+        formats = (*ROLLOUT_FORMATS, "atropos")  # atropos: JSON Lines of Atropos groups (precompute/atropos.py)
+        if self.rollout_format not in formats:
+            raise InputError(f"--rollout-format must be {', '.join(formats[:-1])} or {formats[-1]}, "
+                             f"not {self.rollout_format!r}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise InputError(f"--output-format must be {' or '.join(OUTPUT_FORMATS)}, not {self.output_format!r}")
         if self.prefix_sharing not in SHARING_MODES:
             raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
         reserved = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS)

@@ -245,7 +245,7 @@ def check_layout(model) -> str | None:
     try:
         model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
-        return _problem(exc)
+        return _in_our_words(model, _problem(exc))
     return None
 
 
@@ -265,6 +265,13 @@ def check_tree(model) -> str | None:
         model.drop_cascade()
         problem = _probe_tree(model)
     return problem
+
+
+def _in_our_words(model, problem: str) -> str:
+    """A bare exception's text replaced by its cause where the model's config names one (probes.config_cause)."""
+    from klpipe.model.probes import config_cause
+
+    return config_cause(model.model) or problem
 
 
 def _probe_tree(model) -> str | None:
@@ -318,7 +325,7 @@ def _probe_tree(model) -> str | None:
         for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
-        return _problem(exc)
+        return _in_our_words(model, _problem(exc))
     expected = model.own_logprobs(rows)
     gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
     if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:

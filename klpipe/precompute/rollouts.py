@@ -32,6 +32,7 @@ from klpipe.files.parquet import open_parquet
 from klpipe.files.download import local_copy
 from klpipe.files.store import Location, store_failure
 from klpipe.mask import check_mask_type
+from klpipe.precompute import atropos
 from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
@@ -44,7 +45,7 @@ TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
 @dataclass
 class RolloutFile:
     path: Location  # a local path, or a file on a store
-    kind: str  # "parquet" | "jsonl" | "datasets"
+    kind: str  # "parquet" | "jsonl" | "datasets" | "atropos" (JSON Lines of Atropos groups: precompute/atropos.py)
     num_rows: int
     schema: pa.Schema
 
@@ -64,6 +65,11 @@ class Rollouts:
         return sum(f.num_rows for f in self.files)
 
     @property
+    def atropos(self) -> bool:
+        """Whether the rows are the completions of Atropos groups, which score can write back as groups."""
+        return self.files[0].kind == atropos.ATROPOS
+
+    @property
     def has_mask(self) -> bool:
         """Whether the rows carry a mask column (conversational rows get one derived from their roles)."""
         return self.columns.name(cache.MASK) in self.schema.names
@@ -80,16 +86,17 @@ class Chunk:
 
 
 def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None = None,
-                  writes: tuple[str, ...] = (cache.REF_LOGPROBS,)) -> Rollouts:
+                  writes: tuple[str, ...] = (cache.REF_LOGPROBS,), rollout_format: str | None = None) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns.
 
-    `writes`: the roles this run writes, whose mapped columns need not exist yet."""
+    `writes`: the roles this run writes, whose mapped columns need not exist yet. JSON Lines of Atropos groups
+    are found by their columns, or insisted on with `rollout_format="atropos"`."""
     # A cache (or scored file) written into an input directory by an earlier run is not a rollout.
     def ours(path: Location) -> bool:
         return path.name.endswith(PARQUET_SUFFIXES) and written_by_klpipe(path) is not None
 
     found, skipped = expand_inputs(paths, INPUT_SUFFIXES, skip=ours)
-    files = [_open_file(p) for p in found]
+    files = [_open_file(p, rollout_format == atropos.ATROPOS) for p in found]
     first = files[0]
     for other in files[1:]:
         if not other.schema.equals(first.schema):
@@ -105,7 +112,13 @@ def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None 
     return Rollouts(files=files, schema=first.schema, mode=mode, columns=columns, skipped=skipped)
 
 
-def _open_file(path: Location) -> RolloutFile:
+def _open_file(path: Location, groups: bool = False) -> RolloutFile:
+    if path.name.endswith(JSONL_SUFFIXES) and (groups or atropos.looks_like_groups(path)):
+        num_rows, schema = atropos.scan(path)  # every group checked, one line at a time
+        return RolloutFile(path=path, kind=atropos.ATROPOS, num_rows=num_rows, schema=schema)
+    if groups:
+        raise InputError(f"{path}: --rollout-format atropos reads JSON Lines of Atropos groups (tokens, masks, "
+                         "scores), which this is not")
     if is_datasets_dir(path) or path.name.endswith(JSONL_SUFFIXES):
         table = _datasets_table(path)
         kind = "datasets" if path.is_dir() else "jsonl"
@@ -287,6 +300,9 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                         first = position if first is None else first
                     position += size
                 batches = parquet.iter_batches(batch_size=batch_rows, row_groups=groups)
+            elif info.kind == atropos.ATROPOS:
+                yield from atropos.iter_batches(info.path, lo, hi, batch_rows, info.schema)
+                return
             else:
                 first = lo
                 batches = _datasets_table(info.path).slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)

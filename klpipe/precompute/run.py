@@ -9,6 +9,9 @@ Resume: finished chunks live in the work directory `<output>.partial/` (workdir.
 deterministic, so the merged output is identical to an uninterrupted run. The work directory is
 removed once the output is in place.
 
+With `--output-format atropos` (Atropos groups in), the merged cache stays in the work directory and goes out as
+the groups it was read from, ref_logprobs filled (klpipe/atropos/writer.py).
+
 Inputs and outputs may be on a store (s3://...; files/store.py): the work directory stays on
 local disk, and the merged cache is uploaded once whole (files/upload.py).
 """
@@ -28,6 +31,7 @@ from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
+from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
 from klpipe.precompute.rollouts import (
@@ -47,6 +51,7 @@ from klpipe.threads import prefetch
 
 # Default output name beside a single input (see default_output).
 OUTPUT_SUFFIX = ".cached.parquet"
+GROUPS_SUFFIX = ".ref.jsonl"  # --output-format atropos: the groups with ref_logprobs filled
 
 
 @dataclass
@@ -86,14 +91,14 @@ def default_max_cache_mib(device: str) -> int:
     return device_memory_bytes(device) // 4 >> 20
 
 
-def default_output(inputs: list[Location], shard: Shard | None = None) -> Location:
+def default_output(inputs: list[Location], shard: Shard | None = None, groups: bool = False) -> Location:
     """<stem>.cached.parquet beside a single input, by score's rule (`a.v1.parquet` → `a.v1.cached.parquet`);
-    a sharded run, several inputs or a URI pattern need --output."""
+    <stem>.ref.jsonl for Atropos groups out; a sharded run, several inputs or a URI pattern need --output."""
     if shard is not None:
         raise InputError("--output DIR is required for a sharded run")
     if len(inputs) != 1 or is_glob(inputs[0]):
         raise InputError("--output is required with several inputs")
-    return output_beside(inputs[0], OUTPUT_SUFFIX, INPUT_SUFFIXES)
+    return output_beside(inputs[0], GROUPS_SUFFIX if groups else OUTPUT_SUFFIX, INPUT_SUFFIXES)
 
 
 def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> PrecomputeSummary:
@@ -105,13 +110,17 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
 
     started = time.perf_counter()
     writes = (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS) if config.policy else (cache.REF_LOGPROBS,)
-    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns), writes=writes)  # before anything heavy
+    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns), writes=writes,  # before anything heavy
+                             rollout_format=config.rollout_format)
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
             f"{', '.join(str(p) for p in rollouts.skipped)}")
     _check_chat_options(config, rollouts)
     shard = config.shard
-    destination = config.output if config.output is not None else default_output(config.inputs, shard)
+    groups_out = config.output_format == ATROPOS
+    if groups_out:
+        _check_groups_output(config, rollouts)
+    destination = config.output if config.output is not None else default_output(config.inputs, shard, groups_out)
     rows = shard.rows(rollouts.num_rows, config.chunk_rows) if shard else (0, rollouts.num_rows)
     output = shard.part_path(destination) if shard else destination
     refuse_overwriting_inputs({"--output": output}, [f.path for f in rollouts.files])
@@ -132,7 +141,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     provenance = _provenance(config, spec, model_config, tokenizer, rollouts, rows, policy_spec, policy_config)
     summary = PrecomputeSummary(output=output)
 
-    if _already_done(output, provenance, config, log):
+    if groups_out and output.exists() and not config.overwrite:
+        raise OutputError(f"{output} exists; pass --overwrite to replace it")
+    if not groups_out and _already_done(output, provenance, config, log):
         summary.skipped = True
         # A kill between the final rename and the cleanup leaves the finished work directory.
         WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir,
@@ -166,7 +177,13 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             policy = reference.ReferenceModel.load(policy_spec) if policy_spec is not None else None
             summary.load_seconds = time.perf_counter() - load_started
             _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk)
-        work.merge_into(output)
+        if groups_out:
+            # The cache, merged inside the work directory, goes out as the groups it was read from.
+            merged = work.path / "cache.parquet"
+            work.merge_into(merged)
+            write_groups_file(merged, output, rollouts.columns)
+        else:
+            work.merge_into(output)
         summary.peak_memory = peak_memory()
         if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
@@ -175,6 +192,30 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _check_groups_output(config: PrecomputeConfig, rollouts) -> None:
+    """--output-format atropos writes the input's groups back: the input must be Atropos groups, in one run."""
+    if not rollouts.atropos:
+        raise InputError(f"--output-format atropos writes Atropos groups back, and {rollouts.files[0].path} holds "
+                         "none (JSON Lines of tokens, masks and scores); write the parquet cache instead")
+    if config.shard is not None:
+        raise InputError("--output-format atropos writes one file of groups; a sharded run writes parquet parts")
+
+
+def write_groups_file(cache_path, output: Location, columns: ColumnMap) -> None:
+    """The cache's rows as the Atropos groups they came from, ref_logprobs filled, appearing whole."""
+    import pyarrow.parquet as pq
+
+    from klpipe.atropos.writer import GroupWriter
+    from klpipe.files.atomic import atomic_output
+
+    with atomic_output(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        writer = GroupWriter(out, columns, scored=False)
+        parquet = pq.ParquetFile(cache_path)
+        for group in range(parquet.num_row_groups):  # one row group (a chunk) in memory at a time
+            writer.add(parquet.read_row_group(group))
+        writer.close()
 
 
 def _require_model_extra() -> None:
@@ -292,7 +333,7 @@ def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
         given = [name for name, value in (("--tools", config.tools),
                                           ("--chat-template-kwargs", config.chat_template_kwargs),
                                           ("--chat-template", config.chat_template),
-                                          ("--rollout-format verl", config.rollout_format != "trl")) if value]
+                                          ("--rollout-format verl", config.rollout_format == "verl")) if value]
         if given:
             raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
                              f"messages), which {rollouts.files[0].path} does not hold")

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from klpipe.files.store import Location
 
 
+OUTPUT_FORMATS = ("parquet", "atropos")
+
+
 @dataclass
 class ScoreConfig:
     """One scoring run: inputs, outputs, the KL estimate and the controller."""
@@ -46,6 +49,16 @@ class ScoreConfig:
     batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
     batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
     row_group_bytes: int = 32 << 20  # output row groups of about this size: big ones write faster and read better
+    # parquet: the scored rows. atropos: a cache made from Atropos groups written back as those groups, scores
+    # penalised (klpipe/atropos/writer.py); an --output ending in .jsonl asks for it too.
+    output_format: str = "parquet"
+    atropos_api: str | None = None  # post the written groups to this Atropos API server (klpipe/atropos/api.py)
+
+    @property
+    def writes_groups(self) -> bool:
+        """Whether the output is Atropos groups (JSON Lines) rather than parquet."""
+        name = self.output.name if self.output is not None else ""
+        return self.output_format == "atropos" or name.endswith(".jsonl")
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -56,6 +69,8 @@ class ScoreConfig:
             raise InputError(f"unknown --kl-from {self.kl_from!r}; choose one of {', '.join(KL_FROM)}")
         if self.batch_tokens < 1:
             raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise InputError(f"--output-format must be {' or '.join(OUTPUT_FORMATS)}, not {self.output_format!r}")
         if self.batch_bytes < 1:
             raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
@@ -66,3 +81,6 @@ class ScoreConfig:
         for name in ("output", "report", "state", "plot", "tensorboard", "metrics_jsonl"):
             if getattr(self, name) is not None:
                 setattr(self, name, location(getattr(self, name)))
+        if self.atropos_api is not None and not self.writes_groups:
+            raise InputError("--atropos-api posts Atropos groups: add --output-format atropos (or an --output "
+                             "ending in .jsonl)")

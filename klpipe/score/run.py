@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from klpipe import __version__
 from klpipe.arrow import from_numpy, list_array
+from klpipe.atropos.writer import GroupWriter, check_groups
 from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError, StateError
@@ -64,6 +65,7 @@ SCORE_METADATA_KEY = SCORED_METADATA_KEY
 
 # Default output name beside the first input: cache.parquet → cache.scored.parquet.
 OUTPUT_SUFFIX = ".scored.parquet"
+ATROPOS_SUFFIX = ".scored.jsonl"  # --output-format atropos
 
 # Extreme-row warnings name at most this many rows; the report counts them all.
 EXTREME_ROWS_NAMED = 10
@@ -76,11 +78,13 @@ class ScoreResult:
     output: Location
     report: dict
     warnings: list[str]
+    posted: object = None  # klpipe.atropos.api.Posted: what --atropos-api sent
 
 
-def default_output(first_input: Location) -> Location:
-    """<stem>.scored.parquet beside the first input (a directory's name is its stem; a URI pattern's, its first match)."""
-    return output_beside(expand(first_input)[0], OUTPUT_SUFFIX, PARQUET_SUFFIXES)
+def default_output(first_input: Location, groups: bool = False) -> Location:
+    """<stem>.scored.parquet beside the first input (a directory's name is its stem; a URI pattern's, its first match);
+    <stem>.scored.jsonl for Atropos groups."""
+    return output_beside(expand(first_input)[0], ATROPOS_SUFFIX if groups else OUTPUT_SUFFIX, PARQUET_SUFFIXES)
 
 
 def score(config: ScoreConfig) -> ScoreResult:
@@ -94,7 +98,7 @@ def score(config: ScoreConfig) -> ScoreResult:
     if not config.inputs:
         raise InputError("no cache files given")
     files, skipped = expand_cache_inputs(config.inputs)
-    output = config.output if config.output is not None else default_output(config.inputs[0])
+    output = config.output if config.output is not None else default_output(config.inputs[0], config.writes_groups)
     outputs_by_option = _outputs(config, output)
     refuse_overwriting_inputs(outputs_by_option, files)
     for path in outputs_by_option.values():
@@ -108,6 +112,8 @@ def score(config: ScoreConfig) -> ScoreResult:
         metrics.require_tensorboardx(config.tensorboard)
     names = for_caches(config.columns, files)  # role -> the caches' column names
     schema, names = open_caches(files, names)
+    if config.writes_groups:
+        check_groups(schema, str(files[0]))
     source = policy_source(files)  # a sampler's logprobs, or a model's that precompute --policy ran
     warnings: list[str] = []
     if skipped:
@@ -150,17 +156,12 @@ def score(config: ScoreConfig) -> ScoreResult:
     # written after them, so it only ever moves on from a run whose outputs are all in place.
     with OutputGroup() as outputs:
         with outputs.file(output) as tmp:
-            # Three stages overlap: a thread decodes the next record batch, this thread scores, and
-            # another thread encodes the previous row group (parquet and numpy release the GIL).
-            with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
-                row_groups = RowGroups(write, config.row_group_bytes)
-                batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
-                with closing(prefetch(batch_stream)) as stream:
-                    for batch, rows in stream:
-                        scored = _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
-                                              kl_from == "sampler")
-                        row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
-                row_groups.flush()
+            def score_batch(batch: pa.RecordBatch, rows: RowLocator) -> list[pa.Array]:
+                return _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
+                                    kl_from == "sampler")
+
+            write = _write_groups if config.writes_groups else _write_parquet
+            write(tmp, files, config, score_batch, names, out_schema)
         batches.finish()
         if totals.extreme_count:
             warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
@@ -190,12 +191,20 @@ def score(config: ScoreConfig) -> ScoreResult:
             integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
             _write_metrics(outputs, config, batches, totals, batches_before, integer_steps)
         outputs.commit()
+    posted = None
+    if config.atropos_api is not None:
+        # Before the state: a run whose groups did not all reach the trainer leaves the state as it was, so a
+        # rerun writes the same groups and posts only those the server has not taken (the marker says which).
+        from klpipe.atropos.api import post_groups
+        from klpipe.files.download import local_copy
+
+        posted = post_groups(local_copy(output), config.atropos_api)
     if config.state is not None:
         state = controller.save_state()
         state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
                              "controller_batches": batches_before + batches.batch_count}
         write_json_atomic(config.state, state)
-    return ScoreResult(output=output, report=run_report, warnings=warnings)
+    return ScoreResult(output=output, report=run_report, warnings=warnings, posted=posted)
 
 
 # -- outputs ----------------------------------------------------------------------------------------
@@ -278,6 +287,31 @@ def _settings(config: ScoreConfig) -> dict:
         "controller": asdict(config.controller),
         "columns": dict(config.columns),
     }
+
+
+def _write_parquet(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
+    # Three stages overlap: a thread decodes the next record batch, this thread scores, and
+    # another thread encodes the previous row group (parquet and numpy release the GIL).
+    with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
+        row_groups = RowGroups(write, config.row_group_bytes)
+        batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
+        with closing(prefetch(batch_stream)) as stream:
+            for batch, rows in stream:
+                scored = score_batch(batch, rows)
+                row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
+        row_groups.flush()
+
+
+def _write_groups(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
+    """The scored rows as the Atropos groups they came from (klpipe/atropos/writer.py), one JSON line each."""
+    with open(tmp, "w", encoding="utf-8") as out:
+        writer = GroupWriter(out, names, scored=True)
+        batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
+        with closing(prefetch(batch_stream)) as stream:
+            for batch, rows in stream:
+                scored = score_batch(batch, rows)
+                writer.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
+        writer.close()
 
 
 # -- state ------------------------------------------------------------------------------------------
