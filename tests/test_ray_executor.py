@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from klpipe.cli import app
 from klpipe.errors import InputError
-from klpipe.precompute.ray_executor import INSTALL, RayConfig
+from klpipe.precompute.ray_cluster import INSTALL
+from klpipe.precompute.ray_executor import RayConfig
 from tests.helpers import ROLLOUTS, RUN_KLPIPE, TINY_GEMMA, block_imports, run_python
 
 runner = CliRunner()
