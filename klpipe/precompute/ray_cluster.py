@@ -84,7 +84,7 @@ def refuse_unseen_output(ray, output: Location, nodes: list[dict]) -> None:
     blind = [node_name(node) for node in nodes if seen.get(node["NodeID"]) is False]
     if blind:
         raise InputError(f"--output {output} is on this machine's disk, which {len(blind)} of the cluster's "
-                         f"{len(nodes)} nodes do not see ({', '.join(blind)}): write to storage every node sees "
+                         f"{len(seen)} nodes do not see ({', '.join(blind)}): write to storage every node sees "
                          "(s3://..., or a shared filesystem)")
 
 

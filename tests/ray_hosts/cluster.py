@@ -95,7 +95,12 @@ class HostsCluster(Cluster):
         self.procs[name] = proc
 
     def revive(self, name: str, timeout: float = 600) -> None:
-        """A lost worker node back, as a new machine in its place (an empty disk)."""
+        """A lost worker node back, as a new machine in its place (an empty disk), once the cluster has marked the
+        lost one dead (a shard's retry may come sooner: its owner sees the worker's connection drop)."""
+        deadline = time.monotonic() + timeout
+        while self.alive_nodes() > len(WORKERS):
+            assert time.monotonic() < deadline, f"the cluster never marked the node on {name} dead\n{self.logs()}"
+            time.sleep(2)
         self.start_node(name)
         self._wait_nodes(1 + len(WORKERS), timeout)
 
