@@ -41,7 +41,9 @@ def shard_task(config: PrecomputeConfig, board) -> tuple[PrecomputeSummary, str]
 
     index = config.shard.index
     node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
-    ray.get(board.start.remote(index, node))
+    # Not waited on: a task blocked in ray.get lends its CPU back to Ray, which may start another shard on it.
+    # The board runs one caller's calls in the order made, so this one comes before the shard's chunks.
+    board.start.remote(index, node)
 
     def log(message: str) -> None:
         print(f"shard {index}: {message}", file=sys.stderr, flush=True)
