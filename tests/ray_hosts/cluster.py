@@ -24,7 +24,7 @@ import sys
 import time
 
 from tests.helpers import with_checkout
-from tests.ray.cluster import ENV, RAY, Cluster
+from tests.ray.cluster import RAY, Cluster
 from tests.ray_hosts.network import Host, Network
 
 GCS_PORT = 6379
@@ -60,6 +60,7 @@ class HostsCluster(Cluster):
         return env
 
     def node_env(self, host: Host) -> dict:
+        """A node's environment, as a machine's own: none of the test process's variables, only these."""
         return with_checkout(self.env({**self.server_env, "KLPIPE_CACHE_DIR": str(host.disk),
                                        "TMPDIR": str(host.disk), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}))
 

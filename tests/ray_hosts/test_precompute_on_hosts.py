@@ -102,6 +102,9 @@ def test_six_shards_on_s3_across_both_workers_bit_for_bit_then_scored_from_the_d
     workers = {cluster.host(name).address for name in WORKERS}
     assert sorted(ran) == list(range(SHARDS)), result.stderr
     assert set(ran.values()) == workers, ran  # both worker nodes ran shards; the head (no CPU) none
+    # The driver's progress line, from what the tasks on the other hosts report to its board.
+    running = set(re.findall(r"running: .*?shard \d+ on (\S+) \(", result.stderr))
+    assert running and running <= workers, result.stderr
     print(f"6 shards on S3 in {seconds:.1f} s: " + ", ".join(
         f"{address} ran {sorted(i for i, a in ran.items() if a == address)}" for address in sorted(workers)))
     assert_same_cache(s3_parts(server, bucket, "cached/"), single)
