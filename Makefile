@@ -107,7 +107,7 @@ test-ray: install
 
 # `precompute --ray` on a Ray cluster of three hosts: network namespaces on a private bridge that tests/ray_hosts
 # makes (root, as in CI; iproute2's `ip` and util-linux's `unshare` and `nsenter`), a head and two one-CPU worker
-# nodes, the S3 server on the bridge; stopped by pid and removed at the end. About N minutes on 2 CPU cores.
+# nodes, the S3 server on the bridge; stopped by pid and removed at the end. About two minutes on 2 CPU cores.
 test-ray-hosts: install
 	@PATH="$$PATH:/usr/sbin:/sbin"; command -v ip >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }
