@@ -35,10 +35,9 @@ from klpipe.files.store import Location, is_remote
 from klpipe.precompute import ray_cluster
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats
+from klpipe.precompute.ray_task import Board, shard_task
 from klpipe.precompute.run import PrecomputeSummary
 from klpipe.progress import Progress
-from klpipe.precompute.ray_cluster import import_ray
-from klpipe.precompute.ray_task import Board, shard_task
 from klpipe.sharding import Shard
 
 CANCEL_GRACE_SECONDS = 15.0  # after a stop: how long running shards get to unwind before their workers are killed
@@ -99,7 +98,7 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
 
     # The driver reads the inputs' metadata only: bad inputs fail here, in seconds, before any task starts.
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))
-    ray = import_ray()
+    ray = ray_cluster.import_ray()
     ray_cluster.connect(ray, ray_config.address)
     started = time.perf_counter()
     try:

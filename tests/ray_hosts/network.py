@@ -1,10 +1,12 @@
 """Hosts on one machine for the multi-host Ray tests: Linux network namespaces on a private bridge. Needs root.
 
-Each host is a network namespace with its own stack (loopback, one address, its own ports) joined to a bridge
-the test creates, on a /24 of 10.0.0.0/8 that no interface or route of the machine uses. The bridge itself has
-the subnet's .1 in the machine's own namespace: the tests' S3 server listens there, where every host reaches it
-(a store every node sees). No host gets a route beyond the subnet, and the bridge has no other port: nothing
-sent on it leaves the machine.
+Each host is a network namespace with its own stack (loopback, one address, its own ports) joined by a veth to
+a bridge the test creates, on a /24 of 10.0.0.0/8 that no interface or route of the machine uses. The bridge
+sits in a namespace of its own (the switch), so a firewall of the machine's (Docker's FORWARD policy, with
+br_netfilter) never sees the hosts' traffic to each other. One more veth joins the machine's own namespace to
+the bridge with the subnet's .1: the tests' S3 server listens there, where every host reaches it (a store every
+node sees). No host gets a route beyond the subnet, and the bridge has no other port: nothing sent on it leaves
+the machine.
 
 A host's disk: every process started on a host runs in a mount namespace of that host (`unshare --mount
 --propagation private`) with a tmpfs of its own over the host's `disk` directory. What a process writes there
@@ -91,19 +93,25 @@ class Network:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.tag = secrets.token_hex(3)  # names: interface names must fit 15 bytes
-        self.bridge = f"kl{self.tag}br"
+        self.switch = f"klpipe-{self.tag}-switch"  # the bridge's namespace
+        self.bridge = "br0"
+        self.uplink = f"kl{self.tag}gw"  # the machine's end of its veth to the bridge
         self.subnet = _free_subnet()
         self.gateway = str(self.subnet[1])  # the bridge's own address, in the machine's namespace
         self.hosts: dict[str, Host] = {}
-        self._made_bridge = False
+        self._made = False
 
     def up(self) -> None:
         if os.geteuid() != 0:
             raise NetworkError("the multi-host tests make network namespaces, which needs root")
-        ip("link", "add", self.bridge, "type", "bridge")
-        self._made_bridge = True
-        ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
+        ip("netns", "add", self.switch)
+        self._made = True
+        ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge")
+        ip("-n", self.switch, "link", "set", self.bridge, "up")
+        ip("link", "add", self.uplink, "type", "veth", "peer", "name", "uplink", "netns", self.switch)
+        ip("-n", self.switch, "link", "set", "uplink", "master", self.bridge, "up")
+        ip("addr", "add", f"{self.gateway}/24", "dev", self.uplink)
+        ip("link", "set", self.uplink, "up")
 
     def add(self, name: str) -> Host:
         netns = f"klpipe-{self.tag}-{name}"
@@ -111,9 +119,8 @@ class Network:
         host.disk.mkdir(parents=True)
         ip("netns", "add", netns)
         self.hosts[name] = host
-        veth = f"kl{self.tag}{name}"[:15]
-        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        ip("link", "set", veth, "master", self.bridge, "up")
+        ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        ip("-n", self.switch, "link", "set", name, "master", self.bridge, "up")
         ip("-n", netns, "link", "set", "lo", "up")
         ip("-n", netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         ip("-n", netns, "link", "set", "eth0", "up")
@@ -132,8 +139,9 @@ class Network:
                 break
             time.sleep(0.2)
         for host in self.hosts.values():
-            ip("netns", "del", host.netns, check=False)  # takes the namespace's end of the veth, so the pair
+            ip("netns", "del", host.netns, check=False)  # takes its end of its veth, so the pair
         self.hosts.clear()
-        if self._made_bridge:
-            ip("link", "del", self.bridge, check=False)
-            self._made_bridge = False
+        if self._made:
+            ip("netns", "del", self.switch, check=False)  # the bridge, and the uplink's pair with it
+            ip("link", "del", self.uplink, check=False)  # gone already where the kernel has removed the pair
+            self._made = False
