@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray test-atropos bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -116,6 +116,14 @@ test-atropos: install
 	$(BIN)/python -c "import atroposlib.api.server, atroposlib.envs.server_handling.managed_server, jsonlines" 2>/dev/null || { \
 		$(BIN)/python -m pip install -q $(ATROPOS_DEPS) && $(BIN)/python -m pip install -q --no-deps '$(ATROPOS_PIN)'; }
 	$(BIN)/python -m pytest -q --durations=5 tests/atropos
+# `precompute --ray` on a Ray cluster of three hosts: network namespaces on a private bridge that tests/ray_hosts
+# makes (root, as in CI; iproute2's `ip` and util-linux's `unshare` and `nsenter`), a head and two one-CPU worker
+# nodes, the S3 server on the bridge; stopped by pid and removed at the end. About two minutes on 2 CPU cores.
+test-ray-hosts: install
+	@PATH="$$PATH:/usr/sbin:/sbin"; command -v ip >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }
+	$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[ray]"
+	PATH="$$PATH:/usr/sbin:/sbin" $(BIN)/python -m pytest -q -rP --durations=0 tests/ray_hosts
 
 # TRL is a contender in bench_grpo.py and bench_agent.py, never a klpipe dependency (the test extra has it too).
 TRL_PIN ?= trl==1.16.*

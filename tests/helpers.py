@@ -252,13 +252,13 @@ def with_checkout(env: dict) -> dict:
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 now (the kernel's pick), for a test's servers to listen on."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports free on `host` now (the kernel's pick), for a test's servers to listen on."""
     sockets = []
     try:
         for _ in range(count):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:

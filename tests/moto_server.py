@@ -36,13 +36,14 @@ class S3Server:
     keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # user -> (access key id, secret)
 
     @classmethod
-    def start(cls, log: Path) -> S3Server:
-        (port,) = free_ports(1)
+    def start(cls, log: Path, host: str = "127.0.0.1") -> S3Server:
+        """On `host`: 127.0.0.1, or the address of a private bridge a test made (tests/ray_hosts)."""
+        (port,) = free_ports(1, host)
         server = Path(sys.executable).with_name("moto_server")
         with open(log, "wb") as out:
-            process = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=out,
+            process = subprocess.Popen([str(server), "-H", host, "-p", str(port)], stdout=out,
                                        stderr=subprocess.STDOUT)
-        self = cls(f"http://127.0.0.1:{port}", process)
+        self = cls(f"http://{host}:{port}", process)
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -3,12 +3,17 @@ never imports Ray unless asked. The runs on a real Ray cluster are in tests/ray 
 
 from __future__ import annotations
 
+import copy
+import gzip
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 from klpipe.cli import app
 from klpipe.errors import InputError
-from klpipe.precompute.ray_executor import INSTALL, RayConfig
+from klpipe.precompute.ray_cluster import INSTALL
+from klpipe.precompute.ray_executor import RayConfig
 from tests.helpers import ROLLOUTS, RUN_KLPIPE, TINY_GEMMA, block_imports, run_python
 
 runner = CliRunner()
@@ -76,3 +81,68 @@ def test_the_rayjob_example_uses_only_options_klpipe_has():
     assert "--ray" in used["precompute"]
     workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert workers["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+KUBERAY_VERSION = "v1.7.0"  # tests/data/kuberay/README.md: where the CRD comes from
+RAYJOB_CRD = Path(__file__).parent / "data" / "kuberay" / "ray.io_rayjobs.yaml.gz"
+
+
+@pytest.fixture(scope="module")
+def rayjob_schema() -> dict:
+    """The openAPIV3Schema of KubeRay's RayJob CRD, version v1: what the API server checks a RayJob against."""
+    import yaml
+
+    with gzip.open(RAYJOB_CRD, "rt") as f:
+        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert crd["spec"]["names"]["kind"] == "RayJob" and crd["spec"]["group"] == "ray.io"
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def schema_errors(document: dict, schema: dict) -> list[str]:
+    """What the API server would refuse in `document`: the schema's types, enums, patterns and required fields
+    (jsonschema; OpenAPI's own keywords, x-kubernetes-*, are annotations to it), and, as `kubectl apply
+    --validate=strict` does, every field the schema does not declare (a misspelt field is otherwise dropped
+    without a word)."""
+    import jsonschema
+
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in jsonschema.Draft4Validator(schema).iter_errors(document)]
+
+    def unknown(value, node: dict, path: str) -> None:
+        if isinstance(value, dict) and "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+            for key, item in value.items():
+                if key not in node["properties"]:
+                    errors.append(f"{path}.{key}: unknown field")
+                else:
+                    unknown(item, node["properties"][key], f"{path}.{key}")
+        elif isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+            for key, item in value.items():
+                unknown(item, node["additionalProperties"], f"{path}.{key}")
+        elif isinstance(value, list) and "items" in node:
+            for i, item in enumerate(value):
+                unknown(item, node["items"], f"{path}[{i}]")
+
+    unknown(document, schema, "")
+    return errors
+
+
+def test_the_rayjob_example_is_a_rayjob_kuberay_accepts(rayjob_schema):
+    import yaml
+
+    from tests.helpers import ROOT
+
+    job = yaml.safe_load((ROOT / "examples" / "rayjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert schema_errors(job, rayjob_schema) == []
+    assert "openAPIV3Schema" not in job and KUBERAY_VERSION in RAYJOB_CRD.with_name("README.md").read_text()
+
+    # The check can fail: a wrong type, a required field missing, a misspelt field.
+    bad = copy.deepcopy(job)
+    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "4"
+    del bad["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["name"]
+    bad["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParam"] = {}
+    errors = schema_errors(bad, rayjob_schema)
+    assert any(e.startswith("spec.rayClusterSpec.workerGroupSpecs.0.replicas: '4' is not of type") for e in errors)
+    assert "spec.rayClusterSpec.headGroupSpec.template.spec.containers.0: 'name' is a required property" in errors
+    assert ".spec.rayClusterSpec.headGroupSpec.rayStartParam: unknown field" in errors, errors

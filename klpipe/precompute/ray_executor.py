@@ -13,14 +13,15 @@ an output on a store, on the node that has it). An error klpipe raises is never 
 fail again; the driver names the shard and its error. A rerun of the command runs only the shards
 without a completion marker.
 
-Ray is imported only here, and only once `--ray` is given: `pip install "klpipe[ray]"`.
+Split by job: this module is the driver's loop (what runs, what is complete, progress, failures, stopping);
+ray_task.py the task's body and the board it reports to; ray_cluster.py the cluster (joining it, its nodes and
+slots, whether its nodes see a local output). Ray is imported only in these, and only once `--ray` is given:
+`pip install "klpipe[ray]"`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
 import signal
 import sys
 import threading
@@ -31,16 +32,14 @@ from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, KlpipeError, OutputError, Preempted, first_line
 from klpipe.files.store import Location, is_remote
+from klpipe.precompute import ray_cluster
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats
+from klpipe.precompute.ray_task import Board, shard_task
 from klpipe.precompute.run import PrecomputeSummary
 from klpipe.progress import Progress
 from klpipe.sharding import Shard
 
-INSTALL = 'pip install "klpipe[ray]"'
-# `--ray local` starts a cluster of this machine alone. klpipe passes only configs and summaries through
-# Ray's object store, so a small one does (Ray's own default is 30% of memory).
-LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 CANCEL_GRACE_SECONDS = 15.0  # after a stop: how long running shards get to unwind before their workers are killed
 POLL_SECONDS = 1.0
 
@@ -86,17 +85,6 @@ class ShardsFailed(KlpipeError):
         self.exit_code = exit_code
 
 
-def import_ray():
-    """Ray, or one line naming the install command (exit 2)."""
-    # Ray folds lines it thinks alike ("[repeated 2x]"), shards' lines among them; each names its shard.
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    try:
-        import ray
-    except ImportError:
-        raise InputError(f"--ray needs Ray, which klpipe installs only on request: {INSTALL}") from None
-    return ray
-
-
 def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> RaySummary:
     """Run every shard of `config` not yet complete as one Ray task each, and wait for them all."""
     if config.shard is not None:
@@ -110,20 +98,17 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
 
     # The driver reads the inputs' metadata only: bad inputs fail here, in seconds, before any task starts.
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))
-    ray = import_ray()
-    _connect(ray, ray_config.address, log)
+    ray = ray_cluster.import_ray()
+    ray_cluster.connect(ray, ray_config.address)
     started = time.perf_counter()
     try:
-        nodes = [node for node in ray.nodes() if node.get("Alive")]
-        gpus = sum(node["Resources"].get("GPU", 0) for node in nodes)
-        cpus = sum(node["Resources"].get("CPU", 0) for node in nodes)
-        gpus_per_shard = ray_config.gpus_per_shard if ray_config.gpus_per_shard is not None else (1 if gpus else 0)
-        count = ray_config.num_shards or _existing_count(output) or _cluster_count(
-            gpus, cpus, gpus_per_shard, ray_config.cpus_per_shard)
+        nodes = ray_cluster.alive_nodes(ray)
+        gpus_per_shard = ray_config.gpus_per_shard if ray_config.gpus_per_shard is not None else (
+            1 if ray_cluster.has_gpus(nodes) else 0)
+        count = ray_config.num_shards or _existing_count(output) or ray_cluster.shard_count(
+            nodes, gpus_per_shard, ray_config.cpus_per_shard)
         if not is_remote(output):
-            output.mkdir(parents=True, exist_ok=True)
-            if len(nodes) > 1:
-                _refuse_unseen_output(ray, output, nodes)
+            _check_local_output(ray, output, nodes)
         shards = [Shard(i, count) for i in range(count)]
         total = rollouts.num_rows
         inputs = [fingerprint_of(f.path) for f in rollouts.files]
@@ -153,20 +138,18 @@ def fingerprint_of(path) -> dict:
     return fingerprint(path)
 
 
-def _connect(ray, address: str, log) -> None:
-    import logging
-
-    try:
-        if address == "local":
-            # Token authentication is Ray's default for a new local cluster (its token in ~/.ray); its warning
-            # that it is on would be a stray line in klpipe's output.
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-            ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                     logging_level=logging.WARNING)
-        else:
-            ray.init(address=address, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise InputError(f"--ray {address}: cannot join a Ray cluster there ({first_line(exc)})") from None
+def _check_local_output(ray, output: Location, nodes: list[dict]) -> None:
+    """On a cluster of several nodes a local output must be one every node sees; refused before any shard's
+    task, and without leaving behind a directory this check made."""
+    made = not output.exists()
+    output.mkdir(parents=True, exist_ok=True)
+    if len(nodes) > 1:
+        try:
+            ray_cluster.refuse_unseen_output(ray, output, nodes)
+        except InputError:
+            if made:
+                output.rmdir()
+            raise
 
 
 def _span(rows: tuple[int, int]) -> int:
@@ -179,12 +162,6 @@ def _existing_count(output: Location) -> int | None:
         return None
     counts = {s.count for p in output.iterdir() if (s := sharding.parse_part_name(p.name)) is not None}
     return counts.pop() if len(counts) == 1 else None
-
-
-def _cluster_count(gpus: float, cpus: float, gpus_per_shard: float, cpus_per_shard: float) -> int:
-    if gpus_per_shard:
-        return max(1, int(gpus // gpus_per_shard))
-    return max(1, int(cpus // cpus_per_shard))
 
 
 def _complete(shard: Shard, output: Location, config: PrecomputeConfig, inputs: list[dict]) -> bool:
@@ -203,83 +180,10 @@ def _complete(shard: Shard, output: Location, config: PrecomputeConfig, inputs: 
         and made.policy_model == config.policy)
 
 
-def _refuse_unseen_output(ray, output: Location, nodes: list[dict]) -> None:
-    """A local output must be on storage every node sees (a shared filesystem): each node reads a probe file."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    token = secrets.token_hex(8)
-    probe = output / f".klpipe-ray-probe-{token}"
-    probe.write_text(token)
-    try:
-        sees = ray.remote(num_cpus=0, max_retries=0)(_reads)
-        refs = [sees.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-                .remote(str(probe), token) for node in nodes]
-        blind = [_node_name(node) for node, seen in zip(nodes, ray.get(refs)) if not seen]
-    finally:
-        probe.unlink(missing_ok=True)
-    if blind:
-        raise InputError(f"--output {output} is on this machine's disk, which {len(blind)} of the cluster's "
-                         f"{len(nodes)} nodes do not see ({', '.join(blind)}): write to storage every node sees "
-                         "(s3://..., or a shared filesystem)")
-
-
-def _reads(path: str, token: str) -> bool:
-    try:
-        with open(path) as f:
-            return f.read() == token
-    except OSError:
-        return False
-
-
-def _node_name(node: dict) -> str:
-    return f"{node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})"
-
-
-# -- the tasks ------------------------------------------------------------------------------------
-
-
-class _Board:
-    """A Ray actor the tasks report to, for the driver's one progress line: who runs where, rows and tokens."""
-
-    def __init__(self):
-        self.shards: dict[int, dict] = {}
-
-    def start(self, index: int, node: str) -> None:
-        shard = self.shards.setdefault(index, {"rows": 0, "tokens": 0, "attempts": 0})
-        shard["attempts"] += 1
-        shard["node"] = node
-
-    def chunk(self, index: int, rows: int, tokens: int) -> None:
-        self.shards[index]["rows"] += rows
-        self.shards[index]["tokens"] += tokens
-
-    def snapshot(self) -> dict[int, dict]:
-        return self.shards
-
-
-def _shard_task(config: PrecomputeConfig, board) -> tuple[PrecomputeSummary, str]:
-    """One shard, as a Slurm array task runs it: precompute() with its Shard. Runs in a Ray worker."""
-    import ray
-
-    from klpipe.precompute.run import precompute
-
-    index = config.shard.index
-    node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
-    ray.get(board.start.remote(index, node))
-
-    def log(message: str) -> None:
-        print(f"shard {index}: {message}", file=sys.stderr, flush=True)
-
-    def on_chunk(rows: int, tokens: int) -> None:
-        board.chunk.remote(index, rows, tokens)
-
-    return precompute(config, log=log, on_chunk=on_chunk), node
-
-
 def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, todo: list[Shard], gpus_per_shard: float,
                total: int, done_rows: int, result: RaySummary, log) -> list[PrecomputeSummary]:
-    board = ray.remote(num_cpus=0)(_Board).remote()
-    task = ray.remote(_shard_task).options(
+    board = ray.remote(num_cpus=0)(Board).options(scheduling_strategy=ray_cluster.on_this_node(ray)).remote()
+    task = ray.remote(shard_task).options(
         name="klpipe-shard", num_cpus=ray_config.cpus_per_shard, num_gpus=gpus_per_shard,
         max_retries=ray_config.max_retries, retry_exceptions=False)
     # The driver shows the run's progress; a shard's own progress lines would only repeat it.
@@ -305,8 +209,10 @@ def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, todo: list[
                     summaries.append(summary)
                     nodes.add(node)
                     result.ran.append(shard.index)
+                    # The task's own time (model load, then scoring): the rest of a shard's wall time is Ray's.
                     log(f"shard {shard.index} of {shard.count} done on {node}: {summary.rows:,} rows"
-                        + (f" (and {summary.resumed_rows:,} resumed)" if summary.resumed_rows else ""))
+                        + (f" (and {summary.resumed_rows:,} resumed)" if summary.resumed_rows else "")
+                        + f" in {summary.load_seconds:.1f} s + {summary.seconds:.1f} s (load + score)")
                 board_state = _snapshot(ray, board)
                 _show(progress, board_state, seen, pending, result, total, config.chunk_rows, todo)
                 if stop.received is not None:
