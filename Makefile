@@ -12,7 +12,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-bf16 bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,12 @@ test-arch: install
 # time waiting on each other (ten times slower on a busy machine).
 test-matrix: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/test_matrix.py
+
+# The GPU's numerics on CPU: every family of the registry matrix with an fp64 oracle, in bf16 (weights and
+# activations; the head accumulates in fp32), tree on and off, against an fp64 forward of the same weights, within
+# a tolerance derived from bf16's rounding (tests/test_bf16.py). make test runs two families of it.
+test-bf16: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py
 
 # Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
 # ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.

@@ -85,10 +85,11 @@ def test_head_blocks_for_e2b_and_the_bytes_per_scored_token():
     blocks = HeadBlocks.for_device(262_144, "cuda")
     assert blocks.rows * blocks.vocab * 4 <= 32 << 20 and blocks.vocab % 256 == 0
     figures = blocks.bytes_per_token(8192, 262_144, 1536)
-    # Written out: the weight once per 8,192 tokens, one fp32 out; hidden states once per vocabulary block.
+    # Written out: the minimum reads the weight once for 8,192 tokens; the head once per 4,096-row block; hidden
+    # states once per vocabulary block, and the target's hidden state and weight row once.
     assert figures["minimum"] == 262_144 * 1536 * 2 / 8192 + 4
-    assert figures["weight"] == 262_144 * 1536 * 2 / 8192
+    assert figures["weight"] == 262_144 * 1536 * 2 / 4096
     assert figures["hidden"] == 1536 * 2 * (262_144 // blocks.vocab) + 2 * 1536 * 2
-    assert blocks == HeadBlocks(8192, 1024)
+    assert blocks == HeadBlocks(4096, 2048)
     cpu = HeadBlocks.for_device(262_144, "cpu")
     assert cpu == HeadBlocks(1024, 4096)

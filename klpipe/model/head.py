@@ -38,10 +38,11 @@ GPU_LOGITS = 1 << 27
 CPU_LOGITS_CACHED = 1 << 22
 CPU_LOGITS_MAX = 1 << 24
 # The fused head's block: (rows, vocabulary columns). On CUDA 2^23 fp32 values (32 MiB) stay in an H100/H200's
-# 50-60 MB L2 between the matmul that writes them and the passes that read them; rows up to 8,192 read the
-# weight once per 8,192 scored tokens. On CPU 2^22 (16 MiB, a typical L3), rows up to 1,024.
+# 50-60 MB L2 between the matmul that writes them and the passes that read them; rows up to 4,096 read the
+# weight once per 4,096 scored tokens, near where its re-reads and the hidden states' (once per vocabulary
+# block) cost the same bytes. On CPU 2^22 (16 MiB, a typical L3), rows up to 1,024.
 FUSED_GPU_BLOCK = 1 << 23
-FUSED_GPU_ROWS = 8192
+FUSED_GPU_ROWS = 4096
 FUSED_CPU_BLOCK = 1 << 22
 FUSED_CPU_ROWS = 1024
 VOCAB_ALIGN = 256  # vocabulary blocks a multiple of this: whole tiles for the matmul
