@@ -68,6 +68,11 @@ test-matrix: install
 test-bf16: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py
 
+# benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
+# never costs a GPU's minutes. benchmarks/gpu_run.sh runs it for real on a lent GPU.
+bench-gpu-dry-run: install
+	$(BIN)/python benchmarks/bench_gpu.py --dry-run
+
 # Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
 # ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.
 # verl's own Continuous Token builder (tests/test_verl_tool_loop.py) as the truth for --rollout-format verl: the wheel
@@ -117,6 +122,7 @@ TRL_PIN ?= trl==1.16.*
 bench: install
 	$(BIN)/python -c "import trl" 2>/dev/null || $(BIN)/python -m pip install -q '$(TRL_PIN)'
 	$(BIN)/python benchmarks/bench_precompute.py
+	$(BIN)/python benchmarks/bench_head.py
 	$(BIN)/python benchmarks/bench_grpo.py
 	$(BIN)/python benchmarks/bench_agent.py
 	$(BIN)/python benchmarks/bench_tool_mask.py
