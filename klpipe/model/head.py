@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from klpipe.errors import ModelError
+from klpipe.model.transfer import to_host
 
 # Logit values in one block: 2^27 (512 MiB of fp32) on CUDA by default; on CPU 2^22 (16 MiB) where
 # that still gives 256 rows, and never more than 2^24 (64 MiB). The row-blocked head's sizes.
@@ -221,16 +222,6 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
         picked = hidden[rows]  # (M, H)
     out = head._target_logits(picked, targets, temperature) - lse[rows]  # (M,)
     return to_host(out)
-
-
-def to_host(values: torch.Tensor) -> torch.Tensor:
-    """`values` on the CPU: on CUDA into pinned memory without blocking, then one synchronize (the call's only sync)."""
-    if values.device.type != "cuda":
-        return values
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    torch.cuda.current_stream(values.device).synchronize()
-    return host
 
 
 class ModelHead:
