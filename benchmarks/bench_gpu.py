@@ -332,7 +332,8 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=400_000, help="prompt + response tokens per shape, counted per row")
+    parser.add_argument("--tokens", type=int, default=400_000,
+                        help="prompt + response tokens per shape, counted per row")
     parser.add_argument("--shapes", default="grpo,agent", help="comma-separated: grpo, agent")
     parser.add_argument("--runners", default="auto,off,padded", help="comma-separated: auto, off, padded")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
@@ -381,7 +382,8 @@ def report(results: list[dict], peak: float) -> None:
     for r in results:
         print(f"{r['sharing']:<10}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
               f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['padded']:>13,}{r['per_row']:>16,}"
-              f"{r['peak_gib']:>10.1f}{r['needed'].total / 1e12:>8.2f}{r['needed'].attention / r['needed'].total:>10.0%}"
+              f"{r['peak_gib']:>10.1f}{r['needed'].total / 1e12:>8.2f}"
+              f"{r['needed'].attention / r['needed'].total:>10.0%}"
               f"{r['needed_mfu']:>7.1%}{'-' if r['mfu'] != r['mfu'] else format(r['mfu'], '.1%'):>8}")
     print(f"MFU: the FLOPs each runner's method needs over its seconds, against the bf16 peak {peak:g} TFLOP/s; "
           "linear: 2 x the linear weights each fed token passed through")
@@ -394,8 +396,9 @@ def report(results: list[dict], peak: float) -> None:
                    if len(a)), default=0.0)
         speed = base["seconds"] / r["seconds"]
         flop_ratio = base["needed"].total / r["needed"].total
-        print(f"{r['sharing']} / {base['sharing']}: {speed:.2f}x the throughput on {flop_ratio:.2f}x fewer FLOPs needed "
-              f"({speed / flop_ratio:.0%} of the FLOP limit); max |Δ| over the first 16 rows' logprobs: {gap:.3g} (bf16)")
+        print(f"{r['sharing']} / {base['sharing']}: {speed:.2f}x the throughput on {flop_ratio:.2f}x fewer FLOPs "
+              f"needed ({speed / flop_ratio:.0%} of the FLOP limit); max |Δ| over the first 16 rows' logprobs: "
+              f"{gap:.3g} (bf16)")
     if "padded" in by and "auto" in by and base is not by["padded"]:
         print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
 

@@ -58,7 +58,8 @@ def timed(head: LMHead, hidden, targets) -> tuple[float, torch.Tensor]:
 def bytes_table(blocks: HeadBlocks, n: int, weight_bytes: int, where: str) -> str:
     f = blocks.bytes_per_token(n, VOCAB, HIDDEN, weight_bytes)
     return (f"{where:<34}{blocks.rows:>6} x {blocks.vocab:<6}{f['weight'] / 1e3:>10,.1f}{f['hidden'] / 1e3:>10,.1f}"
-            f"{f['out']:>6.0f}{f['memory'] / 1e3:>11,.1f}{f['minimum'] / 1e3:>11,.1f}{f['memory'] / f['minimum']:>7.2f}x"
+            f"{f['out']:>6.0f}{f['memory'] / 1e3:>11,.1f}{f['minimum'] / 1e3:>11,.1f}"
+            f"{f['memory'] / f['minimum']:>7.2f}x"
             f"{f['block'] / 1e6:>10,.1f}")
 
 
@@ -72,19 +73,20 @@ def main() -> None:
     targets = torch.randint(0, VOCAB, (args.tokens,))
     peak = matmul_peak()
     flops = 2.0 * args.tokens * VOCAB * HIDDEN
-    print(f"head at E2B width: {args.tokens} scored tokens, hidden {HIDDEN}, vocabulary {VOCAB:,}, softcap {SOFTCAP:g}, "
+    print(f"head at E2B width: {args.tokens} scored tokens, hidden {HIDDEN}, vocabulary {VOCAB:,}, "
+          f"softcap {SOFTCAP:g}, "
           f"fp32, {torch.get_num_threads()} threads; fp32 matmul peak here {peak / 1e9:,.0f} GFLOP/s")
     results = {}
     for name, fused in (("row-blocked", False), ("fused", True)):
         head = LMHead(model, _Config(), "cpu", fused=fused)
         seconds, out = timed(head, hidden, targets)
         results[name] = out
-        print(f"  {name:<12}{seconds:>8.2f} s{args.tokens / seconds:>10,.0f} tokens/s{flops / seconds / peak:>8.0%} of the "
-              f"matmul peak")
+        print(f"  {name:<12}{seconds:>8.2f} s{args.tokens / seconds:>10,.0f} tokens/s"
+              f"{flops / seconds / peak:>8.0%} of the matmul peak")
     gap = float((results["fused"] - results["row-blocked"]).abs().max())
     print(f"  max |fused - row-blocked| = {gap:.2g}")
     print(f"\nbytes the fused head reads and writes per scored token (KB; block: MB of fp32 block traffic, which stays "
-          f"in the L2/L3 when the block fits):")
+          "in the L2/L3 when the block fits):")
     print(f"{'':<34}{'block':>15}{'weight':>10}{'hidden':>10}{'out':>6}{'total':>11}{'minimum':>11}{'':>8}"
           f"{'block':>10}")
     print(bytes_table(HeadBlocks.for_device(VOCAB, "cuda"), 8192, 2, "CUDA bf16, 8,192 tokens a call"))

@@ -73,7 +73,8 @@ def test_the_fused_head_never_makes_a_block_wider_than_its_vocabulary_block(monk
 
     shapes = []
     right = module._fp32_matmul
-    monkeypatch.setattr(module, "_fp32_matmul", lambda h, w, b: shapes.append((h.shape[0], w.shape[0])) or right(h, w, b))
+    monkeypatch.setattr(module, "_fp32_matmul",
+                        lambda h, w, b: shapes.append((h.shape[0], w.shape[0])) or right(h, w, b))
     model = _Model(1000, 16, torch.float32, False)
     head = LMHead(model, _Config(), "cpu")
     head.blocks = HeadBlocks(rows=10, vocab=256)

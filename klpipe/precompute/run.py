@@ -349,7 +349,9 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
         # error or a stop, closing the stream stops that thread now, not when the stream is collected.
         with closing(prefetch(map(read_ahead, chunks))) as stream:
             for tokenized, pairs, needed, ahead in stream:
-                plan = ahead if ahead is not None and sharing.current(ahead) else sharing.plan(pairs, max_tokens, needed)
+                if ahead is None or not sharing.current(ahead):  # not made ahead, or under a mode since changed
+                    ahead = sharing.plan(pairs, max_tokens, needed)
+                plan = ahead
                 plan_stats(plan, summary.forward)
                 logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
                 policy_logprobs = None
