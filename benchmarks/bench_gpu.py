@@ -1,8 +1,19 @@
-"""GPU benchmark: klpipe precompute on a random model of Gemma 4 E2B's text shape, the prefix tree on and off.
+"""GPU benchmark: klpipe precompute on a random model of Gemma 4 E2B's text shape, the prefix tree on and off, and
+the rows padded through transformers as TRL does.
 
-    python benchmarks/bench_gpu.py                   # ~2M tokens of agent-shaped rows; under 5 minutes on one H200
+    python benchmarks/bench_gpu.py                   # GRPO and agent rows, ~400k tokens each, auto, off, padded
     python benchmarks/bench_gpu.py --tokens 200000   # a quick look
     python benchmarks/bench_gpu.py --model qwen3_5 --tokens 500000   # the hybrid, below
+    python benchmarks/bench_gpu.py --dry-run         # the same script on CPU, a tiny shape: CI runs it
+    benchmarks/gpu_run.sh                            # on a lent GPU machine: the wheel it needs, then the run
+
+Two shapes of rows (--shapes): `grpo`, GRPO groups of 8 sharing a prompt of ~1,900 tokens (1,500-2,300); `agent`,
+below. Three runners each: `auto` and `off` (klpipe.precompute end to end), and `padded`, the contender: the rows
+as TRL's GRPOTrainer feeds its reference model (prompts padded on the left, completions on the right, batches of
+8 in input order, the model's own forward with an attention mask, logits kept for the completion only, an fp32
+log_softmax gathered row by row), timed over its loop. `--dry-run` builds a tiny model of the same family (hidden
+64, 6 layers, vocabulary 4,096) and rows 1/32 as long, and runs everything on CPU in bf16: no figure of it means
+anything, but a typo costs no device minute.
 
 The model has E2B's text shape as transformers' Gemma 4 conversion script defines it: hidden 1536,
 35 layers (4 sliding : 1 full, window 512), 8 query heads and 1 KV head, per-layer inputs of 256,
@@ -10,11 +21,12 @@ the last 20 layers sharing KV, double-wide MLPs in those, vocabulary 262,144 wit
 final-logit softcap 30. Its weights are random (nothing is downloaded), in bfloat16, saved once
 under build/bench/gpu/ and loaded by `klpipe precompute` like any local checkpoint.
 
-Rows are agent-shaped: a 1,500-token system prompt in every row, then GRPO groups of 8 sharing a
+Agent rows: a 1,500-token system prompt in every row, then GRPO groups of 8 sharing a
 task of 128-1024 tokens, responses of 32-1024 tokens (log-uniform), about --tokens tokens counted per
 row (prompt + response). Each mode runs
 `klpipe.precompute` end to end (read, validate, forward, write), model loading excluded, and prints
-response tokens/s, tokens fed/s, peak GPU memory, and two shares of the GPU's bf16 dense peak:
+response tokens/s, tokens fed/s, peak GPU memory (on CPU: the process's peak RSS), and two shares of the GPU's
+bf16 dense peak:
 
   MFU        the FLOPs the mode's method needs (benchmarks/flops.py: linear per fed token, attention
              per needed causal pair, sliding windows respected, the KV-shared layers on a node's last
@@ -50,6 +62,7 @@ MODEL_DIR = WORK / "gemma4-e2b-shape"
 VOCAB = 262_144  # E2B's
 ROW_VOCAB = 248_320  # the rows' ids, below both models' vocabularies (the hybrid's is this)
 GROUP_SIZE = 8
+TRL_BATCH = 8  # GRPOTrainer's reference pass, batch_size 8 (benchmarks/contenders.py)
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s; --peak-tflops for anything else.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
@@ -57,6 +70,13 @@ PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 225
 def e2b_text_config():
     from transformers import Gemma4TextConfig
 
+    if DRY:  # the same family, tiny: sliding and full layers, KV-shared layers, softcap, per-layer inputs
+        return Gemma4TextConfig(
+            vocab_size=VOCAB, hidden_size=64, hidden_size_per_layer_input=16, intermediate_size=128,
+            num_hidden_layers=6, layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=32, num_kv_shared_layers=3,
+            use_double_wide_mlp=True, final_logit_softcapping=30.0, sliding_window=16, tie_word_embeddings=True,
+            max_position_embeddings=8192)
     return Gemma4TextConfig(
         vocab_size=VOCAB, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=4 * 1536,
         num_hidden_layers=35, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
@@ -88,9 +108,14 @@ def causal_lm(name: str):
 
 
 MODEL = "gemma4-e2b"  # main() sets it from --model
+DRY = False  # main() sets it from --dry-run: CPU, a tiny model of the same family, rows SCALE times shorter
+SCALE = 1
+DEVICE = "cuda"
 
 
 def model_dir() -> Path:
+    if DRY:
+        return WORK / f"{MODEL}-tiny"
     return MODEL_DIR if MODEL == "gemma4-e2b" else WORK / f"{MODEL}-shape"
 
 
@@ -103,30 +128,40 @@ def build_model() -> None:
     started = time.perf_counter()
     torch.manual_seed(0)
     cls, config = causal_lm(MODEL)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = cls(config()).to(torch.bfloat16)
     model.save_pretrained(model_dir(), safe_serialization=True)
     # klpipe loads a tokenizer beside the model; ids are given, so the sample one will do.
     AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(model_dir())
     print(f"built and saved the model in {time.perf_counter() - started:.0f}s", flush=True)
     del model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
-def build_rollouts(tokens: int) -> Path:
+def build_rollouts(shape: str, tokens: int) -> Path:
+    """GRPO or agent rows (see the module's docstring) of about `tokens` tokens counted per row, lengths / SCALE."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = WORK / f"agent-{tokens}.parquet"
+    path = WORK / f"{shape}-{tokens}{'-tiny' if DRY else ''}.parquet"
     if path.exists():
         return path
     rng = np.random.default_rng(0)
-    system = rng.integers(0, ROW_VOCAB, 1500)
+    vocab = ROW_VOCAB if not DRY else VOCAB
+
+    def ids(n: float) -> np.ndarray:
+        return rng.integers(0, vocab, max(1, int(n) // SCALE))
+
+    system = ids(1500)
     prompts, responses, total = [], [], 0
     while total < tokens:
-        prompt = np.concatenate([system, rng.integers(0, ROW_VOCAB, int(rng.integers(128, 1025)))])
+        if shape == "agent":
+            prompt = np.concatenate([system, ids(rng.integers(128, 1025))])
+        else:  # grpo: a prompt of its own per group
+            prompt = ids(rng.integers(1500, 2301))
         for _ in range(GROUP_SIZE):
-            response = rng.integers(0, ROW_VOCAB, int(np.exp(rng.uniform(np.log(32), np.log(1024)))))
+            response = ids(np.exp(rng.uniform(np.log(32), np.log(1024))))
             prompts.append(prompt)
             responses.append(response)
             total += len(prompt) + len(response)
@@ -207,16 +242,72 @@ def needed_flops(rollouts: Path, sharing: str) -> tuple[flops.Flops, int]:
     return model_flops().method(segments, sum(map(len, responses))), flops.fed_tokens(segments)
 
 
-def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
+def reset_peak() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    """Peak GPU memory allocated since reset_peak; on CPU the process's peak resident set (never reset)."""
+    import torch
+
+    if DEVICE == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_padded(rollouts: Path, peak_tflops: float) -> dict:
+    """The contender: the rows padded through transformers as TRL's GRPOTrainer feeds its reference model."""
     import pyarrow.parquet as pq
     import torch
+    from transformers import AutoModelForCausalLM
+
+    table = pq.read_table(rollouts, columns=["prompt_ids", "response_ids"])
+    prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).to(DEVICE).eval()
+    reset_peak()
+    logps, padded, started = [], 0, time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(prompts), TRL_BATCH):
+            batch_p, batch_r = prompts[start:start + TRL_BATCH], responses[start:start + TRL_BATCH]
+            p_len, r_len = max(map(len, batch_p)), max(map(len, batch_r))
+            ids = torch.zeros(len(batch_p), p_len + r_len, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, (p, r) in enumerate(zip(batch_p, batch_r)):
+                ids[i, p_len - len(p):p_len + len(r)] = torch.tensor(p + r)
+                mask[i, p_len - len(p):p_len + len(r)] = 1
+            padded += ids.numel()
+            ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=r_len + 1).logits[:, :-1]  # (b, R, V)
+            targets = ids[:, p_len:]
+            for i in range(len(batch_p)):  # TRL's selective_log_softmax for bf16: row by row, in fp32
+                row = logits[i].float()
+                picked = row.gather(-1, targets[i, :, None])[:, 0] - torch.logsumexp(row, dim=-1)
+                logps.append(picked[:len(batch_r[i])])
+        first = [values.cpu().tolist() for values in logps[:16]]
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    needed, fed = needed_flops(rollouts, "off")
+    del model
+    return {"needed": needed, "needed_mfu": needed.total / seconds / (peak_tflops * 1e12), "sharing": "padded",
+            "seconds": seconds, "rows": len(prompts), "tokens": sum(map(len, responses)), "fed": fed,
+            "padded": padded, "per_row": fed, "peak_gib": peak_gib(), "mfu": float("nan"), "first_rows": first}
+
+
+def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
+    import pyarrow.parquet as pq
 
     from klpipe.precompute import PrecomputeConfig, precompute
 
-    out = WORK / f"cached-{sharing}.parquet"
+    out = WORK / f"cached-{rollouts.stem}-{sharing}.parquet"
     out.unlink(missing_ok=True)
-    torch.cuda.reset_peak_memory_stats()
-    summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device="cuda",
+    reset_peak()
+    summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
                                           prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
     cost = flops_per_token()
@@ -233,7 +324,7 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
         "needed": needed, "needed_mfu": needed.total / summary.seconds / (peak_tflops * 1e12),
         "sharing": sharing, "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
         "fed": forward.fed_tokens, "padded": forward.padded_tokens, "per_row": forward.per_row_tokens,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": peak_gib(),
         "mfu": flops / summary.seconds / (peak_tflops * 1e12),
         "first_rows": pq.read_table(out).column("ref_logprobs").slice(0, 16).to_pylist(),
     }
@@ -241,47 +332,75 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=2_000_000, help="prompt + response tokens, counted per row")
+    parser.add_argument("--tokens", type=int, default=400_000,
+                        help="prompt + response tokens per shape, counted per row")
+    parser.add_argument("--shapes", default="grpo,agent", help="comma-separated: grpo, agent")
+    parser.add_argument("--runners", default="auto,off,padded", help="comma-separated: auto, off, padded")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
     parser.add_argument("--model", choices=["gemma4-e2b", "qwen3_5"], default="gemma4-e2b")
+    parser.add_argument("--dry-run", action="store_true", help="on CPU, a tiny model and short rows: checks the script")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    global MODEL
+    global MODEL, DRY, SCALE, DEVICE, VOCAB
     MODEL = args.model
+    shapes, runners = args.shapes.split(","), args.runners.split(",")
 
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("bench_gpu.py needs a CUDA GPU")
-    name = torch.cuda.get_device_name()
-    peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), None)
-    if peak is None:
-        sys.exit(f"unknown GPU {name!r}: pass --peak-tflops")
+    if args.dry_run:
+        if MODEL != "gemma4-e2b":
+            sys.exit("--dry-run builds the tiny Gemma 4 only")
+        DRY, SCALE, DEVICE, VOCAB = True, 32, "cpu", 4096
+        args.tokens = min(args.tokens, 4_000)
+        name, peak = "CPU (dry run: a nominal 1 TFLOP/s peak)", args.peak_tflops or 1.0
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_gpu.py needs a CUDA GPU (--dry-run runs it on CPU)")
+        name = torch.cuda.get_device_name()
+        peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), None)
+        if peak is None:
+            sys.exit(f"unknown GPU {name!r}: pass --peak-tflops")
     WORK.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     build_model()
-    rollouts = build_rollouts(args.tokens)
-    table_rows = pq_rows(rollouts)
-    print(f"{name}, bf16 peak {peak:g} TFLOP/s; {table_rows} rows in groups of {GROUP_SIZE}, ~{args.tokens:,} tokens "
-          f"per row-wise count; {'Gemma 4 E2B text shape' if MODEL == 'gemma4-e2b' else 'Qwen3.5-style hybrid, ~2B'}, "
-          "random weights", flush=True)
-    results = [run(rollouts, sharing, peak) for sharing in ("auto", "off")]
+    what = "Qwen3.5-style hybrid, ~2B" if MODEL == "qwen3_5" else "Gemma 4 E2B text shape"
+    print(f"{name}, bf16 peak {peak:g} TFLOP/s; {'a tiny model of the ' if DRY else ''}{what}, random weights",
+          flush=True)
+    for shape in shapes:
+        rollouts = build_rollouts(shape, args.tokens)
+        print(f"\n{shape} rows: {pq_rows(rollouts)} rows in groups of {GROUP_SIZE}, ~{args.tokens:,} tokens per "
+              "row-wise count", flush=True)
+        results = [run_padded(rollouts, peak) if runner == "padded" else run(rollouts, runner, peak)
+                   for runner in runners]
+        report(results, peak)
+    print(f"\nwhole run {time.perf_counter() - started:.0f}s", flush=True)
 
-    gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(results[0]["first_rows"],
-                                                                          results[1]["first_rows"]) if len(a))
-    print()
-    print(f"{'prefix sharing':<16}{'seconds':>9}{'resp tok/s':>12}{'fed tok/s':>12}{'tokens fed':>13}"
-          f"{'per-row tokens':>16}{'peak GPU GiB':>14}{'TFLOP':>8}{'attention':>10}{'MFU':>7}{'linear':>8}")
+
+def report(results: list[dict], peak: float) -> None:
+    print(f"{'runner':<10}{'seconds':>9}{'resp tok/s':>12}{'fed tok/s':>12}{'tokens fed':>13}{'padded':>13}"
+          f"{'per-row tokens':>16}{'peak GiB':>10}{'TFLOP':>8}{'attention':>10}{'MFU':>7}{'linear':>8}")
     for r in results:
-        print(f"{r['sharing']:<16}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
-              f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['per_row']:>16,}{r['peak_gib']:>14.1f}"
-              f"{r['needed'].total / 1e12:>8.1f}{r['needed'].attention / r['needed'].total:>10.0%}"
-              f"{r['needed_mfu']:>7.1%}{r['mfu']:>8.1%}")
-    speed = results[1]["seconds"] / results[0]["seconds"]
-    flop_ratio = results[1]["needed"].total / results[0]["needed"].total
-    print(f"\nMFU: the FLOPs each mode needs over its seconds, against the bf16 peak {peak:g} TFLOP/s; linear: "
-          "2 x the linear weights each fed token passed through")
-    print(f"auto / off throughput: {speed:.2f}x on {flop_ratio:.2f}x fewer FLOPs needed ({speed / flop_ratio:.0%} of "
-          f"the FLOP limit); max |auto - off| over the first 16 rows' logprobs: {gap:.3g} (bf16)")
+        print(f"{r['sharing']:<10}{r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>12,.0f}"
+              f"{r['fed'] / r['seconds']:>12,.0f}{r['fed']:>13,}{r['padded']:>13,}{r['per_row']:>16,}"
+              f"{r['peak_gib']:>10.1f}{r['needed'].total / 1e12:>8.2f}"
+              f"{r['needed'].attention / r['needed'].total:>10.0%}"
+              f"{r['needed_mfu']:>7.1%}{'-' if r['mfu'] != r['mfu'] else format(r['mfu'], '.1%'):>8}")
+    print(f"MFU: the FLOPs each runner's method needs over its seconds, against the bf16 peak {peak:g} TFLOP/s; "
+          "linear: 2 x the linear weights each fed token passed through")
+    by = {r["sharing"]: r for r in results}
+    base = by.get("off") or by.get("padded")
+    for r in results:
+        if r is base:
+            continue
+        gap = max((float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(r["first_rows"], base["first_rows"])
+                   if len(a)), default=0.0)
+        speed = base["seconds"] / r["seconds"]
+        flop_ratio = base["needed"].total / r["needed"].total
+        print(f"{r['sharing']} / {base['sharing']}: {speed:.2f}x the throughput on {flop_ratio:.2f}x fewer FLOPs "
+              f"needed ({speed / flop_ratio:.0%} of the FLOP limit); max |Δ| over the first 16 rows' logprobs: "
+              f"{gap:.3g} (bf16)")
+    if "padded" in by and "auto" in by and base is not by["padded"]:
+        print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
 
 
 def pq_rows(path: Path) -> int:

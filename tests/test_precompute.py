@@ -488,3 +488,20 @@ def test_column_mapping_reads_and_writes_the_users_names(tmp_path, models):
     with pytest.raises(OutputError, match="exists and was made by a different run"):
         run(tmp_path, inputs=[dump], model=TINY_LLAMA, name="mapped.parquet", columns={**columns, "id": "prompt"},
             chunk_rows=7)
+
+
+@pytest.mark.parametrize("sharing", ["off", "on"])
+def test_chunks_are_planned_in_the_read_ahead_thread_and_match_the_oracle(tmp_path, models, monkeypatch, sharing):
+    """Once the mode is settled (off, or the probe passed), a chunk's plan is made while the one before computes."""
+    from klpipe.precompute import sharing as module
+
+    threads = []
+    real = module.plan_chunk
+    monkeypatch.setattr(module, "plan_chunk", lambda *a, **k: threads.append(threading.current_thread().name)
+                        or real(*a, **k))
+    summary = run(tmp_path, model=TINY_LLAMA, chunk_rows=3, prefix_sharing=sharing)
+    chunks = -(-pq.read_metadata(ROLLOUTS).num_rows // 3)
+    assert chunks >= 3 and len(threads) >= chunks
+    # The first chunks may be read before the probe has run (under on, at load); every later one is planned ahead.
+    assert threads.count("klpipe-prefetch") >= chunks - 3, threads
+    assert_matches_oracle(models[TINY_LLAMA], pq.read_table(summary.output))

@@ -1,13 +1,14 @@
 """The reference model: the only package that imports torch and transformers.
 
 loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
-head.py       the LM head on selected hidden states, in blocks, fp32 logsumexp
+head.py       the LM head on selected hidden states, fused over vocabulary blocks, fp32 online log-sum-exp
 reference.py  ReferenceModel: rows in, response-token logprobs out
 tree.py       a chunk's prefix tree run pass by pass, in its layout: every distinct prefix once
 continuation.py  what each kind of cache layer continues a prefix from (the table the tree reads)
 context_cache.py the cache a tree pass reads: each node's kept state, gathered or read in place (cascade.py)
 cascade.py    attention over a row's path where it lies, for the tree's full-attention layers
 probes.py     load-time check of the chunked head against the model's own logits
+transfer.py   host ↔ device copies: pinned and non-blocking on CUDA
 runtime.py    what the stage records and sizes from torch: the device's memory, the library versions
 """
 

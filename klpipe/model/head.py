@@ -1,34 +1,94 @@
-"""The LM head applied to selected hidden states only, in blocks, with an fp32 logsumexp.
+"""The LM head applied to selected hidden states only, fused over vocabulary blocks, with an fp32 log-sum-exp.
 
 Gemma 4's vocabulary is 262,144: full logits for one 8×2048 batch would be 17 GB of fp32, and
 their log_softmax as much again. Only the positions that predict a response token reach the
-head, a block of rows at a time, so the largest tensor is one (rows, V) block whatever the batch.
+head, and LMHead never makes their (n, V) logits: one pass over the vocabulary in blocks of
+columns does, for each block, the matmul, the model's logit transforms (multiplier, softcap),
+the temperature and an online log-sum-exp (a running max and a rescaled running sum per row, in
+fp32), so the largest tensor is one (rows, vocabulary block) block. The target's logit is one dot
+product per target, of its hidden state and its row of the weight, in fp32, transformed alike; no
+gather reads a block. Liger's fused linear cross-entropy is the model (it takes a softcap too);
+this one is pure torch and runs the same on CPU and CUDA. The matmul accumulates in fp32 and
+hands back fp32 where it can (`_fp32_matmul`): bf16 logits would round a logit of 20 by 0.06.
+
+The only host sync of a call is the final copy of the (M,) logprobs to the host (non-blocking
+into pinned memory on CUDA): no `.item()`, `.tolist()` or shape that depends on values.
 
 LMHead applies the head's weight and the logit transforms klpipe knows (scale, softcap) itself;
 ModelHead runs the model's own forward after the body, for a model whose forward does more. The
 load-time check (probes.py) keeps LMHead only where it reproduces the model's own logits.
+`blocked_logprobs` is the earlier row-blocked head (whole rows of logits, then logsumexp), kept for
+ModelHead, which can only make whole rows, and measured against the fused head in
+benchmarks/bench_head.py.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from klpipe.errors import ModelError
+from klpipe.model.transfer import to_host
 
 # Logit values in one block: 2^27 (512 MiB of fp32) on CUDA by default; on CPU 2^22 (16 MiB) where
-# that still gives 256 rows, and never more than 2^24 (64 MiB).
+# that still gives 256 rows, and never more than 2^24 (64 MiB). The row-blocked head's sizes.
 GPU_LOGITS = 1 << 27
 CPU_LOGITS_CACHED = 1 << 22
 CPU_LOGITS_MAX = 1 << 24
+# The fused head's block: (rows, vocabulary columns). On CUDA 2^23 fp32 values (32 MiB) stay in an H100/H200's
+# 50-60 MB L2 between the matmul that writes them and the passes that read them; rows up to 4,096 read the
+# weight once per 4,096 scored tokens, near where its re-reads and the hidden states' (once per vocabulary
+# block) cost the same bytes. On CPU 2^22 (16 MiB, a typical L3), rows up to 1,024.
+FUSED_GPU_BLOCK = 1 << 23
+FUSED_GPU_ROWS = 4096
+FUSED_CPU_BLOCK = 1 << 22
+FUSED_CPU_ROWS = 1024
+VOCAB_ALIGN = 256  # vocabulary blocks a multiple of this: whole tiles for the matmul
+
+
+@dataclass(frozen=True)
+class HeadBlocks:
+    """How the fused head cuts an (n, V) problem: `rows` hidden states at a time, `vocab` columns at a time."""
+
+    rows: int
+    vocab: int
+
+    @staticmethod
+    def for_device(vocab_size: int, device: str, logits_budget: int | None = None) -> HeadBlocks:
+        on_gpu = str(device).startswith("cuda")
+        budget = logits_budget or (FUSED_GPU_BLOCK if on_gpu else FUSED_CPU_BLOCK)
+        rows = min(FUSED_GPU_ROWS if on_gpu else FUSED_CPU_ROWS, max(1, budget // VOCAB_ALIGN))
+        vocab = max(VOCAB_ALIGN, (budget // rows) // VOCAB_ALIGN * VOCAB_ALIGN)
+        return HeadBlocks(rows, min(vocab, vocab_size))
+
+    def bytes_per_token(self, n: int, vocab_size: int, hidden_size: int, weight_bytes: int = 2,
+                        block_passes: int = 5) -> dict[str, float]:
+        """Bytes the fused head reads and writes per scored token, for a call on `n` tokens, beside the minimum.
+
+        `weight`: the head's weight, read once per row block; `hidden`: each row block's hidden states, read once
+        per vocabulary block; `out`: one fp32 logprob; `block`: the fp32 (rows, vocab) block's passes (the matmul
+        writes it, the transform rewrites it, the max reads it, exp rewrites it, the sum reads it: `block_passes`
+        full reads or writes), which stay in the L2 (CUDA) or L3 (CPU) when the block fits it.
+        `minimum`: the weight's share (read once for all n tokens) and one fp32 out."""
+        row_blocks = -(-n // self.rows)
+        vocab_blocks = -(-vocab_size // self.vocab)
+        weight = vocab_size * hidden_size * weight_bytes * row_blocks / n
+        hidden = hidden_size * weight_bytes * vocab_blocks
+        target = 2 * hidden_size * weight_bytes  # the target's hidden state and row of the weight, once
+        block = block_passes * 4.0 * vocab_size
+        return {"weight": weight, "hidden": hidden + target, "out": 4.0, "block": block,
+                "memory": weight + hidden + target + 4.0,
+                "minimum": vocab_size * hidden_size * weight_bytes / n + 4.0}
 
 
 class LMHead:
     """A causal LM's own output layer and logit transforms, as logprobs of chosen targets."""
 
-    def __init__(self, model, text_config, device: str, logits_budget: int | None = None):
+    def __init__(self, model, text_config, device: str, logits_budget: int | None = None,
+                 fused: bool | None = None):
         head = model.get_output_embeddings()
         if head is None or not hasattr(head, "weight"):
             raise ModelError(f"{type(model).__name__} has no linear LM head klpipe can apply in chunks")
@@ -43,10 +103,14 @@ class LMHead:
         self.vocab_size = self.weight.shape[0]
         self.logits_budget = logits_budget
         self.rows = self.rows_for(self.vocab_size, device, logits_budget)
+        self.blocks = HeadBlocks.for_device(self.vocab_size, device, logits_budget)
+        # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
+        # (benchmarks/bench_head.py, README "Benchmarks"); `fused=False` keeps the row-blocked head.
+        self.fused = True if fused is None else fused
 
     @staticmethod
     def rows_for(vocab_size: int, device: str, logits_budget: int | None) -> int:
-        """Rows of the head applied at once: bounds the (rows, V) fp32 logits block."""
+        """Rows of the row-blocked head applied at once: bounds the (rows, V) fp32 logits block."""
         if logits_budget is None and not device.startswith("cuda"):
             # CPU: a 16 MiB block stays in a typical L3 cache, where the logsumexp runs ~25% faster
             # than over 64 MiB (vocabulary 8k, `make bench`); but under 256 rows a block re-reads
@@ -54,23 +118,48 @@ class LMHead:
             return max(1, min(CPU_LOGITS_MAX // vocab_size, max(CPU_LOGITS_CACHED // vocab_size, 256)))
         return max(1, (logits_budget or GPU_LOGITS) // vocab_size)
 
+    @torch.inference_mode()
     def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                  rows: torch.Tensor | None = None) -> torch.Tensor:
         """log p(targets[i] | hidden[rows[i]]) as float32 on the CPU: (N, H), (M,), rows (M,) → (M,).
 
         `rows` defaults to 0..N-1 (one target per hidden state). Several targets may read one hidden
         state: where rows of a chunk part ways, one position predicts a different token for each, and
-        its logsumexp is computed once. The naive equivalent, which this never materialises for all
-        rows at once:
+        its log-sum-exp is computed once. The naive equivalent, which this never materialises:
 
             logits = model.lm_head(hidden).float()              # (N, V)
             logits = softcap · tanh(logits / softcap) / temperature
             torch.log_softmax(logits, -1)[rows, targets]
         """
-        return blocked_logprobs(self._logits, self.rows, self.weight.device, hidden, targets, temperature, rows)
+        if not self.fused:
+            return blocked_logprobs(self._logits, self.rows, self.weight.device, hidden, targets, temperature, rows)
+        return fused_logprobs(self, hidden, targets, temperature, rows)
+
+    def _transform(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The model's logit transforms and the temperature, in place on fp32 `logits` (any shape)."""
+        scale = self.logit_multiplier
+        if self.softcap:
+            # c · tanh(m·z / c) / T: the multiplier and 1/c in one pass, c/T in another.
+            logits.mul_(scale / self.softcap).tanh_().mul_(self.softcap / temperature)
+        elif scale / temperature != 1.0:
+            logits.mul_(scale / temperature)
+        return logits
+
+    def _block_logits(self, hidden: torch.Tensor, start: int, stop: int, temperature: float) -> torch.Tensor:
+        """(n, stop - start) fp32 transformed logits of vocabulary block [start, stop), accumulated in fp32."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        return self._transform(_fp32_matmul(hidden, self.weight[start:stop], bias), temperature)
+
+    def _target_logits(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(M,) fp32 transformed logits of each (hidden state, target) pair: one fp32 dot product each."""
+        rows = self.weight[targets].float()  # (M, H)
+        logits = torch.einsum("mh,mh->m", hidden.float(), rows)
+        if self.bias is not None:
+            logits += self.bias[targets].float()
+        return self._transform(logits, temperature)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(n, V) fp32 logits of (n, H) hidden states, transformed as the model does."""
+        """(n, V) fp32 logits of (n, H) hidden states, transformed as the model does (the row-blocked head)."""
         logits = F.linear(hidden, self.weight, self.bias).float()  # (n, V), fp32 from here
         # In place: a (n, V) block is the largest tensor klpipe makes; no need for four of them.
         if self.logit_multiplier != 1.0:
@@ -78,6 +167,61 @@ class LMHead:
         if self.softcap:
             logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
+
+
+_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype=float32 for bf16/fp16 there
+
+
+def _fp32_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """hidden (n, H) @ weight (v, H)ᵀ + bias as fp32, accumulated in fp32: (n, v).
+
+    bf16 and fp16 products are exact in fp32 and the sum accumulates in fp32; on CUDA torch.mm's out_dtype hands
+    the fp32 accumulator back unrounded at bf16 tensor-core speed. Where torch has no such kernel (CPU), the
+    block of the weight is widened to fp32 first: the same values and the same fp32 sum."""
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(hidden, weight, bias)
+    kind = hidden.device.type
+    if kind == "cuda" and _OUT_DTYPE.get(kind, True) and hidden.dtype == weight.dtype:
+        try:
+            out = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            _OUT_DTYPE[kind] = True
+            return out if bias is None else out.add_(bias.float())
+        except (TypeError, RuntimeError):
+            _OUT_DTYPE[kind] = False
+    return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+
+def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   rows: torch.Tensor | None) -> torch.Tensor:
+    """LMHead.logprobs, fused over vocabulary blocks: log-sum-exp online, the target's logit by a dot product."""
+    device = head.weight.device
+    hidden = hidden.to(device, non_blocking=True)  # (N, H)
+    targets = targets.to(device, non_blocking=True)  # (M,)
+    n = hidden.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=device)  # (N,) each hidden state's log-sum-exp
+    if hidden.dtype != head.weight.dtype and hidden.dtype.is_floating_point:
+        hidden = hidden.to(head.weight.dtype)
+    if not hidden.is_cuda and hidden.dtype != torch.float32:
+        hidden = hidden.float()  # CPU: widened once for every vocabulary block (_fp32_matmul would each time)
+    blocks, vocab = head.blocks, head.vocab_size
+    for start in range(0, n, blocks.rows):
+        part = hidden[start:start + blocks.rows]  # (r, H)
+        best = torch.full((part.shape[0],), -torch.inf, dtype=torch.float32, device=device)  # (r,) running max
+        total = torch.zeros(part.shape[0], dtype=torch.float32, device=device)  # (r,) Σ exp(z - best)
+        for low in range(0, vocab, blocks.vocab):
+            logits = head._block_logits(part, low, min(low + blocks.vocab, vocab), temperature)  # (r, v) fp32
+            new_best = torch.maximum(best, logits.amax(dim=1))
+            total.mul_(torch.exp(best - new_best))  # rescale what was summed under the old max (0 at first)
+            total.add_(logits.sub_(new_best[:, None]).exp_().sum(dim=1))
+            best = new_best
+        lse[start:start + part.shape[0]] = best + torch.log(total)
+    if rows is None:
+        picked, rows = hidden, slice(None)
+    else:
+        rows = rows.to(device, non_blocking=True)
+        picked = hidden[rows]  # (M, H)
+    out = head._target_logits(picked, targets, temperature) - lse[rows]  # (M,)
+    return to_host(out)
 
 
 class ModelHead:
@@ -136,13 +280,14 @@ class _GivenHidden(torch.nn.Module):
 def blocked_logprobs(logits_of, block_rows: int, device, hidden: torch.Tensor, targets: torch.Tensor,
                      temperature: float, rows: torch.Tensor | None) -> torch.Tensor:
     """log p(targets[i] | hidden[rows[i]]), `logits_of` (n, H) → (n, V) fp32 applied `block_rows` at a time."""
-    hidden = hidden.to(device)
-    targets = targets.to(device)
-    rows = torch.arange(hidden.shape[0], device=device) if rows is None else rows.to(device)
-    out = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
+    # Which targets read which block is planned on the host, from host indices: no sync on the device.
+    rows = torch.arange(hidden.shape[0]) if rows is None else rows.cpu()
     order = torch.argsort(rows, stable=True)  # targets grouped by the block of hidden states they read
-    bounds = torch.searchsorted(rows[order], torch.arange(0, hidden.shape[0] + block_rows, block_rows,
-                                                          device=device)).tolist()
+    bounds = torch.searchsorted(rows[order], torch.arange(0, hidden.shape[0] + block_rows, block_rows)).tolist()
+    hidden = hidden.to(device, non_blocking=True)
+    targets = targets.to(device, non_blocking=True)
+    rows, order = rows.to(device, non_blocking=True), order.to(device, non_blocking=True)
+    out = torch.empty(targets.shape[0], dtype=torch.float32, device=device)
     for block, start in enumerate(range(0, hidden.shape[0], block_rows)):
         logits = logits_of(hidden[start:start + block_rows])  # (n, V) fp32
         if temperature != 1.0:
@@ -150,4 +295,4 @@ def blocked_logprobs(logits_of, block_rows: int, device, hidden: torch.Tensor, t
         wanted = order[bounds[block]:bounds[block + 1]]  # (m,) the targets that read this block
         local = rows[wanted] - start
         out[wanted] = logits[local, targets[wanted]] - torch.logsumexp(logits, dim=-1)[local]
-    return out.cpu()
+    return to_host(out)

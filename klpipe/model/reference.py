@@ -15,6 +15,7 @@ import torch
 from klpipe.model import cascade, loading, probes
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
+from klpipe.model.transfer import to_device
 
 
 class ReferenceModel:
@@ -185,7 +186,7 @@ class ReferenceModel:
         batch = np.zeros((len(rows), longest), dtype=np.int64)
         for i, ids in enumerate(inputs):
             batch[i, : len(ids)] = ids
-        input_ids = torch.from_numpy(batch).to(self.input_device)
+        input_ids = to_device(batch, self.input_device)
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
 
         # Position prompt_len - 1 + j predicts response token j.
@@ -203,7 +204,7 @@ class ReferenceModel:
         """
         row_index = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(targets)])
         position = np.concatenate(positions).astype(np.int64)
-        selected = hidden[torch.from_numpy(row_index).to(hidden.device), torch.from_numpy(position).to(hidden.device)]
+        selected = hidden[to_device(row_index, hidden.device), to_device(position, hidden.device)]
         flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))
         logprobs = self.head.logprobs(selected, flat, temperature).numpy()
         return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])

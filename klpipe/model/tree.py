@@ -147,11 +147,17 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
     selected = hidden[torch.from_numpy(unique // width).to(hidden.device),
                       torch.from_numpy(unique % width).to(hidden.device)]  # (n, H)
     offset = position - wanted.base[row]  # index into each row's response
-    targets = np.array([wanted.targets[r][o] for r, o in zip(row.tolist(), offset.tolist())], dtype=np.int64)
+    # Per row, not per token: the targets read and the logprobs put back a row's run at a time.
+    order = np.argsort(row, kind="stable")
+    runs = np.flatnonzero(np.diff(row[order], prepend=-1))  # where each row's run starts in `order`
+    parts = np.split(order, runs[1:])
+    targets = np.empty(len(row), dtype=np.int64)
+    for part in parts:
+        targets[part] = wanted.targets[int(row[part[0]])][offset[part]]
     logprobs = reference.head.logprobs(selected, torch.from_numpy(targets), temperature,
                                        rows=torch.from_numpy(which.astype(np.int64))).numpy()
-    for r, o, value in zip(row.tolist(), offset.tolist(), logprobs.tolist()):
-        results[r][o] = value
+    for part in parts:
+        results[int(row[part[0]])][offset[part]] = logprobs[part]
 
 
 def _rows_through(tree: Tree) -> list[list[int]]:

@@ -411,13 +411,19 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
     compute_started = time.perf_counter()
     try:
         chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
-        # Reading and tokenizing the next chunks overlaps with the model's work on this one. On an
+        def read_ahead(chunk):  # in the read-ahead thread: tokenized rows and, where it can be made there, the plan
+            tokenized = tokenize(chunk)
+            pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
+            needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
+            return tokenized, pairs, needed, sharing.plan_ahead(pairs, max_tokens, needed)
+
+        # Reading, tokenizing and planning the next chunks overlap with the model's work on this one. On an
         # error or a stop, closing the stream stops that thread now, not when the stream is collected.
-        with closing(prefetch(map(tokenize, chunks))) as stream:
-            for tokenized in stream:
-                pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
-                needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
-                plan = sharing.plan(pairs, max_tokens, needed)
+        with closing(prefetch(map(read_ahead, chunks))) as stream:
+            for tokenized, pairs, needed, ahead in stream:
+                if ahead is None or not sharing.current(ahead):  # not made ahead, or under a mode since changed
+                    ahead = sharing.plan(pairs, max_tokens, needed)
+                plan = ahead
                 plan_stats(plan, summary.forward)
                 logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
                 policy_logprobs = None

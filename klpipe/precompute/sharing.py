@@ -55,6 +55,20 @@ class Sharing:
                 plan = plan_chunk(self.model, pairs, max_tokens, "off", self.cache_tokens, needed)
         return plan
 
+    def plan_ahead(self, pairs, max_tokens: int, needed) -> ChunkPlan | None:
+        """The chunk's plan where making it asks nothing more of the model (rows run whole, or the probe has passed),
+        for the read-ahead thread: planning is numpy on the rows and what the model told the planner before any chunk
+        (check_layout). None where the plan may need the probe; the main thread then plans (`plan`). The caller
+        keeps a plan made ahead only while `current(plan)`: a probe that fails under auto turns the mode off."""
+        mode = self.mode
+        if mode != "off" and not self.probed:
+            return None
+        return plan_chunk(self.model, pairs, max_tokens, mode, self.cache_tokens, needed)
+
+    def current(self, plan: ChunkPlan) -> bool:
+        """Whether `plan` (made ahead) is the plan this mode makes now."""
+        return plan.key == plan_key(self.model, self.mode)
+
     def plan_like(self, other: Sharing, plan: ChunkPlan, pairs, max_tokens: int, needed) -> ChunkPlan:
         """`plan` (made by `other`, for another model) where this model would make the same one, else its own.
         A policy fine-tuned from the reference plans alike."""

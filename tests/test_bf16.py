@@ -1,0 +1,117 @@
+"""bf16 on CPU: the GPU's numerics (bf16 weights and activations, the head accumulating in fp32) through klpipe's
+precompute path, tree on and off, on the architecture matrix's families (tests/matrix.py), against an fp64 forward
+of the same bf16 weights.
+
+The tolerance is derived per model, from bf16's own rounding, never picked:
+
+    u = 2^-8     bf16's machine epsilon (8 significand bits; round-to-nearest errs by at most u/2 = 2^-9)
+
+A bf16 forward rounds every linear layer's output to bf16 (relative error ≤ u/2) and its inputs were rounded before
+(another u/2): at most u per linear output, before whatever the model does between them. How far that moves a
+logprob depends on the model (a random tiny model with large weights is chaotic and amplifies it), so it is
+measured: the fp64 model is run again with every linear layer's output multiplied by (1 + ε), ε drawn uniform in
+[-u, u] per element (`spread`), DRAWS times, and the largest |Δ logprob| against the clean fp64 forward is the
+model's spread under bf16-sized rounding. A random draw's worst element need not be the worst rounding can do, so
+the bound is twice the spread, plus the fp32 head's own 1e-4:
+
+    tolerance = 2 · spread + 1e-4
+
+The head's part is not in the spread: it accumulates in fp32 (model/head.py), so its logits carry fp32 rounding, not
+bf16's (bf16 logits would round a logit of 20 by 0.06: tests/test_head.py holds the head to 1e-4 with bf16 weights).
+`make test` runs a few families; `make test-bf16` (which .ci/run runs) the whole matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests import matrix
+from tests.helpers import oracle_logprobs
+from tests.test_matrix import RECORD
+
+U = 2.0 ** -8
+DRAWS = 2
+HEAD = 1e-4
+FAST = ["gemma4_text", "qwen3"]  # in `make test`: Gemma 4 (softcap, sliding windows, KV-shared layers), Qwen3
+
+
+def spread(model64, rows, expected, draws: int = DRAWS, seed: int = 0) -> float:
+    """The largest |Δ logprob| of the fp64 model with every linear output perturbed by bf16-sized rounding."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def perturb(module, args, out):
+        noise = torch.rand(out.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        return out * (1 + U * noise)
+
+    hooks = [m.register_forward_hook(perturb) for m in model64.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        worst = 0.0
+        for _ in range(draws):
+            for (prompt, response), exact in zip(rows, expected):
+                if len(response):
+                    moved = oracle_logprobs(model64, prompt, response)
+                    worst = max(worst, float(np.max(np.abs(moved - exact))))
+        return worst
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, float]:
+    """({mode: klpipe's bf16 worst |error| against fp64}, the tolerance, the spread) for the tiny model there."""
+    from transformers import AutoModelForCausalLM
+
+    from klpipe.model import ModelSpec, ReferenceModel
+    from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
+    from klpipe.precompute.sharing import Sharing
+
+    reference = ReferenceModel.load(ModelSpec(str(directory), dtype="bfloat16", device="cpu"))
+    rows = matrix.agent_rows(reference.vocab_size)[:12]
+    # The oracle: the same bf16 weights, widened to fp64 (exactly), as transformers loads them.
+    model64 = AutoModelForCausalLM.from_pretrained(directory, dtype="bfloat16").eval()
+    model64 = copy.deepcopy(model64).to(torch.float64)
+    if model64._can_set_experts_implementation():
+        model64.set_experts_implementation("eager")
+    expected = [oracle_logprobs(model64, p, r) for p, r in rows]
+    measured = spread(model64, rows, expected)
+    tolerance = 2 * measured + HEAD
+    errors = {}
+    for mode in modes:
+        sharing = Sharing(reference, mode, 1 << 10, lambda line: None)
+        plan = sharing.plan(rows, 96, None)
+        stats = ForwardStats()
+        plan_stats(plan, stats)
+        assert mode == "off" or stats.tree_rows, "the tree ran no row"
+        results = run_plan(reference, plan, rows, 1.0)
+        errors[mode] = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected) if len(e))
+    return errors, tolerance, measured
+
+
+def check(name: str) -> None:
+    modes = ("off", "on") if RECORD[name]["on"] == "shares" else ("off",)  # the tree where the family shares
+    with tempfile.TemporaryDirectory() as directory:
+        matrix.save_tiny(name, Path(directory))
+        errors, tolerance, measured = bf16_errors(Path(directory), modes)
+    assert all(e <= tolerance for e in errors.values()), (
+        f"{name}: bf16 worst |error| {errors} against fp64; tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_bf16_within_its_own_rounding_of_fp64(name):
+    check(name)
+
+
+# Every family the matrix holds to an fp64 oracle (the others' own code cannot run in fp64).
+FAMILIES = sorted(name for name, entry in RECORD.items() if entry.get("oracle") == "fp64" and "wrong" not in entry)
+
+
+@pytest.mark.bf16
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in FAST])
+def test_bf16_within_its_own_rounding_of_fp64_every_family(name):
+    check(name)
