@@ -49,6 +49,26 @@ def test_rows_packed_side_by_side_never_see_each_other():
         assert torch.allclose(out[:, span], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_padded_pass_attends_each_rows_real_slots_alone(window):
+    """A tree pass without context (packing.Spans): pads on either side never read; and the last slot's query alone,
+    as Gemma 4's KV-shared layers run under logits_to_keep=1."""
+    spans = packing.Spans([0, 3, 7], [20, 17, 13])  # left layout, then right-aligned rows
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(3, 4, 20, 8, generator=generator)
+    key, value = (torch.randn(3, 2, 20, 8, generator=generator) for _ in range(2))
+    kwargs = {"sliding_window": window}
+    out = packing.attend_spans(torch.nn.Module(), query, key, value, spans, 0.0, None, kwargs)  # (b, T, H, d)
+    last = packing.attend_spans(torch.nn.Module(), query[:, :, -1:], key, value, spans, 0.0, None, kwargs)
+    for row, (start, length) in enumerate(zip(spans.starts, spans.lengths)):
+        span = slice(start, start + length)
+        expected = dense(query[row:row + 1, :, span], key[row:row + 1, :, span], value[row:row + 1, :, span],
+                         window).transpose(1, 2)
+        assert torch.allclose(out[row:row + 1, span], expected, atol=1e-5)
+        assert not out[row, :start].any()  # a pad's output: zeros, never read
+        assert torch.allclose(last[row:row + 1], expected[:, -1:], atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs", [{"softcap": 30.0}, {"s_aux": torch.zeros(1)}, {"is_causal": False}])
 def test_a_call_packed_rows_cannot_take_is_refused(kwargs):
     rows = packing.Rows([3, 4])
@@ -69,11 +89,24 @@ def test_packed_rows_execute_at_most_a_tenth_more_pairs_than_needed(window):
     lengths = [1024, 1900, 2047, 4100, 8000]
     assert pairs.needed(lengths, window) == naive_pairs(lengths, window)
     rows = packing.Rows(lengths)
-    query = torch.zeros(1, 2, rows.total, 4)
-    key = torch.zeros(1, 1, rows.total, 4)
-    with pairs.PairCount(torch.nn.Module()) as count:
-        packing.attend(torch.nn.Module(), query, key, key, rows, 0.0, None, {"sliding_window": window})
-    ratio = count.executed["other"] / naive_pairs(lengths, window)
+
+    class Attention(torch.nn.Module):  # what PairCount knows an attention module by
+        def __init__(self):
+            super().__init__()
+            self.layer_idx, self.q_proj, self.sliding_window = 0, torch.nn.Identity(), window
+            self.config = type("Config", (), {"num_attention_heads": 4})()
+
+        def forward(self, query, key):
+            return packing.attend(self, query, key, key, rows, 0.0, None, {"sliding_window": window})
+
+    query = torch.zeros(1, 4, rows.total, 4)
+    key = torch.zeros(1, 2, rows.total, 4)
+    module = Attention()
+    with pairs.PairCount(module) as count:
+        module(query, key)
+    kind = "sliding" if window else "full"
+    assert set(count.executed) == {kind} and count.window[kind] == window
+    ratio = count.executed[kind] / naive_pairs(lengths, window)
     if window is None:
         assert ratio == 1.0  # the causal triangle, row by row
     else:
@@ -99,6 +132,14 @@ def test_rows_run_whole_go_packed_and_match_the_oracle(reference):
         needed = pairs.needed(lengths, count.window[kind]) * len(modules)
         assert needed <= count.executed[kind] <= 1.1 * needed, kind
     assert count.executed["other"] == 0
+
+
+def test_the_trees_passes_without_context_attend_each_row_alone_and_match_the_oracle(reference):
+    rows = agent_rows(reference.vocab_size, seed=3)
+    packing.CALLS.clear()
+    results = chunk_logprobs(reference, rows, 64, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
+    assert worst_error(reference.model, rows, results) <= 1e-4
+    assert packing.CALLS["spans"] > 0 and reference.packed
 
 
 def test_packed_rows_that_disagree_with_the_oracle_keep_rows_padded(monkeypatch):

@@ -14,9 +14,10 @@ while rows are packed) runs each row's segment on its own:
     full layer      one causal SDPA call per row: the kernel skips the keys after each query
     sliding layer   the row's first `window` queries causal; the rest in blocks of `window // 16` queries, each
                     over the `block + window - 1` keys its queries see, as one batched SDPA call with a band mask:
-                    (block - 1) / window more pairs than needed, 6% at a 512-token window
+                                    (block - 1) / window more pairs than needed, 6% at a 512-token window
 
-Grouped-query attention is SDPA's `enable_gqa`, never repeated keys. Every kernel here ships with torch and runs on
+Grouped-query attention never repeats keys: SDPA's `enable_gqa` for the causal calls, and for the masked ones each
+KV head's query heads stacked along the queries (`_grouped`). Every kernel here ships with torch and runs on
 CPU and CUDA alike, any head size (Gemma 4's 512 included); no compilation.
 
 Packing is exact only where each row's logits depend on its own tokens and positions alone: a model whose forward
@@ -29,6 +30,7 @@ raises NotPacked, after which its rows run padded for good.
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -49,11 +51,15 @@ HARMLESS = frozenset({"position_ids", "cache_position", "use_cache", "output_att
 NOT_SDPA = "its attention is not transformers' sdpa"
 STATEFUL = "a layer keeps a recurrent or convolution state, which would run on from one row into the next"
 LONG_ROPE = "its RoPE changes with the batch's length"
-NOT_CAUSAL = "its rows run alone"
+NOT_CAUSAL = "its rows run alone, whole"  # its forward is not causal, or a row changes beside another's pads
 DISAGREE = "packed rows disagree with its own forward"
 WINDOW_TOO_LONG = "its window is longer than the packed probe may be"
 CHECKING = "being checked"  # ReferenceModel.padded_why while `check` runs: score_batch lets NotPacked through
 PROBE_CAP = 8192  # the longest probe the load-time check packs (a window longer than this keeps rows padded)
+
+
+# What each call that ran rows alone took: "rows" (a packed batch) or "spans" (a tree pass without context).
+CALLS: Counter = Counter()
 
 
 class NotPacked(RuntimeError):
@@ -87,45 +93,79 @@ def packed(rows: Rows):
         _ROWS.reset(token)
 
 
+class Spans:
+    """A padded batch whose rows each hold one whole sequence from position 0 (a tree pass without context): row
+    k's real tokens are its slots starts[k] .. starts[k] + lengths[k] - 1, pads around them."""
+
+    def __init__(self, starts, lengths):
+        self.starts = [int(n) for n in starts]
+        self.lengths = [int(n) for n in lengths]
+
+
+_SPANS: ContextVar = ContextVar("klpipe_padded_spans", default=None)
+
+
+@contextmanager
+def spans(rows: Spans):
+    """Attention calls inside attend each batch row's real slots alone, as packed rows do, pads never read."""
+    token = _SPANS.set(rows)
+    try:
+        yield
+    finally:
+        _SPANS.reset(token)
+
+
 def is_packed() -> bool:
-    return _ROWS.get() is not None
+    """Whether attention calls now run each row alone (packed rows, or spans of a padded batch)."""
+    return _ROWS.get() is not None or _SPANS.get() is not None
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               **kwargs):
     """transformers' attention interface: packed rows when a packed batch runs, sdpa untouched otherwise."""
     rows = _ROWS.get()
-    if rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    return attend(module, query, key, value, rows, dropout, scaling, kwargs), None
+    if rows is not None:
+        CALLS["rows"] += 1
+        return attend(module, query, key, value, rows, dropout, scaling, kwargs), None
+    padded = _SPANS.get()
+    if padded is not None:
+        CALLS["spans"] += 1
+        return attend_spans(module, query, key, value, padded, dropout, scaling, kwargs), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
 def mask(*args, **kwargs):
-    """No mask while rows are packed (each segment's attention is causal by construction); sdpa's otherwise."""
-    return None if _ROWS.get() is not None else sdpa_mask(*args, **kwargs)
+    """No mask while rows run alone (each one's attention is causal by construction); sdpa's otherwise."""
+    return None if is_packed() else sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register(NAME, attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
 
 
-def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows, dropout: float,
-           scaling: float | None, kwargs: dict) -> torch.Tensor:
-    """(1, N, H, d_v) attention of query (1, H, N, d) over key, value (1, h, N, d), each row's segment alone."""
+def _plain(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> int | None:
+    """The call's window (None for full attention) where each row's attention alone computes it exactly; raises
+    NotPacked otherwise."""
     unknown = sorted(name for name, given in kwargs.items()
                      if name not in HARMLESS and given is not None and given is not False)
     if unknown:
         raise NotPacked(f"{type(module).__name__} passes {', '.join(unknown)} to its attention")
     if dropout or kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
         raise NotPacked(f"{type(module).__name__}'s attention is not causal or has dropout")
+    if query.shape[1] % key.shape[1] or query.shape[-1] != key.shape[-1]:
+        raise NotPacked(f"{type(module).__name__}'s heads do not group")
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
+def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Rows, dropout: float,
+           scaling: float | None, kwargs: dict) -> torch.Tensor:
+    """(1, N, H, d_v) attention of query (1, H, N, d) over key, value (1, h, N, d), each row's segment alone."""
+    window = _plain(module, query, key, dropout, kwargs)
     if query.shape[0] != 1 or not (query.shape[2] == key.shape[2] == value.shape[2] == rows.total):
         raise NotPacked(f"{type(module).__name__} attends over other keys than the packed batch's own")
     heads, kv_heads = query.shape[1], key.shape[1]
-    if heads % kv_heads or query.shape[-1] != key.shape[-1]:
-        raise NotPacked(f"{type(module).__name__}'s heads do not group")
-    window = kwargs.get("sliding_window")
-    window = int(window) if window else None
     gqa = heads != kv_heads
     out = query.new_empty((1, heads, rows.total, value.shape[-1]))  # (1, H, N, d_v)
     for start, length in zip(rows.starts, rows.lengths):
@@ -133,6 +173,35 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             span = slice(start, start + length)
             out[:, :, span] = segment(query[:, :, span], key[:, :, span], value[:, :, span], scaling, window, gqa)
     return out.transpose(1, 2).contiguous()  # (1, N, H, d_v), as transformers' sdpa returns it
+
+
+def attend_spans(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: Spans, dropout: float,
+                 scaling: float | None, kwargs: dict) -> torch.Tensor:
+    """(b, q, H, d_v) attention of query (b, H, q, d) over key, value (b, h, T, d), each row's real slots alone:
+    q = T (every slot's query; a pad's output is zeros, never read), or q = 1 (the last slot's, where the model
+    keeps only the last position: Gemma 4's KV-shared layers under logits_to_keep=1, every row ending there)."""
+    window = _plain(module, query, key, dropout, kwargs)
+    batch, heads, queries, _ = query.shape
+    slots = key.shape[2]
+    if batch != len(rows.starts) or value.shape[2] != slots or queries not in (1, slots):
+        raise NotPacked(f"{type(module).__name__} attends over other slots than the pass's own")
+    gqa = heads != key.shape[1]
+    out = query.new_zeros((batch, heads, queries, value.shape[-1]))  # (b, H, q, d_v)
+    for row, (start, length) in enumerate(zip(rows.starts, rows.lengths)):
+        if not length:
+            continue
+        if queries == slots:
+            span = slice(start, start + length)
+            out[row:row + 1, :, span] = segment(query[row:row + 1, :, span], key[row:row + 1, :, span],
+                                                value[row:row + 1, :, span], scaling, window, gqa)
+            continue
+        if start + length != slots:
+            raise NotPacked(f"{type(module).__name__} keeps a last position that is a pad")
+        low = start if window is None else max(start, slots - window)  # the last query's keys
+        out[row:row + 1] = torch.nn.functional.scaled_dot_product_attention(
+            query[row:row + 1], key[row:row + 1, :, low:], value[row:row + 1, :, low:], scale=scaling,
+            enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
 
 
 def segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, window: int | None,
@@ -160,16 +229,31 @@ def segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
         k = key[0, :, first - window + 1:stop].unfold(1, span, step).permute(1, 0, 3, 2)  # (blocks, h, span, d)
         v = value[0, :, first - window + 1:stop].unfold(1, span, step).permute(1, 0, 3, 2)
         band = _band(step, span, window, query.device)
-        got = sdpa(q, k, v, attn_mask=band, scale=scaling, enable_gqa=gqa)  # (blocks, H, step, d_v)
+        got = _grouped(sdpa, q, k, v, band, scaling)  # (blocks, H, step, d_v)
         out[0, :, first:stop] = got.transpose(0, 1).flatten(1, 2)
         first = stop
     if first < length:  # the last, shorter block
         rest = length - first
         band = _band(rest, rest + window - 1, window, query.device)
         lo = first - window + 1
-        out[:, :, first:] = sdpa(query[:, :, first:], key[:, :, lo:], value[:, :, lo:], attn_mask=band,
-                                 scale=scaling, enable_gqa=gqa)
+        out[:, :, first:] = _grouped(sdpa, query[:, :, first:], key[:, :, lo:], value[:, :, lo:], band, scaling)
     return out
+
+
+def _grouped(sdpa, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, band: torch.Tensor,
+             scaling: float | None) -> torch.Tensor:
+    """(b, H, q, d_v) masked attention with the query heads of each KV head stacked along the queries: (b, h, g·q, d)
+    against (b, h, k, d), the mask repeated per group. No key is repeated, and no kernel needs to take grouped heads
+    with a mask (CUDA's do not all): a plain multi-head call. Query head i reads KV head i // g, as repeat_kv lays
+    them out."""
+    blocks, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if groups == 1:
+        return sdpa(query, key, value, attn_mask=band, scale=scaling)
+    stacked = query.reshape(blocks, kv_heads, groups * queries, dim)  # (b, h, g·q, d)
+    got = sdpa(stacked, key, value, attn_mask=band.repeat(groups, 1), scale=scaling)  # (b, h, g·q, d_v)
+    return got.reshape(blocks, heads, queries, value.shape[-1])
 
 
 def _band(queries: int, keys: int, window: int, device) -> torch.Tensor:

@@ -81,6 +81,7 @@ class ReferenceModel:
         self.oracle = probes.take_oracle(self)
         probes.check_causal(self)
         if self.own_forward is not None:
+            self.padded_why = packing.NOT_CAUSAL
             return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
         probes.check_head(self, self.oracle)
         probes.check_padding(self, self.oracle)
