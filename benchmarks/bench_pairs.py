@@ -129,11 +129,14 @@ def measure(path: Path, rows, sharing: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter rows: a smoke test")
+    parser.add_argument("--model", nargs="+", choices=["gemma4-pattern", "llama"], default=["gemma4-pattern", "llama"])
+    parser.add_argument("--shape", nargs="+", choices=["GRPO", "agent"], default=["GRPO", "agent"])
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    paths = build_models()
+    paths = {name: path for name, path in build_models().items() if name in args.model}
     shapes = {"GRPO": grpo_rows(np.random.default_rng(0), args.quick),
               "agent": agent_rows(np.random.default_rng(1), args.quick)}
+    shapes = {name: rows for name, rows in shapes.items() if name in args.shape}
     from transformers import AutoConfig
 
     print("| model | rows | sharing | rows run whole | kind | pairs executed ÷ needed | pads ÷ tokens fed | s |")
