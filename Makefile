@@ -146,6 +146,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_head.py
 	$(BIN)/python benchmarks/bench_grpo.py
 	$(BIN)/python benchmarks/bench_agent.py
+	$(BIN)/python benchmarks/bench_pairs.py
 	$(BIN)/python benchmarks/bench_tool_mask.py
 	$(BIN)/python benchmarks/bench_policy.py
 	$(BIN)/python benchmarks/bench_score.py

@@ -195,10 +195,11 @@ class Run:
     own: float  # the fp32 oracle's own worst error against fp64 (0 under an fp32 oracle)
     wrong: list  # the modes whose numbers are beyond the bound
     crashed: dict  # mode -> the raw error it raised (no refusal: a failure)
+    rows: str = "packed"  # how rows run whole went: "packed" (model/packing.py), or "padded: why"
     seconds: float = 0.0
 
     def record(self) -> dict:
-        entry = {"oracle": self.oracle, "auto": self.auto, "on": self.on}
+        entry = {"oracle": self.oracle, "auto": self.auto, "on": self.on, "rows": self.rows}
         if self.wrong:
             entry["wrong"] = {m: f"{self.errors[m]:.3g}" for m in self.wrong}
         if self.crashed:
@@ -276,7 +277,8 @@ def run_family(directory: Path) -> Run:
         errors[mode] = _worst(results, expected)
         said[mode] = "shares" if stats.tree_rows else f"runs whole: {_why(lines[0]) if lines else 'no tree'}"
     wrong = [m for m, e in errors.items() if not e <= own + TOLERANCE]
-    return Run(oracle, said["off"], said["auto"], said["on"], errors, own, wrong, crashed,
+    rows_path = "packed" if reference.packed else f"padded: {reference.padded_why}"  # after every mode ran
+    return Run(oracle, said["off"], said["auto"], said["on"], errors, own, wrong, crashed, rows_path,
                time.perf_counter() - started)
 
 
@@ -360,16 +362,16 @@ def table(record: dict) -> str:
     """The README's table of `record`: a row per registry entry."""
     families = registry()
     # A row opens with the class, not a backticked name: tests/test_docs.py reads those as options.
-    lines = ["| family: class (`model_type`) | `off` | `auto` | `on` |", "|---|---|---|---|"]
+    lines = ["| family: class (`model_type`) | `off` | `auto` | `on` | rows run whole |", "|---|---|---|---|---|"]
     for name in sorted(families):
         entry = record.get(name, {"not_run": "not recorded"})
         head = f"{families[name].class_name} (`{name}`)"
         if "not_run" in entry or "not_built" in entry:
             why = entry.get("not_run") or f"not built tiny: {entry['not_built']}"
-            lines.append(f"| {head} | {why} | | |")
+            lines.append(f"| {head} | {why} | | | |")
             continue
         if "error" in entry:
-            lines.append(f"| {head} | **klpipe fails: {entry['error']}** | | |")
+            lines.append(f"| {head} | **klpipe fails: {entry['error']}** | | | |")
             continue
         crashes = entry.get("crashes", {})
         wrong = entry.get("wrong", {})
@@ -381,7 +383,8 @@ def table(record: dict) -> str:
                 return f"**crashes: {crashes[mode]}**"
             return said or f"at the {entry['oracle']} oracle"
 
-        lines.append(f"| {head} | {cell('off')} | {cell('auto', entry['auto'])} | {cell('on', entry['on'])} |")
+        lines.append(f"| {head} | {cell('off')} | {cell('auto', entry['auto'])} | {cell('on', entry['on'])} "
+                     f"| {entry.get('rows', 'not recorded').replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -394,9 +397,10 @@ def tally(record: dict) -> str:
     shares = sum(e["auto"] == "shares" and "auto" not in e.get("wrong", {}) for e in run.values())
     refused = sum(e["on"].startswith("refused") for e in run.values())
     wrong = sorted(n for n, e in run.items() if e.get("wrong") or e.get("crashes"))
+    packed = sum(e.get("rows") == "packed" for e in run.values())
     return (f"{len(record)} registry entries: {not_run} not a decoder-only model of their own, {not_built} not built "
             f"tiny, {len(run) + len(failing)} decoder-only families run; {exact_off} at the oracle under `off`, "
-            f"{shares} sharing prefixes under `auto`, {refused} refused under `on`"
+            f"{shares} sharing prefixes under `auto`, {refused} refused under `on`, {packed} running rows whole packed"
             + (f"; wrong numbers: {', '.join(wrong)}" if wrong else "")
             + (f"; klpipe fails at load: {', '.join(failing)}" if failing else ""))
 

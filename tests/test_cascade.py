@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade
+from klpipe.model import ModelSpec, ReferenceModel, cascade, packing
 from klpipe.model.context_cache import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
@@ -86,8 +86,10 @@ def test_runs_share_only_the_nodes_they_all_open_with():
 @pytest.fixture(scope="module")
 def llama():
     reference = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
-    # Loaded as transformers loads it: klpipe's attention comes only for a tree (precompute/sharing.py).
-    assert not reference.cascade and reference.model.config._attn_implementation == "sdpa"
+    # At load, only packed rows' attention (sdpa outside a packed batch); the cascade comes only for a tree
+    # (precompute/sharing.py).
+    assert not reference.cascade and reference.packed
+    assert reference.model.config._attn_implementation == packing.NAME
     assert reference.use_cascade() is None  # the probe agrees: nothing to log
     return reference
 
@@ -100,7 +102,7 @@ def test_the_llama_attends_in_place_on_cpu_and_matches_the_oracle(llama):
     assert worst_error(llama.model, rows, results) <= 1e-4
     assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0
     cascade.CALLS.clear()
-    llama.score_batch(rows)  # rows run whole: transformers' sdpa, untouched
+    llama.score_batch(rows)  # rows run whole: packed (packing.py), no tree pass
     assert not cascade.CALLS
 
 

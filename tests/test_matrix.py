@@ -34,14 +34,15 @@ def test_the_readme_table_is_the_records():
 
 def test_the_table_states_every_outcome():
     """The table is told by the record, wrong numbers included: a family recorded wrong reads as wrong."""
-    record = {"llama": {"oracle": "fp64", "auto": "shares", "on": "shares"},
+    record = {"llama": {"oracle": "fp64", "auto": "shares", "on": "shares", "rows": "packed"},
               "qwen3": {"oracle": "fp64", "auto": "runs whole: a reason", "on": "refused: a reason",
-                        "wrong": {"off": "8.81"}},
+                        "rows": "padded: a reason", "wrong": {"off": "8.81"}},
               "bart": {"not_run": "the decoder half of an encoder-decoder model"}}
     rows = {line.split(" | ")[0]: line for line in matrix.table(record).splitlines()}
-    assert rows["| LlamaForCausalLM (`llama`)"] == "| LlamaForCausalLM (`llama`) | at the fp64 oracle | shares | shares |"
+    assert rows["| LlamaForCausalLM (`llama`)"] == (
+        "| LlamaForCausalLM (`llama`) | at the fp64 oracle | shares | shares | packed |")
     assert rows["| Qwen3ForCausalLM (`qwen3`)"] == (
-        "| Qwen3ForCausalLM (`qwen3`) | **wrong by 8.81** | runs whole: a reason | refused: a reason |")
+        "| Qwen3ForCausalLM (`qwen3`) | **wrong by 8.81** | runs whole: a reason | refused: a reason | padded: a reason |")
     assert "the decoder half of an encoder-decoder model" in rows["| BartForCausalLM (`bart`)"]
     assert "| GPT2LMHeadModel (`gpt2`) | not recorded" in matrix.table(record)
     assert "wrong numbers: qwen3" in matrix.tally(record)

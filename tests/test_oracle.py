@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade, head
+from klpipe.model import ModelSpec, ReferenceModel, cascade, head, packing
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from klpipe.precompute.sharing import Sharing
 from tests.helpers import TINY_LLAMA, agent_rows, worst_error
@@ -21,30 +21,31 @@ def load():
     return ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
 
 
-def test_nothing_of_klpipes_is_installed_at_load_nor_under_off():
+def test_only_packed_rows_attention_is_installed_at_load_and_under_off():
     reference = load()
     assert reference.notes == [] and isinstance(reference.head, head.LMHead) and not reference.rows_alone
     lines = []
     Sharing(reference, "off", 1024, lines.append)
-    assert not reference.cascade and reference.model.config._attn_implementation == "sdpa" and lines == []
+    # Only packed rows' attention is installed at load (transformers' sdpa outside a packed batch).
+    assert not reference.cascade and reference.model.config._attn_implementation == packing.NAME and lines == []
     Sharing(reference, "auto", 1024, lines.append)
     assert reference.cascade and reference.model.config._attn_implementation == cascade.NAME and lines == []
 
 
 def test_a_wrong_attention_substitute_is_dropped_with_one_line(monkeypatch):
     reference = load()
-    right = cascade.sdpa_attention_forward
+    right = packing.attention
 
     def wrong(module, query, key, value, attention_mask, **kwargs):  # twice the scores' scale
         kwargs["scaling"] = 2 * (kwargs.get("scaling") or query.shape[-1] ** -0.5)
         return right(module, query, key, value, attention_mask, **kwargs)
 
-    monkeypatch.setattr(cascade, "sdpa_attention_forward", wrong)  # what klpipe's attention runs outside a pass
+    monkeypatch.setattr(packing, "attention", wrong)  # what the cascade's attention runs for packed rows
     lines = []
     sharing = Sharing(reference, "on", 1024, lines.append)
     assert len(lines) == 1 and lines[0].startswith("LlamaForCausalLM: klpipe's cascade attention disagrees with "
                                                    "the model's own sdpa attention (max |Δ logprob| = ")
-    assert not reference.cascade and reference.model.config._attn_implementation == "sdpa"
+    assert not reference.cascade and reference.model.config._attn_implementation == packing.NAME
     assert sharing.mode == "on"  # the tree stays: with the model's own attention it agrees
     rows = agent_rows(reference.vocab_size)[:10]
     cascade.CALLS.clear()

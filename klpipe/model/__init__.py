@@ -3,6 +3,8 @@
 loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
 head.py       the LM head on selected hidden states, fused over vocabulary blocks, fp32 online log-sum-exp
 reference.py  ReferenceModel: rows in, response-token logprobs out
+packing.py    rows run whole end to end without pads, each row's attention alone (windows as windows)
+pairs.py      the attention pairs kernels execute, per layer kind, from their own call arguments
 tree.py       a chunk's prefix tree run pass by pass, in its layout: every distinct prefix once
 continuation.py  what each kind of cache layer continues a prefix from (the table the tree reads)
 context_cache.py the cache a tree pass reads: each node's kept state, gathered or read in place (cascade.py)

@@ -37,7 +37,9 @@ from contextvars import ContextVar
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from klpipe.model import packing
 
 NAME = "klpipe_cascade_sdpa"
 
@@ -61,6 +63,8 @@ _flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                **kwargs):
+    if packing.is_packed():  # rows run whole, packed (packing.py), while the tree's attention is installed
+        return packing.attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cache = _PASS.get()
     layer = None
     if cache is not None and isinstance(getattr(module, "layer_idx", None), int) and module.layer_idx < len(cache.layers):
@@ -94,7 +98,8 @@ def _exact_here(module, query, key, value, dropout: float, kwargs: dict) -> bool
 
 
 AttentionInterface.register(NAME, _attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the mask is sdpa's: outside a pass it is sdpa
+# The mask is sdpa's (outside a pass it is sdpa), or none while packed rows run (packing.py).
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packing.mask)
 
 
 def enable(model, text_config) -> bool:
@@ -102,7 +107,7 @@ def enable(model, text_config) -> bool:
 
     Never for a model whose own code branches on the implementation's name (`branches_on_name`): under a name
     other than its own it may run another computation, and a short probe cannot show that it does not."""
-    if getattr(text_config, "_attn_implementation", None) != "sdpa" or _flash is None:
+    if getattr(text_config, "_attn_implementation", None) not in ("sdpa", packing.NAME) or _flash is None:
         return False
     if branches_on_name(model):
         return False

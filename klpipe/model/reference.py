@@ -12,7 +12,7 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import cascade, loading, probes
+from klpipe.model import cascade, loading, packing, probes
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -50,6 +50,9 @@ class ReferenceModel:
         self.oracle: probes.Oracle | None = None  # the probe by the model's own forward, taken before any change
         self.notes: list[str] = []  # the substitutes the load-time check dropped, one log line each
         self.rows_alone = False  # whether rows run whole one per batch: pads change the model's rows (probes.py)
+        # Whether rows run whole go packed, end to end without pads (packing.py), and if not, why (the check's words).
+        self.packed = False
+        self.padded_why: str | None = "not checked"
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
@@ -79,9 +82,11 @@ class ReferenceModel:
         self.oracle = probes.take_oracle(self)
         probes.check_causal(self)
         if self.own_forward is not None:
+            self.padded_why = packing.NOT_CAUSAL
             return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
         probes.check_head(self, self.oracle)
         probes.check_padding(self, self.oracle)
+        self.padded_why = packing.check(self)
 
     def use_cascade(self) -> str | None:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
@@ -100,21 +105,34 @@ class ReferenceModel:
         return note
 
     def drop_cascade(self) -> None:
-        """Give the model back its own attention implementation."""
+        """Give the model back its own attention implementation (packed rows' where they run)."""
         if self.cascade:
-            cascade.disable(self.model, self.own_attention)
             self.cascade = False
+            cascade.disable(self.model, self.attention_name)
+
+    def drop_packing(self, why: str) -> None:
+        """Rows run whole go padded from now on (an attention call packed rows cannot compute exactly), noted."""
+        self.packed = False
+        self.padded_why = why
+        if not self.cascade:
+            packing.disable(self.model, self.own_attention)
+        self.notes.append(f"{type(self.model).__name__}: rows run whole go padded ({why})")
+
+    @property
+    def attention_name(self) -> str:
+        """The attention implementation klpipe has installed: the cascade's, packed rows', or the model's own."""
+        return cascade.NAME if self.cascade else packing.NAME if self.packed else self.own_attention
 
     def own_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """log p(response | prompt) by the model's own forward, as transformers loaded it: the oracle's path."""
-        installed = self.cascade
-        if installed:
-            cascade.disable(self.model, self.own_attention)
+        installed = self.attention_name
+        if installed != self.own_attention:
+            self.model.set_attn_implementation(self.own_attention)
         try:
             return probes.own_logprobs(self.model, rows)
         finally:
-            if installed:
-                self.model.set_attn_implementation(cascade.NAME)
+            if installed != self.own_attention:
+                self.model.set_attn_implementation(installed)
 
     @property
     def kernel_note(self) -> str | None:
@@ -181,6 +199,13 @@ class ReferenceModel:
         results = [np.full(len(r), np.nan, dtype=np.float32) for _, r in rows]
         if longest == 0:
             return results
+        if self.packed:
+            try:
+                return self.score_packed(rows, inputs, wanted, temperature, results)
+            except packing.NotPacked as exc:
+                if self.padded_why == packing.CHECKING:
+                    raise  # the load-time check decides, and says why
+                self.drop_packing(str(exc))
         # Right padding: with causal attention no real token can see a pad, so no attention mask
         # is needed and position ids stay 0..n-1, exactly as in an unpadded single-row pass.
         batch = np.zeros((len(rows), longest), dtype=np.int64)
@@ -196,13 +221,33 @@ class ReferenceModel:
             out[w] = values
         return results
 
+    def score_packed(self, rows, inputs: list[np.ndarray], wanted: list[np.ndarray], temperature: float,
+                     results: list[np.ndarray]) -> list[np.ndarray]:
+        """score_batch's rows end to end, one sequence with no pads (packing.py): raises packing.NotPacked where an
+        attention call cannot take them exactly."""
+        segments = packing.Rows([len(x) for x in inputs])
+        device = self.input_device
+        input_ids = torch.from_numpy(np.concatenate(inputs).astype(np.int64))[None].to(device)  # (1, N)
+        position_ids = torch.from_numpy(segments.position_ids())[None].to(device)  # (1, N), restarting per row
+        with packing.packed(segments):
+            hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        # Row k's position prompt_len - 1 + j predicts its response token j: packed slot start_k + that.
+        positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted)]
+        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
+                                       packed=True)
+        for values, w, out in zip(scored, wanted, results):
+            out[w] = values
+        return results
+
     def targets_logprobs(self, hidden: torch.Tensor, positions: list[np.ndarray], targets: list[np.ndarray],
-                         temperature: float) -> list[np.ndarray]:
-        """Row k's logprobs of targets[k], predicted by hidden[k, positions[k]].
+                         temperature: float, packed: bool = False) -> list[np.ndarray]:
+        """Row k's logprobs of targets[k], predicted by hidden[k, positions[k]] (hidden[0, positions[k]] where
+        `packed`: the rows lie end to end in one sequence).
 
         Only those positions reach the LM head, all rows' at once: (tokens, H), never (B, T, V).
         """
-        row_index = np.concatenate([np.full(len(t), k, dtype=np.int64) for k, t in enumerate(targets)])
+        row_index = np.concatenate([np.full(len(t), 0 if packed else k, dtype=np.int64)
+                                    for k, t in enumerate(targets)])
         position = np.concatenate(positions).astype(np.int64)
         selected = hidden[to_device(row_index, hidden.device), to_device(position, hidden.device)]
         flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))

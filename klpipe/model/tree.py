@@ -28,10 +28,12 @@ is still to run; `Pass.release` says when it goes.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
-from klpipe.model import cascade
+from klpipe.model import cascade, packing
 from klpipe.model.context_cache import ContextCache, Kept
 from klpipe.plan import Pass, Tree, Wanted
 
@@ -39,6 +41,15 @@ from klpipe.plan import Pass, Tree, Wanted
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
     """log p(response tokens) of every row of `tree`, each node computed once, as float32 per row."""
+    if reference.packed:
+        try:
+            return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
+        except packing.NotPacked as exc:
+            # A call that rows alone cannot compute exactly: passes without context go padded, through the
+            # model's own masks, from now on (and rows run whole with them); nothing computed so far is kept.
+            reference.drop_packing(str(exc))
+        except cascade.NotInPlace:
+            reference.drop_cascade()
     if reference.cascade:
         try:
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
@@ -92,6 +103,7 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     positions = np.zeros((b, fed_len), dtype=np.int64)
     mask = np.zeros((b, context + fed_len), dtype=np.int64)
     first = np.zeros(b, dtype=np.int64)  # the slot of each node's first own token among the fed ones
+    real = np.zeros((2, b), dtype=np.int64)  # each row's real slots among the fed ones: first, count
     for k, node in enumerate(nodes):
         fed = tree.tokens(node, start=int(cached[k]))  # the node's tokens, after any end of its context fed again
         at = fed_len - len(fed) if layout == "right" else 0
@@ -100,12 +112,16 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
         mask[k, context - cached[k]:context] = 1
         mask[k, context + at:context + at + len(fed)] = 1
         first[k] = at + start[k] - cached[k]
-    in_place = reference.cascade and layout == "left"
+        real[:, k] = at, len(fed)
+    # A pass without context (every row a whole sequence from position 0) where rows run packed: each row's
+    # attention over its own slots alone, as packed rows compute it (packing.Spans), with no mask and no pad read.
+    alone = reference.packed and context == 0
+    in_place = reference.cascade and layout == "left" and not alone
     cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
-    with cascade.active(cache):
+    with cascade.active(cache), (packing.spans(packing.Spans(*real)) if alone else nullcontext()):
         out = reference.body(input_ids=torch.from_numpy(ids).to(device),
                              attention_mask=torch.from_numpy(mask).to(device),
                              position_ids=torch.from_numpy(positions).to(device), use_cache=True,

@@ -73,3 +73,23 @@ def padding_efficiency(lengths: Sequence[int], batches: list[np.ndarray]) -> tup
     real = int(sum(int(lengths[b].sum()) for b in batches))
     padded = int(sum(len(b) * int(lengths[b].max()) for b in batches if len(b)))
     return real, padded
+
+
+def pack_batches(lengths: Sequence[int], max_tokens: int) -> list[np.ndarray]:
+    """Group row indices so each batch's rows, laid end to end without pads (model/packing.py), fit `max_tokens`.
+
+    Rows are taken longest first, as plan_batches takes them, and a batch closes when the next row would pass
+    the budget; a row longer than the budget runs alone."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    batches, current, total = [], [], 0
+    for index in order.tolist():
+        length = max(int(lengths[index]), 1)
+        if current and total + length > max_tokens:
+            batches.append(np.array(current, dtype=np.int64))
+            current, total = [], 0
+        current.append(index)
+        total += length
+    if current:
+        batches.append(np.array(current, dtype=np.int64))
+    return batches

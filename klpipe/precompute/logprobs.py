@@ -22,7 +22,7 @@ import numpy as np
 
 from klpipe.plan import ROOT, Pass, Tree, Wanted
 from klpipe.precompute import prefix_tree
-from klpipe.precompute.batching import padding_efficiency, plan_batches
+from klpipe.precompute.batching import pack_batches, padding_efficiency, plan_batches
 
 
 @dataclass
@@ -65,10 +65,11 @@ class ChunkPlan:
 def plan_key(model, sharing: str) -> tuple:
     """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it).
     Rows run whole (`off`) ask nothing of the tree, so neither does their key."""
+    packed = getattr(model, "packed", False)  # rows run whole go end to end, without pads (model/packing.py)
     if sharing == "off":
-        return (model.prefill_skips_layers, model.rope_length_limit, "off")
+        return (model.prefill_skips_layers, model.rope_length_limit, packed, "off")
     return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost, model.keeps_state,
-            model.state_tokens_per_node if model.keeps_state else 0)
+            model.state_tokens_per_node if model.keeps_state else 0, packed)
 
 
 def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
@@ -112,7 +113,7 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
         if len(candidates):
             tree, passes, _ = _plan_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens,
                                          model.attention_cost)
-    batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens)
+    batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens, getattr(model, "packed", False))
     return ChunkPlan(plan_key(model, sharing), needed, fed, candidates, tree, passes, batches, padded, masked)
 
 
@@ -212,9 +213,11 @@ def _plan_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, ma
     return tree, passes, first
 
 
-def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int) -> tuple[list[np.ndarray], int]:
+def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
+                packed: bool = False) -> tuple[list[np.ndarray], int]:
     """(batches of rows run whole, the tokens they feed padding included): batched by length, rows past a
-    length-dependent RoPE's limit only with each other."""
+    length-dependent RoPE's limit only with each other. `packed`: the model runs a batch's rows end to end
+    (model/packing.py), so a batch's size is its rows' tokens and it feeds no pad."""
     batches, padded_total = [], 0
     if not len(alone):
         return batches, padded_total
@@ -223,9 +226,9 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int) -> tupl
     for group in (np.flatnonzero(~past), np.flatnonzero(past)):
         if not len(group):
             continue
-        planned = plan_batches(lengths[group], max_tokens)
+        planned = pack_batches(lengths[group], max_tokens) if packed else plan_batches(lengths[group], max_tokens)
         batches += [alone[group[batch]] for batch in planned]
-        padded_total += padding_efficiency(lengths[group], planned)[1]
+        padded_total += padding_efficiency(lengths[group], planned)[0 if packed else 1]
     return batches, padded_total
 
 
