@@ -11,6 +11,7 @@ live on the device) and counts reads of those on the host; tensors made on the h
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,12 +27,25 @@ HOST_MADE = {"lift_fresh", "lift_fresh_copy", "lift"}  # torch.tensor / torch.fr
 
 
 def _by_transformers() -> str:
-    """" (transformers)" where transformers' own code asked for the value, else ""."""
+    """" (transformers)" where transformers' own code asked for the value, else "".
+
+    The innermost frame in either package decides, by the packages' own folders: a checkout's path may hold
+    either name (a clone in a folder named after klpipe puts it in every frame's path, torch's included).
+    """
     import traceback
 
-    files = [frame.filename for frame in traceback.extract_stack()[:-3]]
-    inner = next((f for f in reversed(files) if "klpipe" in f or "transformers" in f), "")
-    return " (transformers)" if "transformers" in inner and "klpipe" not in inner.split("transformers")[-1] else ""
+    import transformers
+
+    import klpipe
+
+    ours, theirs = Path(klpipe.__file__).parent, Path(transformers.__file__).parent
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = Path(frame.filename)
+        if path.is_relative_to(theirs):
+            return " (transformers)"
+        if path.is_relative_to(ours):
+            return ""
+    return ""
 
 
 class SyncCounter(TorchDispatchMode):
