@@ -129,11 +129,15 @@ class HostsCluster(Cluster):
                                        "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}))
 
     def alive_nodes(self) -> int:
-        probe = "import ray; ray.init(address=%r, logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+        # Ray prints cluster events (a node marked dead) to every driver's stdout as it joins: the count goes on a
+        # line of its own, marked, and the driver asks for no worker logs.
+        probe = ("import ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+                 "print('alive nodes:', sum(n['Alive'] for n in ray.nodes()))")
         head = self.host("head")
         result = subprocess.run(head.command(sys.executable, "-c", probe % self.address), capture_output=True,
                                 text=True, env=self.node_env(head), timeout=120)
-        return int(result.stdout.strip() or 0) if result.returncode == 0 else 0
+        counts = [line.split(':', 1)[1] for line in result.stdout.splitlines() if line.startswith('alive nodes:')]
+        return int(counts[-1]) if result.returncode == 0 and counts else 0
 
     def _wait_nodes(self, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
