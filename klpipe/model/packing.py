@@ -334,13 +334,16 @@ def check(reference) -> str | None:
     except NotPacked as exc:
         found, why = None, str(exc)
     except Exception as exc:  # noqa: BLE001 - the model's code cannot take packed rows: it keeps them padded
-        found, why = None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        # In klpipe's words, the model's own error after them: the record and the run's note say which model code
+        # could not take the packed batch (qwen4_exp_text's top-k indexer reads the mask packed rows go without).
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        found, why = None, f"its forward fails on packed rows ({type(exc).__name__}: {said})"
     if found is not None and found <= reference.probe_tolerance:
         reference.padded_why = None
         return None
     reference.packed = False
     disable(reference.model, reference.own_attention)
     # The record keeps the reason; the log line its figure.
-    said = f"{DISAGREE}: max |Δ logprob| = {found:.3g}" if found is not None else f"packed rows fail: {why}"
+    said = f"{DISAGREE}: max |Δ logprob| = {found:.3g}" if found is not None else why
     reference.notes.append(f"{type(reference.model).__name__}: rows run whole go padded ({said})")
     return why or DISAGREE
