@@ -39,11 +39,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from klpipe.model import packing
+from klpipe.model import packing, window_cascade
 
 NAME = "klpipe_cascade_sdpa"
 
-# What each attention call in a tree pass took: "cascade" or "gathered" (tests read it; cheap to keep).
+# What each attention call in a tree pass took: "cascade" or "gathered"; of the cascade's, "window" (a sliding layer)
+# and "shared" (a KV-shared layer, through another layer's keys). Tests read it; cheap to keep.
 CALLS: Counter = Counter()
 
 
@@ -75,8 +76,18 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             # The model attends over something made from what its cache handed back (DeepSeek's MLA expands
             # latents): its context is not the kept keys. tree.score_tree runs the tree again without us.
             raise NotInPlace(f"{type(module).__name__} attends over keys its cache did not hand back")
-        if _exact_here(module, query, key, value, dropout, kwargs):
+        shared = False
+    elif cache is not None:
+        # A layer that reuses another's keys (Gemma 4's KV-shared layers) is handed what that layer's update
+        # returned: the pass's own keys, whose context is that layer's.
+        layer, shared = _owner(cache, key, value), True
+    else:
+        layer = None
+    if layer is not None:
+        if _exact_here(module, query, key, value, dropout, kwargs, layer.cascade.window):
             CALLS["cascade"] += 1
+            CALLS["window"] += layer.cascade.window is not None
+            CALLS["shared"] += shared
             return layer.cascade.attend(query, key, value, scaling), None
         CALLS["gathered"] += 1
         key, value = layer.whole(key, value)
@@ -84,8 +95,22 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
                                   **kwargs)
 
 
-def _exact_here(module, query, key, value, dropout: float, kwargs: dict) -> bool:
+def _owner(cache, key, value):
+    """The layer of this pass whose update handed out `key` and `value` (the pass's own keys, its context read in
+    place), or None."""
+    for layer in cache.layers:
+        new = getattr(layer, "new", None)
+        if getattr(layer, "cascade", None) is not None and new is not None and new[0] is key and new[1] is value:
+            return layer
+    return None
+
+
+def _exact_here(module, query, key, value, dropout: float, kwargs: dict, window: int | None = None) -> bool:
+    """Whether the call computes what the cascade does: plain causal attention, within `window` (the layer's sliding
+    window as the cache knows it; None for full attention) and no other."""
     if kwargs.get("is_causal") is False or _flash is None or dropout or not getattr(module, "is_causal", True):
+        return False
+    if (kwargs.get("sliding_window") or None) != window:  # a window the cache does not know, or none where it does
         return False
     if query.device.type != "cpu":
         return False
@@ -93,8 +118,10 @@ def _exact_here(module, query, key, value, dropout: float, kwargs: dict) -> bool
         return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[1] % key.shape[1]:
         return False
+    if query.shape[2] not in (1, key.shape[2]):  # every fed slot's query, or the last one's
+        return False
     return not any(given is not None and given is not False for name, given in kwargs.items()
-                   if name not in _HARMLESS and name != "is_causal")
+                   if name not in _HARMLESS and name not in ("is_causal", "sliding_window"))
 
 
 AttentionInterface.register(NAME, _attention)
@@ -131,6 +158,15 @@ def disable(model, implementation: str) -> None:
 _NAME_TEST = re.compile(r"_attn_implementation\s*(==|!=|\bin\b|\bnot\s+in\b)|(==|!=)\s*[\w.]*_attn_implementation\b")
 
 
+# Functions whose comparison of the name is known to compute the same under the cascade's name as under "sdpa" for
+# every call a tree pass makes. Gemma 4 slices its KV-shared layers' inputs to `logits_to_keep` unless, under "sdpa",
+# logits_to_keep > 1 or the cache is compileable and some mask is None: a tree pass passes 1 or nothing (0) and a
+# ContextCache is not compileable, so the test is false under both names. Only that function's source is exempt.
+_SAME_UNDER_EITHER_NAME = {
+    "transformers.models.gemma4.modeling_gemma4": ("Gemma4TextModel", "_maybe_slice_kv_shared_inputs"),
+}
+
+
 def branches_on_name(model) -> bool:
     """Whether the source of any module class `model` is made of compares the attention implementation's name."""
     names = {type(module).__module__ for module in model.modules()}
@@ -140,6 +176,11 @@ def branches_on_name(model) -> bool:
         module = sys.modules.get(name)
         try:
             source = inspect.getsource(module) if module is not None else ""
+            if name in _SAME_UNDER_EITHER_NAME:
+                owner, function = _SAME_UNDER_EITHER_NAME[name]
+                exempt = getattr(getattr(module, owner, None), function, None)
+                if exempt is not None:
+                    source = source.replace(inspect.getsource(exempt), "")
         except (OSError, TypeError):
             continue
         if _NAME_TEST.search(source):
@@ -158,34 +199,73 @@ def active(cache):
 
 
 class PassContexts:
-    """One pass's context in parts (context_cache._context_parts), for every layer: rows and the path nodes they
-    attend over."""
+    """One pass's context in parts (context_cache._context_parts), for one layer: rows and the path nodes they
+    attend over, and what a sliding layer needs of each row (window_cascade.py)."""
 
-    def __init__(self, parts: list[tuple[slice, list[int]]], kept: dict, layer: int):
-        self.parts = parts  # (a slice of batch rows, path nodes every one of them sees), in merge order
+    def __init__(self, parts: list[tuple[slice, list[int], int | None]], kept: dict, layer: int, starts=None,
+                 real=None, runs=None, window: int | None = None):
+        self.parts = parts  # (a slice of batch rows, path nodes every one of them sees, up to position stop), in order
         self.kept = kept
         self.layer = layer
+        self.starts = starts  # each node's first position (tree.start); None: parts are never cut (stop None)
+        self.real = real  # (2, b): each row's first real slot among the fed ones, and how many
+        self.runs = runs or []  # (rows, path, context length): runs of one parent and one context length
+        self.window = window  # a sliding layer's window, None for full attention
+
+    def read(self, nodes: list[int], low: int | None = None, high: int | None = None):
+        """(h, n, d) keys and values of positions low .. high - 1 along `nodes` (all of them where None), where they
+        lie: a view when one node holds them."""
+        keys, values = [], []
+        for node in nodes:
+            kept = self.kept[node][self.layer]
+            if low is None and high is None:
+                keys.append(kept.keys)
+                values.append(kept.values)
+                continue
+            start = int(self.starts[node])
+            a, b = max(low or 0, start) - start, min(high if high is not None else 1 << 62,
+                                                     start + kept.keys.shape[1]) - start
+            if a < b:
+                keys.append(kept.keys[:, a:b])
+                values.append(kept.values[:, a:b])
+        if not keys:
+            sample = self.kept[nodes[0]][self.layer]
+            return sample.keys[:, :0], sample.values[:, :0]
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        """(b, T, H, d) attention of query (b, H, T, d) over each row's path and its own keys (b, h, T, d)."""
+        """(b, q, H, d) attention of query (b, H, q, d) over each row's path and its own keys (b, h, T, d); q = T, or
+        q = 1 where the model keeps only the last slot (every row's last real token: the right layout)."""
         b, heads, fed, dim = query.shape
+        scale = scaling if scaling is not None else dim ** -0.5
+        if self.window is not None:
+            return window_cascade.attend(self, _flash, _native_gqa(), query, key, value, scale, self.window)
+        slots = key.shape[2]
         kv_heads = key.shape[1]
         groups = heads // kv_heads
-        scale = scaling if scaling is not None else dim ** -0.5
         own_k, own_v = key, value
         if groups > 1 and not _native_gqa():  # an older kernel: repeat the (short) own keys per query head
             own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
-        out, lse = _flash(query, own_k, own_v, 0.0, True, scale=scale)  # (b, H, T, d), (b, H, T) float32
+        # Causal over the fed slots; the last slot's query alone sees them all.
+        out, lse = _flash(query, own_k, own_v, 0.0, fed == slots, scale=scale)  # (b, H, q, d), (b, H, q) float32
+        if self.real is not None and self.real[0].any():
+            # The right layout: a row too short to fill the pass has pads before its real slots (and no context).
+            for row in map(int, self.real[0].nonzero()[0]):
+                first = int(self.real[0, row])
+                q = query[row:row + 1, :, first:] if fed == slots else query[row:row + 1]
+                got, got_lse = _flash(q, own_k[row:row + 1, :, first:], own_v[row:row + 1, :, first:], 0.0,
+                                      fed == slots, scale=scale)
+                out[row:row + 1, :, fed - got.shape[2]:] = got
+                lse[row:row + 1, :, fed - got.shape[2]:] = got_lse
         out = out.transpose(1, 2)  # (b, T, H, d): the layout the kernel writes, so a view
         if not self.parts:
             return out.contiguous()
         out = out.float().contiguous()  # merged in fp32, in place, a part at a time
         lse = lse.transpose(1, 2)  # (b, T, H): of what is merged so far
-        for rows, nodes in self.parts:
-            keys = [self.kept[node][self.layer].keys for node in nodes]
-            values = [self.kept[node][self.layer].values for node in nodes]
-            context_k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)  # (h, C, d)
-            context_v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
+        for rows, nodes, stop in self.parts:
+            context_k, context_v = self.read(nodes, None if stop is None else 0, stop)  # (h, C, d)
             if not context_k.shape[1]:
                 continue
             q = query[rows]  # (r, H, T, d)

@@ -116,8 +116,8 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     # A pass without context (every row a whole sequence from position 0) where rows run packed: each row's
     # attention over its own slots alone, as packed rows compute it (packing.Spans), with no mask and no pad read.
     alone = reference.packed and context == 0
-    in_place = reference.cascade and layout == "left" and not alone
-    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place)
+    in_place = reference.cascade and not alone
+    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
