@@ -100,7 +100,7 @@ def test_the_llama_attends_in_place_on_cpu_and_matches_the_oracle(llama):
     cascade.CALLS.clear()
     results = chunk_logprobs(llama, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
     assert worst_error(llama.model, rows, results) <= 1e-4
-    assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0
+    assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0 and cascade.CALLS["packed"] > 0
     cascade.CALLS.clear()
     llama.score_batch(rows)  # rows run whole: packed (packing.py), no tree pass
     assert not cascade.CALLS
@@ -113,6 +113,9 @@ def test_a_call_the_cascade_cannot_take_gets_the_gathered_slots(llama, monkeypat
     results = chunk_logprobs(llama, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
     assert worst_error(llama.model, rows, results) <= 1e-4
     assert cascade.CALLS["gathered"] > 0 and cascade.CALLS["cascade"] == 0
+    # The first packed pass met the call and ran again as a batch; so did every later pass.
+    assert not llama.tree_passes_packed
+    llama.tree_passes_packed = True
 
 
 @pytest.mark.parametrize("kwargs, exact", [({}, True), ({"position_ids": 1, "sliding_window": None}, True),
@@ -262,11 +265,16 @@ def test_gemma4s_sliding_and_kv_shared_layers_take_the_cascade_and_match_the_ora
     assert gemma.cascade and gemma.model.config.get_text_config()._attn_implementation == cascade.NAME
     window = gemma.model.config.get_text_config().sliding_window
     rows = agent_rows(gemma.vocab_size, window=window) if shape == "agent" else grpo_rows(gemma.vocab_size, window)
-    for budget in (3 * window, 10 * window):  # small passes, many of them; and wide ones
+    # Small passes, many of them, and wide ones; passes that continue a context packed (tree._run_packed) or, as
+    # after a call the cascade cannot take in one, as padded batches.
+    for budget, packed in ((3 * window, True), (10 * window, True), (3 * window, False)):
+        gemma.tree_passes_packed = packed
         cascade.CALLS.clear()
         results = chunk_logprobs(gemma, rows, budget, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
         assert worst_error(gemma.model, rows, results) <= 1e-4
         assert cascade.CALLS["gathered"] == 0 and cascade.CALLS["window"] > 0
         assert cascade.CALLS["cascade"] > cascade.CALLS["window"]  # the full layers too
+        assert (cascade.CALLS["packed"] > 0) == packed
         if model == "tiny-gemma4":
             assert cascade.CALLS["shared"] > 0
+    gemma.tree_passes_packed = True

@@ -44,12 +44,16 @@ from klpipe.model import packing, window_cascade
 NAME = "klpipe_cascade_sdpa"
 
 # What each attention call in a tree pass took: "cascade" or "gathered"; of the cascade's, "window" (a sliding layer)
-# and "shared" (a KV-shared layer, through another layer's keys). Tests read it; cheap to keep.
+# "shared" (a KV-shared layer, through another layer's keys) and "packed" (in a packed pass). Tests read it.
 CALLS: Counter = Counter()
 
 
 class NotInPlace(RuntimeError):
     """A model whose attention does not read what its cache's update returned: the context must be gathered."""
+
+
+class NotPackedPass(RuntimeError):
+    """A call in a packed tree pass that the cascade cannot take: the pass must run as a padded batch."""
 
 
 _PASS: ContextVar = ContextVar("klpipe_tree_pass", default=None)  # the running pass's ContextCache
@@ -88,7 +92,11 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
             CALLS["cascade"] += 1
             CALLS["window"] += layer.cascade.window is not None
             CALLS["shared"] += shared
+            CALLS["packed"] += layer.cascade.segments is not None
             return layer.cascade.attend(query, key, value, scaling), None
+        if layer.cascade.segments is not None:
+            # A packed pass has no slots to gather into: tree.py runs the pass again as a batch, and every later one.
+            raise NotPackedPass(f"{type(module).__name__} makes a call the cascade cannot take in a packed pass")
         CALLS["gathered"] += 1
         key, value = layer.whole(key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -124,9 +132,17 @@ def _exact_here(module, query, key, value, dropout: float, kwargs: dict, window:
                    if name not in _HARMLESS and name not in ("is_causal", "sliding_window"))
 
 
+def _mask(*args, **kwargs):
+    """None in a packed pass (its attention is the cascade's alone) and while packed rows run; sdpa's otherwise."""
+    cache = _PASS.get()
+    if cache is not None and getattr(cache, "packed", False):
+        return None
+    return packing.mask(*args, **kwargs)
+
+
 AttentionInterface.register(NAME, _attention)
-# The mask is sdpa's (outside a pass it is sdpa), or none while packed rows run (packing.py).
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packing.mask)
+# The mask is sdpa's (outside a pass it is sdpa), or none while packed rows run (packing.py) or in a packed pass.
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 
 
 def enable(model, text_config) -> bool:
@@ -203,7 +219,7 @@ class PassContexts:
     attend over, and what a sliding layer needs of each row (window_cascade.py)."""
 
     def __init__(self, parts: list[tuple[slice, list[int], int | None]], kept: dict, layer: int, starts=None,
-                 real=None, runs=None, window: int | None = None):
+                 real=None, runs=None, window: int | None = None, segments=None):
         self.parts = parts  # (a slice of batch rows, path nodes every one of them sees, up to position stop), in order
         self.kept = kept
         self.layer = layer
@@ -211,6 +227,8 @@ class PassContexts:
         self.real = real  # (2, b): each row's first real slot among the fed ones, and how many
         self.runs = runs or []  # (rows, path, context length): runs of one parent and one context length
         self.window = window  # a sliding layer's window, None for full attention
+        # A packed pass (tree.py): (starts, lengths) of each row's own tokens in the one sequence; None: a batch.
+        self.segments = segments
 
     def read(self, nodes: list[int], low: int | None = None, high: int | None = None):
         """(h, n, d) keys and values of positions low .. high - 1 along `nodes` (all of them where None), where they
@@ -240,6 +258,8 @@ class PassContexts:
         q = 1 where the model keeps only the last slot (every row's last real token: the right layout)."""
         b, heads, fed, dim = query.shape
         scale = scaling if scaling is not None else dim ** -0.5
+        if self.segments is not None:
+            return window_cascade.attend_packed(self, _flash, _native_gqa(), query, key, value, scale, self.window)
         if self.window is not None:
             return window_cascade.attend(self, _flash, _native_gqa(), query, key, value, scale, self.window)
         slots = key.shape[2]

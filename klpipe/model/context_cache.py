@@ -149,10 +149,11 @@ class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
     def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
-                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None):
+                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None):
         """`in_place`: attention layers the cascade knows leave each row's context where it lies, for cascade.py's
         attention: row k continues positions 0 .. cached[k] - 1 of its path, and `real` (2, b) gives the first of
-        its real slots among the fed ones and how many."""
+        its real slots among the fed ones and how many. `segments`: a packed pass (tree.py), the rows' own tokens end
+        to end in one sequence, (starts, lengths); every attention layer then takes the cascade."""
         layers = []
         parts = runs = None
         if in_place:
@@ -168,7 +169,7 @@ class ContextCache(Cache):
                 held = context if attention == "full" else min(context, kind.window - 1)
                 if in_place and kind.continuation.cascade:
                     contexts = cascade.PassContexts(parts, kept, index, tree.start, real, runs,
-                                                    kind.window if attention == "sliding" else None)
+                                                    kind.window if attention == "sliding" else None, segments)
                     if held:
                         gather = (lambda index=index, held=held:
                                   _gather_context(index, held, ancestors, cached, tree, kept))
@@ -185,6 +186,7 @@ class ContextCache(Cache):
             else:
                 layers.append(DummyLayer())
         super().__init__(layers=layers)
+        self.packed = segments is not None
 
     def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
         """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1

@@ -53,6 +53,42 @@ def attend(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
+def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float, window: int | None) -> torch.Tensor:
+    """(1, N, H, d_v) attention of a packed pass (tree.py): its nodes' own tokens end to end, query (1, H, N, d) and
+    key, value (1, h, N, d), node k in slots contexts.segments[0][k] .. + contexts.segments[1][k] - 1, each over its
+    own tokens and its context, within `window` if given (None: full attention). No pad anywhere."""
+    starts, lengths = contexts.segments
+    out = torch.zeros((1, query.shape[1], query.shape[2], value.shape[-1]), dtype=torch.float32,
+                      device=query.device)
+    lse = torch.full(query.shape[:3], float("-inf"), dtype=torch.float32, device=query.device)
+    for start, length in zip(starts, lengths):
+        span = slice(start, start + length)
+        if length:
+            _own(flash, gqa_native, query[:, :, span], key[:, :, span], value[:, :, span], 0, length, scale, window,
+                 out[:, :, span], lse[:, :, span], 0)
+    if window is None:
+        # Every query of a part's rows sees all of its keys: their slots are one stretch of the sequence.
+        for rows, nodes, stop in contexts.parts:
+            keys, values = contexts.read(nodes, None if stop is None else 0, stop)
+            if not keys.shape[1]:
+                continue
+            span = slice(starts[rows.start], starts[rows.stop - 1] + lengths[rows.stop - 1])
+            _context(flash, gqa_native, query[:, :, span], keys, values, scale, None, 0, out[:, :, span],
+                     lse[:, :, span])
+    else:
+        for rows, nodes, cached in contexts.runs:
+            held = min(cached, window - 1)
+            keys, values = contexts.read(nodes, cached - held, cached)  # (h, held, d)
+            for row in range(rows.start, rows.stop):
+                seen = min(lengths[row], window - 1)  # a node's first window - 1 tokens see its context
+                if seen:
+                    span = slice(starts[row], starts[row] + seen)
+                    _context(flash, gqa_native, query[:, :, span], keys, values, scale, window, seen,
+                             out[:, :, span], lse[:, :, span])
+    return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
 def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, scale: float, window: int, out, lse,
          base: int) -> None:
     """One row's attention over its real slots first .. first + count - 1, written into out (1, H, q, d_v) fp32, and
@@ -69,13 +105,13 @@ def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, sca
         lse.copy_(got_lse[:, :, :seen])
         return
     q, k, v = query[:, :, real], key[:, :, real], value[:, :, real]
-    head = min(count, window)  # queries that see every real key before them
+    head = count if window is None else min(count, window)  # queries that see every real key before them
     got, got_lse = flash(q[:, :, :head], *_kv(k[:, :, :head], v[:, :, :head], q, gqa_native), 0.0, True,
                          scale=scale)
     out[:, :, first:first + head] = got
     if first == 0:  # only a row whose real slots open the pass continues a context
         lse[:, :, :min(seen, head)] = got_lse[:, :, :seen]
-    if count > window:
+    if window is not None and count > window:
         out[:, :, first + window:first + count] = packing.band(q, k, v, scale, window, window)
 
 
@@ -84,7 +120,7 @@ def _context(flash, gqa_native: bool, query, keys, values, scale: float, window:
     of rows continuing the same context, over that context's last keys, values (h, held, d)."""
     r, heads, s, dim = query.shape
     held = keys.shape[1]
-    every = min(window - 1 - end, held)  # A: the last keys, seen by every query
+    every = held if window is None else min(window - 1 - end, held)  # A: the last keys, seen by every query
     if every > 0:
         kv_heads = keys.shape[0]
         groups = heads // kv_heads
