@@ -9,19 +9,26 @@ Here a row's attention is split by where its keys lie, and the parts are merged 
 log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
 
     own      each row's queries over the pass's own keys, causal: in the left layout a node's real
-             tokens come first in its slots, so the causal kernel needs no mask (pads come after them)
+             tokens come first in its slots, so the causal kernel needs no mask (pads come after them);
+             in the right layout a row too short to fill the pass (pads before it) runs alone
     context  the row's path, in parts (context_cache._context_parts): the nodes that adjacent runs of rows all
-             open with (an agent pass's system prompt), then each run of rows with one parent over the
-             rest of its path. Each part is one unmasked product of its rows' queries, stacked (and all
-             query heads of a KV head), over the kept keys and values read where they lie
+             open with (an agent pass's system prompt), then each run of rows with one parent and one
+             context length over the rest of its path, up to its context's end. Each part is one unmasked
+             product of its rows' queries, stacked (and all query heads of a KV head), over the kept keys
+             and values read where they lie
 
-Only the pieces this module knows are exact take that way: a full-attention layer (no window, no
+A sliding-window layer splits the same way within its window (window_cascade.py), and a packed pass (tree.py:
+nodes end to end, no pad) runs both kinds there too. A KV-shared layer (Gemma 4) attends through the layer whose
+keys it reuses (`_owner`); where the model keeps only the last position, its one query is the last slot's.
+
+Only the pieces this module knows are exact take that way: full attention or the window the cache knows (no
 chunk), no softcap, sinks or position bias, one head size, torch's CPU flash kernel (which returns the
 log-sum-exp). Any other call in a tree pass gets the context gathered as before and transformers' own
-sdpa with its mask; every call outside a tree pass is transformers' sdpa untouched.
+sdpa with its mask (a packed pass runs again as a batch for it); every call outside a tree pass is
+transformers' sdpa untouched.
 
 The attention function is registered with transformers (`AttentionInterface.register`) under NAME,
-with sdpa's mask, and a model is switched to it only where it runs sdpa on CPU in the left layout.
+with sdpa's mask (none in a packed pass), and a model is switched to it only where it runs sdpa on CPU.
 """
 
 from __future__ import annotations
