@@ -105,14 +105,14 @@ def needed_pairs(config, segments: list[flops.Segment]) -> dict[str, int]:
 def measure(path: Path, rows, sharing: str) -> dict:
     from klpipe.model import ModelSpec, ReferenceModel
     from klpipe.model.pairs import PairCount
-    from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
+    from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
     from klpipe.precompute.sharing import Sharing
 
     reference = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu"))
     lines = []
     plan = Sharing(reference, sharing, 1 << 14, lines.append).plan(rows, 16384, None)
     stats = ForwardStats()
-    plan_stats(plan, stats)
+    plan_stats(plan, stats, packs_passes(reference))
     started = time.perf_counter()
     with PairCount(reference.model) as count:
         run_plan(reference, plan, rows, 1.0)

@@ -104,7 +104,7 @@ def main() -> None:
     import torch
 
     from klpipe.model import ModelSpec, ReferenceModel
-    from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
+    from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
     from klpipe.precompute.sharing import Sharing
 
     chunk = rows(args.groups)
@@ -120,7 +120,7 @@ def main() -> None:
     for sharing in ("auto", "off"):
         plan = Sharing(reference, sharing, 1 << 14, print).plan(chunk, 65536, None)
         stats = ForwardStats()
-        plan_stats(plan, stats)
+        plan_stats(plan, stats, packs_passes(reference))
         run_plan(reference, Sharing(reference, sharing, 1 << 14, print).plan(rows(1, seed=9)[:2], 65536, None),
                  rows(1, seed=9)[:2], 1.0)  # a warm-up on two other rows
         started = time.perf_counter()

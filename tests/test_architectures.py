@@ -91,11 +91,13 @@ def test_every_mode_matches_with_temperature(tiny):
 # -- a hybrid as a user runs it -------------------------------------------------------------------------
 
 
-# Where the tree's full-attention layers attend over the context in place (klpipe/model/cascade.py): every sdpa
-# model with such a layer. Mistral's layers all slide; GPT-OSS's sinks run eager; DeepSeek-V3's attention expands
-# MLA latents from its cache, so it gets its context gathered.
-IN_PLACE = {"falcon_h1", "gemma3", "lfm2", "llama", "llama4", "nemotron_h", "phi3", "qwen3", "qwen3_5", "qwen3_moe",
-            "qwen3_next"}
+# Where the tree's attention layers attend over the context in place (klpipe/model/cascade.py): every sdpa model
+# with a full or sliding attention layer. GPT-OSS's sinks run eager; DeepSeek-V3's attention expands MLA latents from
+# its cache, so it gets its context gathered.
+IN_PLACE = {"falcon_h1", "gemma3", "lfm2", "llama", "llama4", "mistral", "nemotron_h", "phi3", "qwen3", "qwen3_5",
+            "qwen3_moe", "qwen3_next"}
+# Sliding-window layers take it too (window_cascade.py), where the family has them and attends by sdpa.
+SLIDING_IN_PLACE = {"gemma3", "mistral"}
 
 
 def test_full_attention_layers_attend_in_place_where_that_is_exact(tiny):
@@ -106,6 +108,7 @@ def test_full_attention_layers_attend_in_place_where_that_is_exact(tiny):
     cascade.CALLS.clear()
     chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats())
     assert (cascade.CALLS["cascade"] > 0) == (name in IN_PLACE), dict(cascade.CALLS)
+    assert (cascade.CALLS["window"] > 0) == (name in SLIDING_IN_PLACE), dict(cascade.CALLS)
     assert cascade.CALLS["gathered"] == 0
     # DeepSeek-V3's first pass hands the tree back to the gathered way; GPT-OSS never left eager attention.
     assert reference.cascade == (name not in {"deepseek_v3", "gpt_oss"})

@@ -149,11 +149,16 @@ class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
     def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
-                 tree: Tree, kept: dict, in_place: bool = False):
-        """`in_place`: full-attention layers leave each row's context where it lies, for cascade.py's attention
-        (only in the left layout, where a row sees every position of its path: `cached` is each node's start)."""
+                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None):
+        """`in_place`: attention layers the cascade knows leave each row's context where it lies, for cascade.py's
+        attention: row k continues positions 0 .. cached[k] - 1 of its path, and `real` (2, b) gives the first of
+        its real slots among the fed ones and how many. `segments`: a packed pass (tree.py), the rows' own tokens end
+        to end in one sequence, (starts, lengths); every attention layer then takes the cascade."""
         layers = []
-        parts = _context_parts(ancestors) if in_place else None
+        parts = runs = None
+        if in_place:
+            runs = _by_parent(ancestors, cached)
+            parts = _context_parts(ancestors, cached, tree.end)
         for index, kind in enumerate(kinds):
             attention, state = kind.continuation.keys_values, kind.continuation.state
             keys = values = None
@@ -163,7 +168,8 @@ class ContextCache(Cache):
                 # A sliding layer's queries see at most the window's last `window - 1` context slots.
                 held = context if attention == "full" else min(context, kind.window - 1)
                 if in_place and kind.continuation.cascade:
-                    contexts = cascade.PassContexts(parts, kept, index)
+                    contexts = cascade.PassContexts(parts, kept, index, tree.start, real, runs,
+                                                    kind.window if attention == "sliding" else None, segments)
                     if held:
                         gather = (lambda index=index, held=held:
                                   _gather_context(index, held, ancestors, cached, tree, kept))
@@ -180,6 +186,7 @@ class ContextCache(Cache):
             else:
                 layers.append(DummyLayer())
         super().__init__(layers=layers)
+        self.packed = segments is not None
 
     def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
         """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
@@ -229,17 +236,21 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
     return keys, values
 
 
-def _context_parts(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
+def _context_parts(ancestors: list[list[int]], cached: np.ndarray | None = None,
+                   ends: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
     """The pass's context in parts, in the order the cascade merges them: (a slice of batch rows, path nodes
-    that every one of those rows attends over in full).
+    that every one of those rows attends over, up to position `stop`; None: in full).
 
     First, for each stretch of consecutive runs (`_by_parent`) whose paths open with the same node, the
     nodes they all open with: one product for all their rows. An agent pass's rows share a long system
     prompt but few parents, and the kernel runs one large product much faster than a product per run
-    (benchmarks/prefix_attention.py). Then, per run, the rest of its path."""
-    runs = _by_parent(ancestors)
-    parts: list[tuple[slice, list[int]]] = []
-    tails: list[tuple[slice, list[int]]] = []
+    (benchmarks/prefix_attention.py). Then, per run, the rest of its path, up to its context's end.
+
+    `cached`: each row's context length, where a row may continue less than its whole path (the right layout feeds
+    the end of a short node's context again); shared nodes must then end within every row's context."""
+    runs = _by_parent(ancestors, cached)
+    parts: list[tuple[slice, list[int], int | None]] = []
+    tails: list[tuple[slice, list[int], int | None]] = []
     start = 0
     while start < len(runs):
         stop = start + 1  # runs[start:stop]: adjacent rows, every path opening with the same node
@@ -248,26 +259,33 @@ def _context_parts(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
             stop += 1
         shared = 0
         if stop - start > 1:
-            paths = [path for _, path in runs[start:stop]]
-            while all(len(path) > shared and path[shared] == paths[0][shared] for path in paths):
+            paths = [path for _, path, _ in runs[start:stop]]
+            least = None if cached is None else min(length for _, _, length in runs[start:stop])
+            while (all(len(path) > shared and path[shared] == paths[0][shared] for path in paths)
+                   and (cached is None or int(ends[paths[0][shared]]) <= least)):
                 shared += 1
-            parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared]))
-        tails += [(rows, path[shared:]) for rows, path in runs[start:stop] if len(path) > shared]
+            if shared:
+                end = None if cached is None else int(ends[paths[0][shared - 1]])
+                parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared], end))
+        tails += [(rows, path[shared:], length) for rows, path, length in runs[start:stop] if len(path) > shared]
         start = stop
     return parts + tails
 
 
-def _by_parent(ancestors: list[list[int]]) -> list[tuple[slice, list[int]]]:
-    """The pass's rows with context in runs of one parent: (a slice of batch rows, their path from the root).
-    Runs, not groups: a slice of the batch is a view, so the cascade reads and merges a run where it lies."""
-    runs: list[tuple[slice, list[int]]] = []
+def _by_parent(ancestors: list[list[int]], cached: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
+    """The pass's rows with context in runs of one parent and one context length: (a slice of batch rows, their
+    path from the root, the context's length; None where `cached` is not given: the whole path). Runs, not groups:
+    a slice of the batch is a view, so the cascade reads and merges a run where it lies. A row whose context holds
+    no position (the right layout feeds all of it again) has none."""
+    runs: list[tuple[slice, list[int], int | None]] = []
     for row, path in enumerate(ancestors):
-        if not path:
+        length = None if cached is None else int(cached[row])
+        if not path or length == 0:
             continue
-        if runs and runs[-1][0].stop == row and runs[-1][1][-1] == path[-1]:
-            runs[-1] = (slice(runs[-1][0].start, row + 1), runs[-1][1])
+        if runs and runs[-1][0].stop == row and runs[-1][1][-1] == path[-1] and runs[-1][2] == length:
+            runs[-1] = (slice(runs[-1][0].start, row + 1), runs[-1][1], length)
         else:
-            runs.append((slice(row, row + 1), path))
+            runs.append((slice(row, row + 1), path, length))
     return runs
 
 

@@ -20,14 +20,15 @@ class Continuation:
 
     keys_values: str | None = None  # "full" or "sliding": the keys and values of the context positions it sees
     state: bool = False  # its recurrent state and convolution window at the context's last token
-    cascade: bool = False  # plain causal attention over every context position: cascade.py may attend in place
+    cascade: bool = False  # plain causal attention, in full or within a window: cascade.py may attend in place
 
 
 # transformers' cache layer types (cache_utils.get_layer_types_and_kwargs, as DynamicCache lays out a config),
 # and how each continues a prefix. A type not here has no tree: --prefix-sharing auto runs rows whole.
 CONTINUATIONS = {
     "full_attention": Continuation(keys_values="full", cascade=True),
-    "sliding_attention": Continuation(keys_values="sliding"),  # the last window - 1 positions
+    # The last window - 1 positions; the cascade reads them in place (window_cascade.py).
+    "sliding_attention": Continuation(keys_values="sliding", cascade=True),
     # Llama 4: the chunk mask is not a window; the context stays whole and the mask picks the chunk.
     "chunked_attention": Continuation(keys_values="full"),
     "dummy": Continuation(),  # Gemma 4's KV-shared layers, Nemotron-H's MLP layers: nothing of their own

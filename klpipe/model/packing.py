@@ -216,8 +216,21 @@ def segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
     # Queries 0 .. window - 1 see every key before them: plain causal.
     out[:, :, :window] = sdpa(query[:, :, :window], key[:, :, :window], value[:, :, :window], is_causal=True,
                               scale=scaling, enable_gqa=gqa)
+    out[:, :, window:] = band(query, key, value, scaling, window, window)
+    return out
+
+
+def band(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, window: int,
+         first: int) -> torch.Tensor:
+    """(1, H, L - first, d_v): queries first .. L - 1 of one row (query (1, H, L, d), key and value (1, h, L, d)),
+    each over the `window` keys up to itself, in blocks of window // 16 queries with a band mask. first >= window - 1
+    (every query's window lies inside the row). The tree's sliding cascade (window_cascade.py) runs its own
+    queries past the first window here too."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention  # looked up per call: counters (pairs.py) wrap it
+    length = query.shape[2]
+    out = query.new_empty((1, query.shape[1], length - first, value.shape[-1]))
+    start = first
     step = max(1, window // BLOCKS_PER_WINDOW)
-    first = window
     blocks = (length - first) // step
     if blocks:
         # Block b's queries first + b·step + i see keys first + b·step + i − window + 1 .. first + b·step + i: in the
@@ -228,15 +241,16 @@ def segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
         q = query[0, :, first:stop].unflatten(1, (blocks, step)).transpose(0, 1)  # (blocks, H, step, d)
         k = key[0, :, first - window + 1:stop].unfold(1, span, step).permute(1, 0, 3, 2)  # (blocks, h, span, d)
         v = value[0, :, first - window + 1:stop].unfold(1, span, step).permute(1, 0, 3, 2)
-        band = _band(step, span, window, query.device)
-        got = _grouped(sdpa, q, k, v, band, scaling)  # (blocks, H, step, d_v)
-        out[0, :, first:stop] = got.transpose(0, 1).flatten(1, 2)
+        mask = _band(step, span, window, query.device)
+        got = _grouped(sdpa, q, k, v, mask, scaling)  # (blocks, H, step, d_v)
+        out[0, :, :stop - start] = got.transpose(0, 1).flatten(1, 2)
         first = stop
     if first < length:  # the last, shorter block
         rest = length - first
-        band = _band(rest, rest + window - 1, window, query.device)
+        mask = _band(rest, rest + window - 1, window, query.device)
         lo = first - window + 1
-        out[:, :, first:] = _grouped(sdpa, query[:, :, first:], key[:, :, lo:], value[:, :, lo:], band, scaling)
+        out[:, :, first - start:] = _grouped(sdpa, query[:, :, first:], key[:, :, lo:], value[:, :, lo:], mask,
+                                             scaling)
     return out
 
 

@@ -53,6 +53,8 @@ class ReferenceModel:
         # Whether rows run whole go packed, end to end without pads (packing.py), and if not, why (the check's words).
         self.packed = False
         self.padded_why: str | None = "not checked"
+        # Whether the tree's passes that continue a context run packed (tree.py), until a call the cascade cannot take.
+        self.tree_passes_packed = True
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
@@ -92,9 +94,9 @@ class ReferenceModel:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
         probe agrees with the model's own forward; None, or the line to log where the probe dropped it.
 
-        The tree's full-attention layers then attend over each row's context where it lies: on CPU under sdpa,
-        in the left layout (a model whose prefill skips layers takes the right one, and shares its keys)."""
-        if self.cascade or self.prefill_skips_layers or self.oracle is None:
+        The tree's attention layers (full and sliding) then attend over each row's context where it lies: on CPU
+        under sdpa, in either layout, KV-shared layers through the keys of the layer they share."""
+        if self.cascade or self.oracle is None:
             return None
         if not cascade.enable(self.model, loading.text_config(self.model.config)):
             return None

@@ -87,11 +87,27 @@ def pass_layout(reference) -> str:
 # -- one pass ---------------------------------------------------------------------------------------
 
 
+def packs_passes(reference, kinds) -> bool:
+    """Whether passes that continue a context may run packed (`_run_packed`): the cascade is installed, rows run
+    whole go packed, and every attention layer is one the cascade takes (full or sliding), with no state (a
+    state is taken at a pass's end)."""
+    return (reference.cascade and reference.packed and reference.tree_passes_packed
+            and all(kind.continuation.keys_values is None or kind.continuation.cascade for kind in kinds)
+            and not any(kind.continuation.state for kind in kinds))
+
+
 def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, parents: set, rows_of, wanted: Wanted,
               temperature: float, results: list[np.ndarray]) -> None:
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
+    if not step.only_last and int(start.max()) > 0 and packs_passes(reference, kinds):
+        try:
+            _run_packed(reference, tree, step, kinds, kept, parents, rows_of, wanted, temperature, results)
+            return
+        except cascade.NotPackedPass:
+            # Nothing of the pass was kept: it runs as a batch below, and so do the model's later passes.
+            reference.tree_passes_packed = False
     fed_len = int(own.max())
     # Context positions read from the cache; on the right, a short node feeds the end of its context again.
     cached = np.maximum(start - (fed_len - own), 0) if layout == "right" else start.copy()  # (b,)
@@ -116,8 +132,8 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     # A pass without context (every row a whole sequence from position 0) where rows run packed: each row's
     # attention over its own slots alone, as packed rows compute it (packing.Spans), with no mask and no pad read.
     alone = reference.packed and context == 0
-    in_place = reference.cascade and layout == "left" and not alone
-    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place)
+    in_place = reference.cascade and not alone
+    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
@@ -136,9 +152,45 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
 
 
+def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows_of, wanted: Wanted,
+                temperature: float, results: list[np.ndarray]) -> None:
+    """A pass that continues a context, its nodes' own tokens end to end in one sequence with no pad and no mask:
+
+        input_ids     [ node 0's own tokens | node 1's | ... ]   (1, N), N = the nodes' own tokens
+        position_ids  [ start_0 .. end_0 - 1 | start_1 .. | ... ]
+
+    Each node's attention is the cascade's over its own tokens and its path (window_cascade.attend_packed). Only
+    for passes whose every output is needed: a pass that keeps only each node's last position (Gemma 4's
+    KV-shared layers skipped for the rest) needs every row to end at the batch's last slot."""
+    nodes = step.nodes.tolist()
+    start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
+    own = (end - start).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(own)[:-1]]).astype(np.int64)  # each node's first slot
+    ids = np.concatenate([tree.tokens(node) for node in nodes]).astype(np.int64)
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(start, end)]).astype(np.int64)
+    segments = (offsets.tolist(), own.tolist())
+    device = reference.input_device
+    cache = ContextCache(kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree, kept,
+                         True, None, segments)
+    with cascade.active(cache):
+        out = reference.body(input_ids=torch.from_numpy(ids)[None].to(device),
+                             position_ids=torch.from_numpy(positions)[None].to(device), use_cache=True,
+                             **{reference.cache_argument: cache})
+    if any(getattr(layer, "pending", False) for layer in cache.layers):
+        raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
+    hidden = out.last_hidden_state  # (1, N, H)
+    for k, node in enumerate(nodes):
+        if node in parents:
+            kept[node] = cache.state_of(0, int(offsets[k]), int(own[k]), len(ids))
+    _gather_logprobs(reference, tree, step, hidden, offsets, rows_of, wanted, temperature, results,
+                     batch_rows=np.zeros(len(nodes), dtype=np.int64))
+
+
 def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, slot_of_start: np.ndarray, rows_of,
-                     wanted: Wanted, temperature: float, results: list[np.ndarray]) -> None:
-    """The logprobs of every row's needed positions that fall inside this pass's nodes."""
+                     wanted: Wanted, temperature: float, results: list[np.ndarray],
+                     batch_rows: np.ndarray | None = None) -> None:
+    """The logprobs of every row's needed positions that fall inside this pass's nodes (node k in hidden's batch row
+    batch_rows[k], k by default)."""
     batch_row, slot, row, position = [], [], [], []
     width = hidden.shape[1]
     for k, node in enumerate(step.nodes.tolist()):
@@ -150,7 +202,7 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
             p = np.arange(low, high)
             if wanted.needed is not None:  # a masked token is context only: no head for it
                 p = p[wanted.needed[r][p - wanted.base[r]]]
-            batch_row.append(np.full(len(p), k))
+            batch_row.append(np.full(len(p), k if batch_rows is None else batch_rows[k]))
             slot.append(slot_of_start[k] + p - start)
             row.append(np.full(len(p), r))
             position.append(p)

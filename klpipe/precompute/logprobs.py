@@ -88,7 +88,7 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     its last needed one are not fed at all, and a row with none needed is not run.
     """
     plan = plan_chunk(model, rows, max_tokens, sharing, max_cache_tokens, needed)
-    plan_stats(plan, stats)
+    plan_stats(plan, stats, packs_passes(model))
     return run_plan(model, plan, rows, temperature, check_stop)
 
 
@@ -117,13 +117,27 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
     return ChunkPlan(plan_key(model, sharing), needed, fed, candidates, tree, passes, batches, padded, masked)
 
 
-def plan_stats(plan: ChunkPlan, stats: ForwardStats) -> None:
-    """Add what `plan` feeds a model to `stats`."""
+def packs_passes(model) -> bool:
+    """Whether `model` runs the tree's passes that continue a context packed (model/tree.py)."""
+    if not getattr(model, "cascade", False):
+        return False
+    from klpipe.model.tree import packs_passes as packs  # torch lives behind this import
+
+    try:
+        return packs(model, model.layer_kinds)
+    except Exception:  # noqa: BLE001 - a layout the tree does not know runs no tree
+        return False
+
+
+def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> None:
+    """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes that continue a context
+    end to end, without pads (model/tree.py's packs_passes)."""
     stats.per_row_tokens += sum(len(f) for f in plan.fed)
     for step in plan.passes:
         own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
         stats.fed_tokens += int(own.sum())
-        stats.padded_tokens += len(own) * int(own.max())
+        alone = packed and not step.only_last and int(plan.tree.start[step.nodes].max()) > 0
+        stats.padded_tokens += int(own.sum()) if alone else len(own) * int(own.max())
         if step.only_last and plan.key[0]:  # prefill skips layers: all but each row's last position
             stats.early_only_tokens += int(own.sum()) - len(own)
     stats.tree_rows += len(plan.tree_rows)

@@ -33,7 +33,7 @@ from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
+from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
@@ -424,7 +424,7 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 if ahead is None or not sharing.current(ahead):  # not made ahead, or under a mode since changed
                     ahead = sharing.plan(pairs, max_tokens, needed)
                 plan = ahead
-                plan_stats(plan, summary.forward)
+                plan_stats(plan, summary.forward, packs_passes(model))
                 logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
                 policy_logprobs = None
                 if policy is not None:

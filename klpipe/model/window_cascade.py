@@ -1,0 +1,156 @@
+"""Cascade attention on a sliding-window layer of a tree pass (cascade.py runs the full-attention layers).
+
+A query at position p sees the keys at (p − W, p]. A pass's row continues a context of `cached` positions and
+feeds its own tokens after it, slot i at position cached + i, so its attention splits as the full layer's does,
+into parts merged by their log-sum-exp, each computing only the pairs it needs:
+
+    own      each row's real slots alone: the first W queries causal (with their log-sum-exp), the rest in
+             blocks with a band mask, as packed rows run (packing.band)
+    context  only queries at slots i < W − 1 see any of it, and only its last held = min(cached, W − 1) keys:
+             query i sees context key j (of those held) iff j ≥ i + held − W + 1. Per run of rows with one
+             parent and one context length, over the keys read where they lie (no copy per row), in two
+             exact pieces:
+                 A  the keys every query sees (the last W − 1 − s1 of them, s1 the last query slot + 1):
+                    one unmasked product, all query heads of a KV head stacked
+                 B  the rest: query i sees key j iff (held' − 1 − j) ≤ (s1 − 1 − i), which is top-left
+                    causal once queries and keys are both reversed: one causal kernel call, no mask
+
+A packed pass (tree.py: the nodes' own tokens end to end, no pad) runs the same parts per node, full layers
+included (`attend_packed`). Where the model keeps only the last position (Gemma 4's KV-shared layers under logits_to_keep = 1), the one
+query is slot T − 1 and the same pieces hold with that offset. Pads (after a row's real slots on the left
+layout, before them on the right) are never read as keys; a pad's own output is zeros or a finite mix that
+nothing reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from klpipe.model import packing
+
+
+def attend(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scale: float, window: int) -> torch.Tensor:
+    """(b, q, H, d_v) attention of query (b, H, q, d) over each row's own real slots of key, value (b, h, T, d) and
+    its context (contexts: cascade.PassContexts), within `window`; q = T, or 1 (the last slot's only)."""
+    b, heads, queries, dim = query.shape
+    slots = key.shape[2]
+    base = slots - queries  # the slot of query 0
+    seen = max(0, min(queries, window - 1 - base))  # queries that may see context: slots < window - 1
+    out = torch.zeros((b, heads, queries, value.shape[-1]), dtype=torch.float32, device=query.device)
+    lse = torch.full((b, heads, seen), float("-inf"), dtype=torch.float32, device=query.device)
+    for row in range(b):
+        first, count = int(contexts.real[0, row]), int(contexts.real[1, row])
+        if not count:
+            continue
+        _own(flash, gqa_native, query[row:row + 1], key[row:row + 1], value[row:row + 1], first, count, scale,
+             window, out[row:row + 1], lse[row:row + 1], base)
+    if seen:
+        for rows, nodes, cached in contexts.runs:
+            held = min(cached, window - 1)
+            keys, values = contexts.read(nodes, cached - held, cached)  # (h, held, d)
+            _context(flash, gqa_native, query[rows, :, :seen], keys, values, scale, window, base + seen,
+                     out[rows, :, :seen], lse[rows])
+    return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float, window: int | None) -> torch.Tensor:
+    """(1, N, H, d_v) attention of a packed pass (tree.py): its nodes' own tokens end to end, query (1, H, N, d) and
+    key, value (1, h, N, d), node k in slots contexts.segments[0][k] .. + contexts.segments[1][k] - 1, each over its
+    own tokens and its context, within `window` if given (None: full attention). No pad anywhere."""
+    starts, lengths = contexts.segments
+    out = torch.zeros((1, query.shape[1], query.shape[2], value.shape[-1]), dtype=torch.float32,
+                      device=query.device)
+    lse = torch.full(query.shape[:3], float("-inf"), dtype=torch.float32, device=query.device)
+    for start, length in zip(starts, lengths):
+        span = slice(start, start + length)
+        if length:
+            _own(flash, gqa_native, query[:, :, span], key[:, :, span], value[:, :, span], 0, length, scale, window,
+                 out[:, :, span], lse[:, :, span], 0)
+    if window is None:
+        # Every query of a part's rows sees all of its keys: their slots are one stretch of the sequence.
+        for rows, nodes, stop in contexts.parts:
+            keys, values = contexts.read(nodes, None if stop is None else 0, stop)
+            if not keys.shape[1]:
+                continue
+            span = slice(starts[rows.start], starts[rows.stop - 1] + lengths[rows.stop - 1])
+            _context(flash, gqa_native, query[:, :, span], keys, values, scale, None, 0, out[:, :, span],
+                     lse[:, :, span])
+    else:
+        for rows, nodes, cached in contexts.runs:
+            held = min(cached, window - 1)
+            keys, values = contexts.read(nodes, cached - held, cached)  # (h, held, d)
+            for row in range(rows.start, rows.stop):
+                seen = min(lengths[row], window - 1)  # a node's first window - 1 tokens see its context
+                if seen:
+                    span = slice(starts[row], starts[row] + seen)
+                    _context(flash, gqa_native, query[:, :, span], keys, values, scale, window, seen,
+                             out[:, :, span], lse[:, :, span])
+    return out.transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, scale: float, window: int, out, lse,
+         base: int) -> None:
+    """One row's attention over its real slots first .. first + count - 1, written into out (1, H, q, d_v) fp32, and
+    the log-sum-exp of the queries that may see context into lse (1, H, seen)."""
+    seen = lse.shape[2]
+    real = slice(first, first + count)
+    if base:  # the last slot's query alone: it sees the row's last `window` real slots
+        if first + count != key.shape[2]:
+            raise ValueError("the model kept a last position that is a pad")
+        low = max(first, key.shape[2] - window)
+        got, got_lse = flash(query, *_kv(key[:, :, low:], value[:, :, low:], query, gqa_native), 0.0, False,
+                             scale=scale)
+        out.copy_(got)
+        lse.copy_(got_lse[:, :, :seen])
+        return
+    q, k, v = query[:, :, real], key[:, :, real], value[:, :, real]
+    head = count if window is None else min(count, window)  # queries that see every real key before them
+    got, got_lse = flash(q[:, :, :head], *_kv(k[:, :, :head], v[:, :, :head], q, gqa_native), 0.0, True,
+                         scale=scale)
+    out[:, :, first:first + head] = got
+    if first == 0:  # only a row whose real slots open the pass continues a context
+        lse[:, :, :min(seen, head)] = got_lse[:, :, :seen]
+    if window is not None and count > window:
+        out[:, :, first + window:first + count] = packing.band(q, k, v, scale, window, window)
+
+
+def _context(flash, gqa_native: bool, query, keys, values, scale: float, window: int, end: int, out, lse) -> None:
+    """Merge into out (r, H, s, d_v) and lse (r, H, s) the attention of query (r, H, s, d), at slots end - s .. end - 1
+    of rows continuing the same context, over that context's last keys, values (h, held, d)."""
+    r, heads, s, dim = query.shape
+    held = keys.shape[1]
+    every = held if window is None else min(window - 1 - end, held)  # A: the last keys, seen by every query
+    if every > 0:
+        kv_heads = keys.shape[0]
+        groups = heads // kv_heads
+        # Every query sees every key of A: rows, slots and the query heads of a KV head stack into one product.
+        stacked = query.reshape(r, kv_heads, groups, s, dim).permute(2, 1, 0, 3, 4).reshape(groups, kv_heads, r * s,
+                                                                                            dim)
+        k, v = keys[:, held - every:], values[:, held - every:]
+        part, part_lse = flash(stacked, k.expand(groups, *k.shape), v.expand(groups, *v.shape), 0.0, False,
+                               scale=scale)
+        part = part.reshape(groups, kv_heads, r, s, -1).permute(2, 1, 0, 3, 4).reshape(r, heads, s, -1)
+        part_lse = part_lse.reshape(groups, kv_heads, r, s).permute(2, 1, 0, 3).reshape(r, heads, s)
+        _merge(out, lse, part, part_lse)
+    rest = held - max(every, 0)  # B: keys 0 .. rest - 1, query i seeing key j iff rest - 1 - j <= s - 1 - i
+    if rest > 0:
+        k, v = keys[:, :rest].flip(1), values[:, :rest].flip(1)  # (h, rest, d), the nearest key first
+        k, v = k.expand(r, *k.shape), v.expand(r, *v.shape)
+        part, part_lse = flash(query.flip(2), *_kv(k, v, query, gqa_native), 0.0, True, scale=scale)
+        _merge(out, lse, part.flip(2), part_lse.flip(2))
+
+
+def _merge(out, lse, part, part_lse) -> None:
+    """out·e^a + part·e^c over e^a + e^c, in place: out + σ(c − a)·(part − out); lse becomes log(e^a + e^c)."""
+    out.lerp_(part.float(), torch.sigmoid(part_lse - lse).unsqueeze(-1))
+    lse.copy_(torch.logaddexp(lse, part_lse))
+
+
+def _kv(key, value, query, gqa_native: bool):
+    """key, value as the kernel takes them for query's heads: repeated per query head on a kernel without GQA."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not gqa_native:
+        return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return key, value
