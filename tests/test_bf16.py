@@ -18,7 +18,7 @@ the bound is twice the spread, plus the fp32 head's own 1e-4:
 
 The head's part is not in the spread: it accumulates in fp32 (model/head.py), so its logits carry fp32 rounding, not
 bf16's (bf16 logits would round a logit of 20 by 0.06: tests/test_head.py holds the head to 1e-4 with bf16 weights).
-`make test` runs a few families; `make test-bf16` (which .ci/run runs) the whole matrix.
+`make test` runs a few families; `make test-bf16` the whole matrix (by hand: it is not in .ci/run, see the README).
 """
 
 from __future__ import annotations
