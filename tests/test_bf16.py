@@ -18,6 +18,12 @@ the bound is twice the spread, plus the fp32 head's own 1e-4:
 
 The head's part is not in the spread: it accumulates in fp32 (model/head.py), so its logits carry fp32 rounding, not
 bf16's (bf16 logits would round a logit of 20 by 0.06: tests/test_head.py holds the head to 1e-4 with bf16 weights).
+
+Some models round more than their linear outputs in bf16: a recurrent or chunked linear-attention kernel (Bailing's
+KDA) runs its state in bf16 through every step, and its own one-row bf16 forward lands outside that bound of fp64
+(bailing_hybrid: 1.06 against 0.50). There klpipe cannot be closer to fp64 than the model's own forward is, so what
+is held is what klpipe adds: its bf16 logprobs within the same tolerance of the model's own one-row bf16 forward
+(bailing_hybrid: 0.03). Where the model's own forward is within the bound, klpipe is held to fp64 as above.
 `make test` runs a few families; `make test-bf16` the whole matrix (by hand: it is not in .ci/run, see the README).
 """
 
@@ -63,8 +69,10 @@ def spread(model64, rows, expected, draws: int = DRAWS, seed: int = 0) -> float:
             hook.remove()
 
 
-def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, float]:
-    """({mode: klpipe's bf16 worst |error| against fp64}, the tolerance, the spread) for the tiny model there."""
+def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, float, float, dict]:
+    """({mode: klpipe's bf16 worst |error| against fp64}, the tolerance, the spread, the model's own one-row bf16
+    forward's worst |error| against fp64, {mode: klpipe's worst |error| against that forward}) for the tiny model
+    there."""
     from transformers import AutoModelForCausalLM
 
     from klpipe.model import ModelSpec, ReferenceModel
@@ -81,7 +89,12 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     expected = [oracle_logprobs(model64, p, r) for p, r in rows]
     measured = spread(model64, rows, expected)
     tolerance = 2 * measured + HEAD
-    errors = {}
+    own_model = AutoModelForCausalLM.from_pretrained(directory, dtype="bfloat16").eval()
+    if own_model._can_set_experts_implementation():
+        own_model.set_experts_implementation("eager")
+    own = [oracle_logprobs(own_model, p, r) for p, r in rows]  # the model's own bf16 forward, a row at a time
+    own_error = max(float(np.max(np.abs(o - e))) for o, e in zip(own, expected) if len(e))
+    errors, from_own = {}, {}
     for mode in modes:
         sharing = Sharing(reference, mode, 1 << 10, lambda line: None)
         plan = sharing.plan(rows, 96, None)
@@ -90,16 +103,21 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
         assert mode == "off" or stats.tree_rows, "the tree ran no row"
         results = run_plan(reference, plan, rows, 1.0)
         errors[mode] = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected) if len(e))
-    return errors, tolerance, measured
+        from_own[mode] = max(float(np.max(np.abs(v - o))) for v, o, e in zip(results, own, expected) if len(e))
+    return errors, tolerance, measured, own_error, from_own
 
 
 def check(name: str) -> None:
     modes = ("off", "on") if RECORD[name]["on"] == "shares" else ("off",)  # the tree where the family shares
     with tempfile.TemporaryDirectory() as directory:
         matrix.save_tiny(name, Path(directory))
-        errors, tolerance, measured = bf16_errors(Path(directory), modes)
-    assert all(e <= tolerance for e in errors.values()), (
-        f"{name}: bf16 worst |error| {errors} against fp64; tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
+        errors, tolerance, measured, own_error, from_own = bf16_errors(Path(directory), modes)
+    said = (f"{name}: bf16 worst |error| {errors} against fp64, {from_own} against the model's own bf16 forward "
+            f"(itself {own_error:.3g} from fp64); tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
+    if own_error <= tolerance:
+        assert all(e <= tolerance for e in errors.values()), said
+    else:  # the model's own bf16 numerics exceed linear rounding: hold what klpipe adds to them
+        assert all(e <= tolerance for e in from_own.values()), said
 
 
 @pytest.mark.parametrize("name", FAST)
