@@ -21,10 +21,16 @@ bf16's (bf16 logits would round a logit of 20 by 0.06: tests/test_head.py holds 
 
 Some models round more than their linear outputs in bf16: a recurrent or chunked linear-attention kernel (Bailing's
 KDA) runs its state in bf16 through every step, and its own one-row bf16 forward lands outside that bound of fp64
-(bailing_hybrid: 1.06 against 0.50). There klpipe cannot be closer to fp64 than the model's own forward is, so what
-is held is what klpipe adds: its bf16 logprobs within the same tolerance of the model's own one-row bf16 forward
-(bailing_hybrid: 0.03). Where the model's own forward is within the bound, klpipe is held to fp64 as above.
-`make test` runs a few families; `make test-bf16` the whole matrix (by hand: it is not in .ci/run, see the README).
+(bailing_hybrid: 1.06 against 0.50). klpipe cannot be closer to fp64 than the model's own forward is. So klpipe's
+bf16 logprobs, in every mode, are held within the tolerance of one of two references: fp64, or the model's own
+one-row bf16 forward, the naive oracle in the GPU's dtype (bailing_hybrid: 0.03 from it). A batching or sharing
+bug is far from both.
+
+Four families do not run in bf16 here, each refused in one line, and `REFUSED` records where and why: XLNet and
+Reformer mix fp32 buffers into bf16 matmuls on CPU (their own forward fails at load), and under `on` the tree's
+probe refuses Beam and Youtu, whose logprobs move by more than its bf16 tolerance once a prefix is continued or a
+later token is added (never wrong numbers: `auto` runs them whole).
+`make test` runs a few families; `make test-bf16` (in .ci/run) the whole matrix.
 """
 
 from __future__ import annotations
@@ -51,9 +57,16 @@ def spread(model64, rows, expected, draws: int = DRAWS, seed: int = 0) -> float:
     """The largest |Δ logprob| of the fp64 model with every linear output perturbed by bf16-sized rounding."""
     generator = torch.Generator().manual_seed(seed)
 
-    def perturb(module, args, out):
+    def rounded(out: torch.Tensor) -> torch.Tensor:
         noise = torch.rand(out.shape, generator=generator, dtype=torch.float64) * 2 - 1
         return out * (1 + U * noise)
+
+    def perturb(module, args, out):
+        # A router is a Linear that returns a tuple (Llama 4: scores and logits; PhiMoE: weights and expert
+        # indices): its floating outputs are stored in bf16 alike, its indices are not rounded.
+        if isinstance(out, tuple):
+            return tuple(rounded(o) if torch.is_floating_point(o) else o for o in out)
+        return rounded(out)
 
     hooks = [m.register_forward_hook(perturb) for m in model64.modules() if isinstance(m, torch.nn.Linear)]
     try:
@@ -75,6 +88,7 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     there."""
     from transformers import AutoModelForCausalLM
 
+    from klpipe.errors import ModelError
     from klpipe.model import ModelSpec, ReferenceModel
     from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
     from klpipe.precompute.sharing import Sharing
@@ -96,7 +110,11 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     own_error = max(float(np.max(np.abs(o - e))) for o, e in zip(own, expected) if len(e))
     errors, from_own = {}, {}
     for mode in modes:
-        sharing = Sharing(reference, mode, 1 << 10, lambda line: None)
+        try:
+            sharing = Sharing(reference, mode, 1 << 10, lambda line: None)
+        except ModelError as exc:  # a mode klpipe refuses for this model in bf16: the caller says whether it may
+            errors[mode] = from_own[mode] = f"refused: {exc}"
+            continue
         plan = sharing.plan(rows, 96, None)
         stats = ForwardStats()
         plan_stats(plan, stats)
@@ -107,17 +125,36 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     return errors, tolerance, measured, own_error, from_own
 
 
+# Where klpipe refuses a family in bf16 ("load": the model itself; a mode: that mode), and the words it says.
+REFUSED = {
+    "xlnet": ("load", "its own forward fails on a probe sequence (RuntimeError: expected scalar type Float but found "
+                      "BFloat16)"),
+    "reformer": ("load", "its own forward fails on a probe sequence (RuntimeError: mixed dtype (CPU)"),
+    "beam": ("on", "cannot share prefixes exactly (its forward is not causal"),
+    "youtu": ("on", "cannot share prefixes exactly (continuing a prefix's keys and values changes the logprobs"),
+}
+
+
 def check(name: str) -> None:
+    from klpipe.errors import ModelError
+
     modes = ("off", "on") if RECORD[name]["on"] == "shares" else ("off",)  # the tree where the family shares
+    where, words = REFUSED.get(name, (None, None))
     with tempfile.TemporaryDirectory() as directory:
         matrix.save_tiny(name, Path(directory))
+        if where == "load":
+            with pytest.raises(ModelError) as refused:
+                bf16_errors(Path(directory), modes)
+            assert words in str(refused.value), str(refused.value)
+            return
         errors, tolerance, measured, own_error, from_own = bf16_errors(Path(directory), modes)
     said = (f"{name}: bf16 worst |error| {errors} against fp64, {from_own} against the model's own bf16 forward "
             f"(itself {own_error:.3g} from fp64); tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
-    if own_error <= tolerance:
-        assert all(e <= tolerance for e in errors.values()), said
-    else:  # the model's own bf16 numerics exceed linear rounding: hold what klpipe adds to them
-        assert all(e <= tolerance for e in from_own.values()), said
+    if where is not None:
+        assert str(errors.pop(where)).startswith("refused: ") and words in from_own.pop(where), said
+    assert errors, said
+    for mode, error in errors.items():
+        assert isinstance(error, float) and (error <= tolerance or from_own[mode] <= tolerance), said
 
 
 @pytest.mark.parametrize("name", FAST)
