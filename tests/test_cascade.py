@@ -19,23 +19,22 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 def naive(q, keys, values, own):
     """One row: q (H, T, d) over context keys (h, C, d) then its `own` real slots' keys (h, own, d), causal
     over its own, softmax in fp64."""
-    groups = HEADS // KV_HEADS
-    k = keys.repeat_interleave(groups, dim=0).double()
-    v = values.repeat_interleave(groups, dim=0).double()
-    q = q[:, :own].double()
-    scores = q @ k.transpose(-1, -2) * DIM ** -0.5
-    context = k.shape[1] - own
-    allowed = torch.arange(k.shape[1])[None, :] <= context + torch.arange(own)[:, None]
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    context = keys.shape[1] - own
+    return naive_windowed(q[:, :own], keys, values, torch.arange(keys.shape[1]), context + torch.arange(own), None)
+
+
+def kernel_takes_gqa(native_gqa: bool, monkeypatch) -> None:
+    """The cascade's kernel as one that takes fewer key heads than query heads (native_gqa) or needs them repeated."""
+    if native_gqa and not cascade._native_gqa():
+        pytest.skip("this torch's CPU flash kernel does not take fewer key heads than query heads")
+    monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
 
 
 @pytest.mark.parametrize("layout", ["b H T d", "b T H d"])
 @pytest.mark.parametrize("native_gqa", [True, False])  # False: a kernel that needs the own keys repeated
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # bf16: its rounding (worst seen 0.0065)
 def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_gqa, dtype, bound, monkeypatch):
-    if native_gqa and not cascade._native_gqa():
-        pytest.skip("this torch's CPU flash kernel does not take fewer key heads than query heads")
-    monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
+    kernel_takes_gqa(native_gqa, monkeypatch)
     torch.manual_seed(0)
     layer = 0
     # Nodes' own lengths: 2 and 3 continue 1; 4 continues 2; 6 continues 5; 7 and 8 continue 6.
@@ -155,9 +154,7 @@ def naive_windowed(q, keys, values, positions, query_positions, window):
 @pytest.mark.parametrize("native_gqa", [True, False])
 def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, layout, last_only, native_gqa,
                                                                         monkeypatch):
-    if native_gqa and not cascade._native_gqa():
-        pytest.skip("this torch's CPU flash kernel does not take fewer key heads than query heads")
-    monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
+    kernel_takes_gqa(native_gqa, monkeypatch)
     torch.manual_seed(1)
     layer = 0
     lengths = {1: 30, 2: 7, 3: 12, 4: 1, 5: 10, 6: 4, 7: 3, 8: 2}
