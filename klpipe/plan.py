@@ -63,6 +63,14 @@ class Pass:
     only_last: bool  # no node needs more than its last position's output
     release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
 
+    def runs_packed(self, packs_passes: bool, prefill_skips_layers: bool) -> bool:
+        """Whether model/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model that
+        `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
+        model that skips layers for the rest (Gemma 4's KV-shared layers, under logits_to_keep = 1) keeps the right
+        layout, whose rows must all end at the batch's last slot. The plan's counts (precompute/logprobs.py) and
+        the run read this one rule."""
+        return packs_passes and not (self.only_last and prefill_skips_layers)
+
 
 @dataclass
 class Wanted:

@@ -275,3 +275,42 @@ def test_gemma4s_sliding_and_kv_shared_layers_take_the_cascade_and_match_the_ora
         if model == "tiny-gemma4":
             assert cascade.CALLS["shared"] > 0
     gemma.tree_passes_packed = True
+
+
+def _fed_slots(reference, monkeypatch) -> list[int]:
+    """Slots each forward of `reference` is fed (input ids, pads included), recorded as the forwards run."""
+    fed = []
+    body = reference.body
+
+    def counting(*args, **kwargs):
+        fed.append(int(kwargs["input_ids"].numel()))
+        return body(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "body", counting)
+    return fed
+
+
+@pytest.mark.parametrize("model", ["llama", "without shared layers", "tiny-gemma4"])
+@pytest.mark.parametrize("shape", ["agent", "GRPO"])
+def test_the_trees_passes_feed_no_pad_and_the_plan_counts_what_was_fed(model, shape, request, monkeypatch):
+    """Every pass runs packed, with or without a context, except where a model skips layers for all but each node's
+    last position (Gemma 4's KV-shared layers: the right layout); the plan's count of what it feeds (the summary's
+    and bench_pairs' figure) is what the forwards were given."""
+    if model == "tiny-gemma4":
+        reference = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    else:
+        reference = request.getfixturevalue("llama" if model == "llama" else "gemma_without_shared_layers")
+    window = getattr(reference.model.config.get_text_config(), "sliding_window", None) or 8
+    rows = agent_rows(reference.vocab_size, window=window) if shape == "agent" else grpo_rows(reference.vocab_size,
+                                                                                               window)
+    reference.use_cascade()
+    fed = _fed_slots(reference, monkeypatch)
+    stats = ForwardStats()
+    results = chunk_logprobs(reference, rows, 6 * window, 1.0, "on", stats, max_cache_tokens=10**9)
+    assert worst_error(reference.model, rows, results) <= 1e-4
+    assert stats.tree_rows > len(rows) // 2  # rows that need no logprob feed nothing
+    assert sum(fed) == stats.padded_tokens
+    if model == "tiny-gemma4":  # its prompt passes keep the right layout: some pads, all of them counted
+        assert stats.early_only_tokens > 0
+    else:
+        assert stats.padded_tokens == stats.fed_tokens

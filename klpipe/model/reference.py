@@ -53,7 +53,7 @@ class ReferenceModel:
         # Whether rows run whole go packed, end to end without pads (packing.py), and if not, why (the check's words).
         self.packed = False
         self.padded_why: str | None = "not checked"
-        # Whether the tree's passes that continue a context run packed (tree.py), until a call the cascade cannot take.
+        # Whether the tree's passes run packed (tree.py), until a call the cascade cannot take.
         self.tree_passes_packed = True
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.

@@ -88,9 +88,9 @@ def pass_layout(reference) -> str:
 
 
 def packs_passes(reference, kinds) -> bool:
-    """Whether passes that continue a context may run packed (`_run_packed`): the cascade is installed, rows run
-    whole go packed, and every attention layer is one the cascade takes (full or sliding), with no state (a
-    state is taken at a pass's end)."""
+    """Whether the tree's passes may run packed (`_run_packed`; Pass.runs_packed says which): the cascade is
+    installed, rows run whole go packed, and every attention layer is one the cascade takes (full or sliding), with
+    no state (a state is taken at a pass's end)."""
     return (reference.cascade and reference.packed and reference.tree_passes_packed
             and all(kind.continuation.keys_values is None or kind.continuation.cascade for kind in kinds)
             and not any(kind.continuation.state for kind in kinds))
@@ -101,7 +101,7 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
-    if not step.only_last and int(start.max()) > 0 and packs_passes(reference, kinds):
+    if step.runs_packed(packs_passes(reference, kinds), reference.prefill_skips_layers):
         try:
             _run_packed(reference, tree, step, kinds, kept, parents, rows_of, wanted, temperature, results)
             return
@@ -154,14 +154,15 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
 
 def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows_of, wanted: Wanted,
                 temperature: float, results: list[np.ndarray]) -> None:
-    """A pass that continues a context, its nodes' own tokens end to end in one sequence with no pad and no mask:
+    """A pass, its nodes' own tokens end to end in one sequence with no pad and no mask (whether they continue a
+    context or not):
 
         input_ids     [ node 0's own tokens | node 1's | ... ]   (1, N), N = the nodes' own tokens
         position_ids  [ start_0 .. end_0 - 1 | start_1 .. | ... ]
 
-    Each node's attention is the cascade's over its own tokens and its path (window_cascade.attend_packed). Only
-    for passes whose every output is needed: a pass that keeps only each node's last position (Gemma 4's
-    KV-shared layers skipped for the rest) needs every row to end at the batch's last slot."""
+    Each node's attention is the cascade's over its own tokens and its path (window_cascade.attend_packed). Not for
+    a pass that keeps only each node's last position on a model that skips layers for the rest (Pass.runs_packed):
+    logits_to_keep needs every row to end at the batch's last slot."""
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = (end - start).astype(np.int64)

@@ -118,7 +118,7 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
 
 
 def packs_passes(model) -> bool:
-    """Whether `model` runs the tree's passes that continue a context packed (model/tree.py)."""
+    """Whether `model` runs the tree's passes packed (model/tree.py; plan.Pass.runs_packed says which)."""
     if not getattr(model, "cascade", False):
         return False
     from klpipe.model.tree import packs_passes as packs  # torch lives behind this import
@@ -130,14 +130,14 @@ def packs_passes(model) -> bool:
 
 
 def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> None:
-    """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes that continue a context
-    end to end, without pads (model/tree.py's packs_passes)."""
+    """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes end to end, without pads,
+    all but those plan.Pass.runs_packed keeps padded (model/tree.py's packs_passes)."""
     stats.per_row_tokens += sum(len(f) for f in plan.fed)
     for step in plan.passes:
         own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
         stats.fed_tokens += int(own.sum())
-        alone = packed and not step.only_last and int(plan.tree.start[step.nodes].max()) > 0
-        stats.padded_tokens += int(own.sum()) if alone else len(own) * int(own.max())
+        end_to_end = step.runs_packed(packed, plan.key[0])
+        stats.padded_tokens += int(own.sum()) if end_to_end else len(own) * int(own.max())
         if step.only_last and plan.key[0]:  # prefill skips layers: all but each row's last position
             stats.early_only_tokens += int(own.sum()) - len(own)
     stats.tree_rows += len(plan.tree_rows)
