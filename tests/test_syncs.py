@@ -14,10 +14,12 @@ import weakref
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.precompute.logprobs import plan_chunk, run_plan
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows
 
 VALUE_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique_dim", "_unique2", "_unique", "equal",
@@ -116,16 +118,39 @@ def _one_batch(path, rows):
     return counter.found
 
 
-# transformers' mask code asks, without an attention mask, whether the rows are packed (`find_packed_sequence_indices`:
-# `(mask[:, -1] == 0).all()` read on the host), once per kind of mask the model builds: Llama one, Gemma 4 two
-# (full and sliding). klpipe's own code syncs once: the head's logprobs coming back.
+# transformers' mask code would ask, without an attention mask, whether the rows are packed
+# (`find_packed_sequence_indices`: `(mask[:, -1] == 0).all()` read on the host), once per kind of mask the model
+# builds: Llama one, Gemma 4 two (full and sliding). While klpipe packs the rows it answers that itself
+# (packing._packed_sequences), so the one sync left is klpipe's: the head's logprobs coming back.
 
 
 def test_rows_run_whole_sync_once_per_batch_llama():
     found = _one_batch(TINY_LLAMA, lambda vocab: agent_rows(vocab)[:6])
-    assert found == ["is_nonzero (transformers)", "numpy"], found
+    assert found == ["numpy"], found
 
 
 def test_rows_run_whole_sync_once_per_batch_gemma4():
     found = _one_batch(TINY_GEMMA, lambda vocab: agent_rows(vocab, seed=3)[:6])
-    assert found == ["is_nonzero (transformers)"] * 2 + ["numpy"], found
+    assert found == ["numpy"], found
+
+
+def test_transformers_still_finds_packed_rows_outside_klpipes_batches():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    assert find_packed_sequence_indices(positions).tolist() == [[0, 0, 0, 1, 1]]
+    assert find_packed_sequence_indices(torch.arange(4)[None]) is None
+
+
+@pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA], ids=["llama", "gemma4"])
+def test_each_pass_of_the_tree_syncs_once(path):
+    """A tree pass is a batch: its forward and head sync once (the logprobs back), whatever its nodes and context."""
+    reference = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu"))
+    rows = agent_rows(reference.vocab_size)
+    reference.use_cascade()
+    plan = plan_chunk(reference, rows, 48, "on", max_cache_tokens=10**9)
+    assert len(plan.passes) > 3 and any(int(plan.tree.start[step.nodes].max()) > 0 for step in plan.passes)
+    run_plan(reference, plan, rows, 1.0)  # transformers' first calls build what they cache
+    with SyncCounter() as counter:
+        run_plan(reference, plan, rows, 1.0)
+    assert counter.found == ["numpy"] * len(plan.passes), counter.found

@@ -36,6 +36,7 @@ from contextvars import ContextVar
 
 import numpy as np
 import torch
+import transformers.masking_utils
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -142,6 +143,23 @@ def mask(*args, **kwargs):
 
 AttentionInterface.register(NAME, attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
+
+_find_packed_sequence_indices = transformers.masking_utils.find_packed_sequence_indices
+
+
+def _packed_sequences(position_ids: torch.Tensor):
+    """transformers' test of whether a batch without an attention mask holds packed rows, except while klpipe packs
+    them: there it would read the position ids on the host (`(...).all()`, a device sync per kind of mask and batch)
+    only to build a mask factory that `mask` above never calls. Anywhere else, transformers' own answer."""
+    if is_packed():
+        return None
+    return _find_packed_sequence_indices(position_ids)
+
+
+# transformers calls it by its module's global name (masking_utils._preprocess_mask_arguments, its one caller); the
+# wrapper is transformers' own function outside klpipe's packed batches, so code beside klpipe in the process sees
+# no change.
+transformers.masking_utils.find_packed_sequence_indices = _packed_sequences
 
 
 def _plain(module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> int | None:
