@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model import ModelSpec, ReferenceModel, packing
 from klpipe.precompute.logprobs import plan_chunk, run_plan
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows
 
@@ -140,6 +140,12 @@ def test_transformers_still_finds_packed_rows_outside_klpipes_batches():
     positions = torch.tensor([[0, 1, 2, 0, 1]])
     assert find_packed_sequence_indices(positions).tolist() == [[0, 0, 0, 1, 1]]
     assert find_packed_sequence_indices(torch.arange(4)[None]) is None
+    # Inside klpipe's packed batch, only a model whose masks are klpipe's (none) goes without the answer: Falcon
+    # runs sdpa under any name, on transformers' packed-sequence mask, which needs it.
+    with packing.packed(packing.Rows([3, 2])):
+        assert find_packed_sequence_indices(positions).tolist() == [[0, 0, 0, 1, 1]]
+    with packing.packed(packing.Rows([3, 2]), maskless=True):
+        assert find_packed_sequence_indices(positions) is None
 
 
 @pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA], ids=["llama", "gemma4"])

@@ -82,15 +82,20 @@ class Rows:
 
 
 _ROWS: ContextVar = ContextVar("klpipe_packed_rows", default=None)
+# Whether the packed batch's masks are `mask`'s below (none): False for a model that keeps transformers' own masks
+# under any name (Falcon runs sdpa whatever it is told, with transformers' packed-sequence mask).
+_MASKLESS: ContextVar = ContextVar("klpipe_packed_maskless", default=False)
 
 
 @contextmanager
-def packed(rows: Rows):
-    """Attention calls inside run `rows` as separate sequences (the model was switched to NAME)."""
-    token = _ROWS.set(rows)
+def packed(rows: Rows, maskless: bool = False):
+    """Attention calls inside run `rows` as separate sequences (the model was switched to NAME). `maskless`: the
+    model's masks are built by `mask` (its implementation is NAME or the cascade's), so none is built."""
+    token, mask_token = _ROWS.set(rows), _MASKLESS.set(maskless)
     try:
         yield
     finally:
+        _MASKLESS.reset(mask_token)
         _ROWS.reset(token)
 
 
@@ -149,9 +154,10 @@ _find_packed_sequence_indices = transformers.masking_utils.find_packed_sequence_
 
 def _packed_sequences(position_ids: torch.Tensor):
     """transformers' test of whether a batch without an attention mask holds packed rows, except while klpipe packs
-    them: there it would read the position ids on the host (`(...).all()`, a device sync per kind of mask and batch)
-    only to build a mask factory that `mask` above never calls. Anywhere else, transformers' own answer."""
-    if is_packed():
+    them for a model whose masks are `mask`'s: there it would read the position ids on the host (`(...).all()`, a
+    device sync per kind of mask and batch) only to build a mask factory that `mask` never calls. Anywhere else
+    (Falcon's packed rows run on transformers' packed-sequence mask), transformers' own answer."""
+    if _ROWS.get() is not None and _MASKLESS.get():
         return None
     return _find_packed_sequence_indices(position_ids)
 

@@ -231,7 +231,10 @@ class ReferenceModel:
         device = self.input_device
         input_ids = torch.from_numpy(np.concatenate(inputs).astype(np.int64))[None].to(device)  # (1, N)
         position_ids = torch.from_numpy(segments.position_ids())[None].to(device)  # (1, N), restarting per row
-        with packing.packed(segments):
+        # A model whose masks are klpipe's builds none (packing.mask); transformers need not look for packed rows.
+        maskless = getattr(loading.text_config(self.model.config), "_attn_implementation", None) in (packing.NAME,
+                                                                                                     cascade.NAME)
+        with packing.packed(segments, maskless):
             hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         # Row k's position prompt_len - 1 + j predicts its response token j: packed slot start_k + that.
         positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted)]
