@@ -4,11 +4,14 @@ Against naive softmax attention over each row's explicit keys, and end to end ag
 both when the cascade takes a call and when it hands it back to transformers' sdpa over gathered slots.
 """
 
+import dataclasses
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade, packing
+from klpipe.model import ModelSpec, ReferenceModel, cascade, lse_attention, packing
 from klpipe.model.context_cache import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
@@ -23,18 +26,28 @@ def naive(q, keys, values, own):
     return naive_windowed(q[:, :own], keys, values, torch.arange(keys.shape[1]), context + torch.arange(own), None)
 
 
-def kernel_takes_gqa(native_gqa: bool, monkeypatch) -> None:
-    """The cascade's kernel as one that takes fewer key heads than query heads (native_gqa) or needs them repeated."""
-    if native_gqa and not cascade._native_gqa():
-        pytest.skip("this torch's CPU flash kernel does not take fewer key heads than query heads")
-    monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
+BACKENDS = ["cpu_flash", "cpu_flash, keys repeated", "math"]
+
+
+@contextmanager
+def backend(name: str, monkeypatch):
+    """The cascade's kernels as `name` alone: torch's CPU flash kernel taking fewer key heads than query heads, the
+    same kernel as one that needs them repeated (a causal call's keys repeated), or plain torch (the path a GPU takes
+    where no kernel passed its probe). Asserts that calls ran there."""
+    lse_attention.reset()
+    if name == "cpu_flash, keys repeated":
+        flash = next(b for b in lse_attention.BACKENDS if b.name == "cpu_flash")
+        monkeypatch.setattr(lse_attention, "BACKENDS", [dataclasses.replace(flash, grouped=False)])
+    with lse_attention.forced(name.split(",")[0]):
+        yield
+    assert lse_attention.CALLS[name.split(",")[0]] > 0 and set(lse_attention.CALLS) == {name.split(",")[0]}
+    assert not lse_attention.REJECTED
 
 
 @pytest.mark.parametrize("layout", ["b H T d", "b T H d"])
-@pytest.mark.parametrize("native_gqa", [True, False])  # False: a kernel that needs the own keys repeated
+@pytest.mark.parametrize("kernel", BACKENDS)
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # bf16: its rounding (worst seen 0.0065)
-def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_gqa, dtype, bound, monkeypatch):
-    kernel_takes_gqa(native_gqa, monkeypatch)
+def test_attend_matches_naive_attention_over_each_rows_own_path(layout, kernel, dtype, bound, monkeypatch):
     torch.manual_seed(0)
     layer = 0
     # Nodes' own lengths: 2 and 3 continue 1; 4 continues 2; 6 continues 5; 7 and 8 continue 6.
@@ -57,7 +70,8 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
     assert parts == [(slice(0, 4), [1], None), (slice(5, 7), [1], None), (slice(7, 9), [5, 6], None),
                      (slice(0, 2), [2], None), (slice(3, 4), [2, 4], None), (slice(5, 6), [3], None),
                      (slice(6, 7), [2], None), (slice(7, 8), [7], None), (slice(8, 9), [8], None)]
-    out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
+    with backend(kernel, monkeypatch):
+        out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
     assert out.shape == (len(paths), fed, HEADS, DIM) and out.is_contiguous() and out.dtype == dtype
     worst = 0.0
     for row, path in enumerate(paths):
@@ -151,10 +165,9 @@ def naive_windowed(q, keys, values, positions, query_positions, window):
 
 @pytest.mark.parametrize("window", [None, 4, 6, 16])  # shorter than the own tokens, than the contexts; longer
 @pytest.mark.parametrize("layout, last_only", [("left", False), ("right", False), ("right", True)])
-@pytest.mark.parametrize("native_gqa", [True, False])
-def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, layout, last_only, native_gqa,
+@pytest.mark.parametrize("kernel", BACKENDS)
+def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, layout, last_only, kernel,
                                                                         monkeypatch):
-    kernel_takes_gqa(native_gqa, monkeypatch)
     torch.manual_seed(1)
     layer = 0
     lengths = {1: 30, 2: 7, 3: 12, 4: 1, 5: 10, 6: 4, 7: 3, 8: 2}
@@ -185,7 +198,8 @@ def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, 
         assert runs[0][0] == slice(0, 1) and runs[1][0] == slice(1, 2) and cached[2] < ends[1]
     contexts = cascade.PassContexts(parts, kept, layer, starts, real, runs, window)
     query = q[:, :, -1:] if last_only else q
-    out = contexts.attend(query, k, v, None)  # (b, q, H, d)
+    with backend(kernel, monkeypatch):
+        out = contexts.attend(query, k, v, None)  # (b, q, H, d)
     assert out.shape == (len(paths), query.shape[2], HEADS, DIM) and out.is_contiguous()
     worst = 0.0
     for row, path in enumerate(paths):
