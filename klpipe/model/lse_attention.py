@@ -65,19 +65,21 @@ class Backend:
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """Plain torch: q (b, H, s, d) over k (b, h, t, d), v (b, h, t, d_v), scores in fp32, a block of queries at a time
-    (at most MATH_BLOCK scores held). The query heads of a KV head are folded into the query axis: no key repeated."""
+    """Plain torch: q (b, H, s, d) over k (b, h, t, d), v (b, h, t, d_v), scores in fp32 (fp64 for fp64 inputs), a block
+    of queries at a time (at most MATH_BLOCK scores held). The query heads of a KV head are folded into the query
+    axis: no key repeated."""
     b, heads, s, dim = q.shape
     kv_heads, t = k.shape[1], k.shape[2]
     groups = heads // kv_heads
+    wide = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty((b, heads, s, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, heads, s), dtype=torch.float32, device=q.device)
-    keys_t = k.float().transpose(-1, -2)  # (b, h, d, t): the keys in fp32 (a copy only where they are not fp32)
-    values = v.float()  # (b, h, t, d_v)
+    keys_t = k.to(wide).transpose(-1, -2)  # (b, h, d, t): the keys in fp32 (a copy only where they are not fp32)
+    values = v.to(wide)  # (b, h, t, d_v)
     step = max(1, MATH_BLOCK // max(1, b * heads * t))
     for low in range(0, s, step):
         high = min(s, low + step)
-        block = q[:, :, low:high].float().reshape(b, kv_heads, groups * (high - low), dim)  # (b, h, g·n, d)
+        block = q[:, :, low:high].to(wide).reshape(b, kv_heads, groups * (high - low), dim)  # (b, h, g·n, d)
         scores = (block @ keys_t).mul_(scale)  # (b, h, g·n, t)
         if causal:
             i = torch.arange(low, high, device=q.device)[:, None]
