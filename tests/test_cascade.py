@@ -5,7 +5,7 @@ both when the cascade takes a call and when it hands it back to transformers' sd
 """
 
 import dataclasses
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -289,3 +289,68 @@ def test_gemma4s_sliding_and_kv_shared_layers_take_the_cascade_and_match_the_ora
         if model == "tiny-gemma4":
             assert cascade.CALLS["shared"] > 0
     gemma.tree_passes_packed = True
+
+
+@pytest.fixture(scope="module")
+def gemma_head_512(tmp_path_factory):
+    """Gemma 4 laid out as E2B is, tiny: sliding layers (window 8), full layers of head size 512, two KV-shared
+    layers, GQA."""
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=8, intermediate_size=128, num_hidden_layers=6,
+        layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=512, num_kv_shared_layers=2,
+        final_logit_softcapping=30.0, sliding_window=8, max_position_embeddings=1024)
+    path = tmp_path_factory.mktemp("gemma4-head-512")
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TINY_LLAMA).save_pretrained(path)
+    return path
+
+
+def held_to(kernel: str | None):
+    """Calls inside on `kernel` (None: the default, torch's CPU flash kernel here; "math": plain torch, the path a GPU
+    takes where no kernel passed its probe)."""
+    lse_attention.reset()
+    cascade.CALLS.clear()
+    return lse_attention.forced(kernel) if kernel else nullcontext()
+
+
+def assert_ran_on(kernel: str | None) -> None:
+    assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0
+    assert set(lse_attention.CALLS) == {kernel or "cpu_flash"} and not lse_attention.REJECTED, lse_attention.CALLS
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "gemma4 head 512"])
+def test_the_tree_matches_the_oracle_on_either_kernel(model, request):
+    if model == "tiny-llama":  # GQA, full layers
+        reference = request.getfixturevalue("llama")
+    else:
+        reference = ReferenceModel.load(ModelSpec(str(request.getfixturevalue("gemma_head_512")), dtype="float32",
+                                                  device="cpu"))
+    assert reference.use_cascade() is None and reference.cascade
+    rows = agent_rows(reference.vocab_size, window=8)[:8]
+    for kernel in (None, "math"):
+        with held_to(kernel):
+            results = chunk_logprobs(reference, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
+        assert worst_error(reference.model, rows, results) <= 1e-4
+        assert_ran_on(kernel)
+        if model != "tiny-llama":
+            assert cascade.CALLS["window"] > 0 and cascade.CALLS["shared"] > 0
+
+
+# bf16 runs the spread of an fp64 model (tests/test_bf16.py): about a minute for the four, so in make test-bf16.
+@pytest.mark.bf16
+@pytest.mark.parametrize("kernel", [None, "math"])
+@pytest.mark.parametrize("model", ["tiny-llama", "gemma4 head 512"])
+def test_the_tree_in_bf16_is_within_bf16s_rounding_on_either_kernel(model, kernel, gemma_head_512):
+    from tests.test_bf16 import bf16_errors
+
+    path = TINY_LLAMA if model == "tiny-llama" else gemma_head_512
+    with held_to(kernel):
+        errors, tolerance, measured, own_error, from_own = bf16_errors(path, ("on",))
+    said = (f"bf16 worst |error| {errors['on']} against fp64, {from_own['on']} against the model's own bf16 forward; "
+            f"tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
+    assert errors["on"] <= tolerance or from_own["on"] <= tolerance, said
+    assert_ran_on(kernel)
