@@ -192,3 +192,18 @@ def test_a_forced_backend_that_does_not_take_a_call_leaves_it_to_math():
         got = lse_attention.attend(q, k, v, True, 0.25)
     expected = naive(q, k, v, True, 0.25)
     assert float((got[0] - expected[0]).abs().max()) < 1e-12 and dict(lse_attention.CALLS) == {"math": 1}
+
+
+@pytest.mark.parametrize("name", ["cuda_flash", "efficient"])
+def test_the_cuda_kernels_bind_their_arguments_and_return_one_lse_per_query(name):
+    # No GPU here: torch's meta kernels give the shapes the CUDA ones return, and bind the arguments by the same
+    # schema. The efficient kernel pads its lse along the queries (37 -> 64); the backend slices it off.
+    backend = next(b for b in lse_attention.BACKENDS if b.name == name)
+    q = torch.empty(2, 4, 37, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 4, 23, 64, device="meta", dtype=torch.bfloat16)
+    for causal in (False, True):
+        out, lse = backend.run(q, k, k, causal, 0.125)
+        assert out.shape == (2, 4, 37, 64) and lse.shape == (2, 4, 37) and lse.dtype == torch.float32
+    raw = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, k, None, True)[1]
+    assert raw.shape == (2, 4, 64)
+    assert not backend.takes(*inputs(5, 5, 2, 2, 16, torch.bfloat16))  # CPU tensors: CUDA kernels never tried

@@ -97,14 +97,17 @@ def _cpu_flash(q, k, v, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
+# The CUDA kernels by their schemas' argument names (the same in torch 2.11 and 2.13), so that a torch whose positions
+# moved raises instead of binding another argument.
 def _cuda_flash(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)[:2]
     return out, lse[..., :q.shape[2]]
 
 
 def _efficient(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                      scale=scale)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal, scale=scale)[:2]
     return out, lse[..., :q.shape[2]]  # padded along the queries (to a multiple of 32)
 
 
