@@ -163,7 +163,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
         if got is not None:
             return got
     CALLS["math"] += 1
-    return _math(q, k, v, causal, scale)
+    return run(MATH, q, k, v, causal, scale)
+
+
+def run(backend: Backend, q, k, v, causal: bool, scale: float):
+    """One kernel call of a real attention call (pairs.py counts the pairs each executes; a probe's are not here)."""
+    return backend.run(q, k, v, causal, scale)
 
 
 def attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -210,7 +215,7 @@ def _try(backend: Backend, q, k, v, causal: bool, scale: float):
             keys = k.repeat_interleave(heads // kv_heads, dim=1)
             values = v.repeat_interleave(heads // kv_heads, dim=1)
         try:
-            out, lse = backend.run(q, keys, values, causal, scale)
+            out, lse = run(backend, q, keys, values, causal, scale)
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             with _LOCK:
                 _PASSED.discard(kind)
