@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from klpipe.errors import first_line
+
 # The backend each call ran on ("cpu_flash", "cuda_flash", "efficient", "math"); a rejected kernel's real call
 # that raised counts as "<name> raised" too.
 CALLS: Counter = Counter()
@@ -219,7 +221,7 @@ def _try(backend: Backend, q, k, v, causal: bool, scale: float):
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             with _LOCK:
                 _PASSED.discard(kind)
-                REJECTED[kind] = f"raised on a call: {type(exc).__name__}: {str(exc).strip().splitlines()[:1]}"
+                REJECTED[kind] = f"raised on a call: {type(exc).__name__}: {first_line(exc)}"
             CALLS[f"{backend.name} raised"] += 1
             continue
         CALLS[backend.name] += 1
@@ -273,7 +275,7 @@ def _probe(backend: Backend, kind: tuple) -> bool:
         try:
             out, lse = backend.run(q, k, v, causal, scale)
         except (RuntimeError, NotImplementedError, ValueError) as exc:
-            why = f"raised on the probe: {type(exc).__name__}: {str(exc).strip().splitlines()[:1]}"
+            why = f"raised on the probe: {type(exc).__name__}: {first_line(exc)}"
             break
         if out.shape != expected.shape or lse.shape != expected_lse.shape:
             why = f"returned shapes {tuple(out.shape)}, {tuple(lse.shape)} on the probe"
