@@ -18,8 +18,9 @@ into parts merged by their log-sum-exp, each computing only the pairs it needs:
 With no window (None), `context` is piece A alone, every query over every key: cascade.py merges a full
 layer's context parts through it too. A packed pass (tree.py: the nodes' own tokens end to end, no pad) runs the
 same parts per node, full layers included (`attend_packed`). Every piece is one call of lse_attention (a kernel
-that returns the log-sum-exp, probed against plain torch), on whatever device the keys are. Where the model keeps only the last position (Gemma 4's KV-shared layers under logits_to_keep = 1), the one
-query is slot T − 1 and the same pieces hold with that offset. Pads (after a row's real slots on the left
+that returns the log-sum-exp, probed against plain torch), on whatever device the keys are. Where the model keeps
+only the last position (Gemma 4's KV-shared layers under logits_to_keep = 1), the one query is slot T − 1 and the
+same pieces hold with that offset. Pads (after a row's real slots on the left
 layout, before them on the right) are never read as keys; a pad's own output is zeros or a finite mix that
 nothing reads.
 """
