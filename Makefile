@@ -68,9 +68,9 @@ test-matrix: install
 # The GPU's numerics on CPU: every family of the registry matrix with an fp64 oracle, in bf16 (weights and
 # activations; the head accumulates in fp32), tree on and off, against an fp64 forward of the same weights, within
 # a tolerance derived from bf16's rounding (tests/test_bf16.py). make test runs two families of it; this the whole
-# matrix, in about 4 minutes.
+# matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/test_cascade.py).
 test-bf16: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py
 
 # benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
 # never costs a GPU's minutes. benchmarks/gpu_run.sh runs it for real on a lent GPU.

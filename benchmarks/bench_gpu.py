@@ -5,6 +5,10 @@ the rows padded through transformers as TRL does.
     python benchmarks/bench_gpu.py --tokens 200000   # a quick look
     python benchmarks/bench_gpu.py --model qwen3_5 --tokens 500000   # the hybrid, below
     python benchmarks/bench_gpu.py --dry-run         # the same script on CPU, a tiny shape: CI runs it
+
+Where the tree runs, each runner prints which way its attention calls went (cascade.CALLS: in place, "cascade", or
+"gathered") and the kernel each part of the cascade ran on (lse_attention.CALLS: cuda_flash, efficient, or math
+where no kernel passed its probe for that kind of call, with the probe's reason).
     benchmarks/gpu_run.sh                            # on a lent GPU machine: the wheel it needs, then the run
 
 Two shapes of rows (--shapes): `grpo`, GRPO groups of 8 sharing a prompt of ~1,900 tokens (1,500-2,300); `agent`,
@@ -302,11 +306,14 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
 def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
     import pyarrow.parquet as pq
 
+    from klpipe.model import cascade, lse_attention
     from klpipe.precompute import PrecomputeConfig, precompute
 
     out = WORK / f"cached-{rollouts.stem}-{sharing}.parquet"
     out.unlink(missing_ok=True)
     reset_peak()
+    cascade.CALLS.clear()
+    lse_attention.CALLS.clear()
     summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
                                           prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
@@ -317,6 +324,12 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
     # AV) are left out: a lower bound on the work done, and so on the share.
     flops = (cost["early"] * forward.fed_tokens + cost["shared"] * (forward.fed_tokens - forward.early_only_tokens)
              + cost["head"] * summary.tokens)
+    # Which way each of the tree's attention calls went (cascade.py: in place or gathered), and which kernel each of
+    # the cascade's parts ran on (lse_attention.py: a probed kernel, or plain torch where no kernel passed its probe).
+    if cascade.CALLS:
+        print(f"  tree attention calls: {dict(cascade.CALLS)}; their kernels: {dict(lse_attention.CALLS)}", flush=True)
+    for kind, why in lse_attention.REJECTED.items():
+        print(f"  kernel {kind[0]} not used for {kind[1:]}: {why}", flush=True)
     needed, counted_fed = needed_flops(rollouts, sharing)
     if counted_fed != forward.fed_tokens:  # the count's plan is not what ran: say so, do not hide it
         print(f"  note: {sharing} fed {forward.fed_tokens:,} tokens, flops.py's plan {counted_fed:,}", flush=True)

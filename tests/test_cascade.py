@@ -4,11 +4,14 @@ Against naive softmax attention over each row's explicit keys, and end to end ag
 both when the cascade takes a call and when it hands it back to transformers' sdpa over gathered slots.
 """
 
+import dataclasses
+from contextlib import contextmanager, nullcontext
+
 import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade, packing
+from klpipe.model import ModelSpec, ReferenceModel, cascade, lse_attention, packing
 from klpipe.model.context_cache import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
@@ -23,18 +26,28 @@ def naive(q, keys, values, own):
     return naive_windowed(q[:, :own], keys, values, torch.arange(keys.shape[1]), context + torch.arange(own), None)
 
 
-def kernel_takes_gqa(native_gqa: bool, monkeypatch) -> None:
-    """The cascade's kernel as one that takes fewer key heads than query heads (native_gqa) or needs them repeated."""
-    if native_gqa and not cascade._native_gqa():
-        pytest.skip("this torch's CPU flash kernel does not take fewer key heads than query heads")
-    monkeypatch.setattr(cascade, "_native_gqa", lambda: native_gqa)
+BACKENDS = ["cpu_flash", "cpu_flash, keys repeated", "math"]
+
+
+@contextmanager
+def backend(name: str, monkeypatch):
+    """The cascade's kernels as `name` alone: torch's CPU flash kernel taking fewer key heads than query heads, the
+    same kernel as one that needs them repeated (a causal call's keys repeated), or plain torch (the path a GPU takes
+    where no kernel passed its probe). Asserts that calls ran there."""
+    lse_attention.reset()
+    if name == "cpu_flash, keys repeated":
+        flash = next(b for b in lse_attention.BACKENDS if b.name == "cpu_flash")
+        monkeypatch.setattr(lse_attention, "BACKENDS", [dataclasses.replace(flash, grouped=False)])
+    with lse_attention.forced(name.split(",")[0]):
+        yield
+    assert lse_attention.CALLS[name.split(",")[0]] > 0 and set(lse_attention.CALLS) == {name.split(",")[0]}
+    assert not lse_attention.REJECTED
 
 
 @pytest.mark.parametrize("layout", ["b H T d", "b T H d"])
-@pytest.mark.parametrize("native_gqa", [True, False])  # False: a kernel that needs the own keys repeated
+@pytest.mark.parametrize("kernel", BACKENDS)
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # bf16: its rounding (worst seen 0.0065)
-def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_gqa, dtype, bound, monkeypatch):
-    kernel_takes_gqa(native_gqa, monkeypatch)
+def test_attend_matches_naive_attention_over_each_rows_own_path(layout, kernel, dtype, bound, monkeypatch):
     torch.manual_seed(0)
     layer = 0
     # Nodes' own lengths: 2 and 3 continue 1; 4 continues 2; 6 continues 5; 7 and 8 continue 6.
@@ -57,7 +70,8 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, native_g
     assert parts == [(slice(0, 4), [1], None), (slice(5, 7), [1], None), (slice(7, 9), [5, 6], None),
                      (slice(0, 2), [2], None), (slice(3, 4), [2, 4], None), (slice(5, 6), [3], None),
                      (slice(6, 7), [2], None), (slice(7, 8), [7], None), (slice(8, 9), [8], None)]
-    out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
+    with backend(kernel, monkeypatch):
+        out = cascade.PassContexts(parts, kept, layer).attend(q, k, v, None)  # (b, T, H, d)
     assert out.shape == (len(paths), fed, HEADS, DIM) and out.is_contiguous() and out.dtype == dtype
     worst = 0.0
     for row, path in enumerate(paths):
@@ -132,6 +146,8 @@ def test_only_plain_causal_attention_takes_the_cascade(kwargs, exact):
     assert not cascade._exact_here(module, q, kv, kv, 0.0, {"sliding_window": 9}, 8)
     assert not cascade._exact_here(module, q, kv, kv, 0.0, {}, 8)  # a window the model does not pass
     assert cascade._exact_here(module, q[:, :, -1:], kv, kv, 0.0, {})  # the last slot's query alone
+    # On any device (lse_attention picks a kernel there, or plain torch): a GPU's tensors as the meta device's.
+    assert cascade._exact_here(module, q.to("meta"), kv.to("meta"), kv.to("meta"), 0.0, {})
     assert not cascade._exact_here(module, q[:, :, -2:], kv, kv, 0.0, {})
     module.is_causal = False
     assert not cascade._exact_here(module, q, kv, kv, 0.0, {})
@@ -151,10 +167,9 @@ def naive_windowed(q, keys, values, positions, query_positions, window):
 
 @pytest.mark.parametrize("window", [None, 4, 6, 16])  # shorter than the own tokens, than the contexts; longer
 @pytest.mark.parametrize("layout, last_only", [("left", False), ("right", False), ("right", True)])
-@pytest.mark.parametrize("native_gqa", [True, False])
-def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, layout, last_only, native_gqa,
+@pytest.mark.parametrize("kernel", BACKENDS)
+def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, layout, last_only, kernel,
                                                                         monkeypatch):
-    kernel_takes_gqa(native_gqa, monkeypatch)
     torch.manual_seed(1)
     layer = 0
     lengths = {1: 30, 2: 7, 3: 12, 4: 1, 5: 10, 6: 4, 7: 3, 8: 2}
@@ -185,7 +200,8 @@ def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, 
         assert runs[0][0] == slice(0, 1) and runs[1][0] == slice(1, 2) and cached[2] < ends[1]
     contexts = cascade.PassContexts(parts, kept, layer, starts, real, runs, window)
     query = q[:, :, -1:] if last_only else q
-    out = contexts.attend(query, k, v, None)  # (b, q, H, d)
+    with backend(kernel, monkeypatch):
+        out = contexts.attend(query, k, v, None)  # (b, q, H, d)
     assert out.shape == (len(paths), query.shape[2], HEADS, DIM) and out.is_contiguous()
     worst = 0.0
     for row, path in enumerate(paths):
@@ -314,3 +330,69 @@ def test_the_trees_passes_feed_no_pad_and_the_plan_counts_what_was_fed(model, sh
         assert stats.early_only_tokens > 0
     else:
         assert stats.padded_tokens == stats.fed_tokens
+
+
+@pytest.fixture(scope="module")
+def gemma_head_512(tmp_path_factory):
+    """Gemma 4 laid out as E2B is, tiny: sliding layers (window 8), full layers of head size 512, two KV-shared
+    layers, GQA."""
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=512, hidden_size=64, hidden_size_per_layer_input=8, intermediate_size=128, num_hidden_layers=6,
+        layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=512, num_kv_shared_layers=2,
+        final_logit_softcapping=30.0, sliding_window=8, max_position_embeddings=1024)
+    path = tmp_path_factory.mktemp("gemma4-head-512")
+    torch.manual_seed(0)
+    Gemma4ForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TINY_LLAMA).save_pretrained(path)
+    return path
+
+
+def held_to(kernel: str | None):
+    """Calls inside on `kernel` (None: the default, torch's CPU flash kernel here; "math": plain torch, the path a GPU
+    takes where no kernel passed its probe)."""
+    lse_attention.reset()
+    cascade.CALLS.clear()
+    return lse_attention.forced(kernel) if kernel else nullcontext()
+
+
+def assert_ran_on(kernel: str | None) -> None:
+    assert cascade.CALLS["cascade"] > 0 and cascade.CALLS["gathered"] == 0
+    assert set(lse_attention.CALLS) == {kernel or "cpu_flash"} and not lse_attention.REJECTED, lse_attention.CALLS
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "gemma4 head 512"])
+def test_the_tree_matches_the_oracle_on_either_kernel(model, request):
+    if model == "tiny-llama":  # GQA, full layers
+        reference = request.getfixturevalue("llama")
+    else:
+        reference = ReferenceModel.load(ModelSpec(str(request.getfixturevalue("gemma_head_512")), dtype="float32",
+                                                  device="cpu"))
+    assert reference.use_cascade() is None and reference.cascade
+    rows = agent_rows(reference.vocab_size, window=8)[:8]
+    for kernel in (None, "math"):
+        with held_to(kernel):
+            results = chunk_logprobs(reference, rows, 24, 1.0, "on", ForwardStats(), max_cache_tokens=10**9)
+        assert worst_error(reference.model, rows, results) <= 1e-4
+        assert_ran_on(kernel)
+        if model != "tiny-llama":
+            assert cascade.CALLS["window"] > 0 and cascade.CALLS["shared"] > 0
+
+
+# bf16 runs the spread of an fp64 model (tests/test_bf16.py): about 20 s for the four on one thread, several times
+# that on a busy machine's two, so under make test-bf16 (.ci/run) rather than make test.
+@pytest.mark.bf16
+@pytest.mark.parametrize("kernel", [None, "math"])
+@pytest.mark.parametrize("model", ["tiny-llama", "gemma4 head 512"])
+def test_the_tree_in_bf16_is_within_bf16s_rounding_on_either_kernel(model, kernel, gemma_head_512):
+    from tests.test_bf16 import bf16_errors
+
+    path = TINY_LLAMA if model == "tiny-llama" else gemma_head_512
+    with held_to(kernel):
+        errors, tolerance, measured, own_error, from_own = bf16_errors(path, ("on",))
+    said = (f"bf16 worst |error| {errors['on']} against fp64, {from_own['on']} against the model's own bf16 forward; "
+            f"tolerance 2 x {measured:.3g} + 1e-4 = {tolerance:.3g}")
+    assert errors["on"] <= tolerance or from_own["on"] <= tolerance, said
+    assert_ran_on(kernel)

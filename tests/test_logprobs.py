@@ -123,15 +123,15 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
 
 @pytest.mark.parametrize("fault", ["queries", "context"])
 def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault, request):
-    from klpipe.model import cascade, context_cache
+    from klpipe.model import context_cache, lse_attention
 
     in_place = reference.cascade
     request.addfinalizer(reference.use_cascade)  # put back after the test: the probe may turn it off
     if fault == "queries" and in_place:
         # The Llama's full-attention layers attend in place (cascade.py): its own part made non-causal. The probe
         # turns the cascade off, and the tree passes again with its context gathered.
-        flash = cascade._flash
-        monkeypatch.setattr(cascade, "_flash", lambda q, k, v, p, causal, **kw: flash(q, k, v, p, False, **kw))
+        attend = lse_attention.attend
+        monkeypatch.setattr(lse_attention, "attend", lambda q, k, v, causal, scale: attend(q, k, v, False, scale))
         assert check_tree(reference) is None and not reference.cascade
         return
     if fault == "queries":

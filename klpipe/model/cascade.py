@@ -14,26 +14,26 @@ log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
     context  the row's path, in parts (context_cache._context_parts): the nodes that adjacent runs of rows all
              open with (an agent pass's system prompt), then each run of rows with one parent and one
              context length over the rest of its path, up to its context's end. Each part is one unmasked
-             product of its rows' queries, stacked (and all query heads of a KV head), over the kept keys
-             and values read where they lie
+             product of its rows' queries, stacked (and all query heads of a KV head) along the queries, over
+             the kept keys and values read where they lie (window_cascade.context, piece A)
 
 A sliding-window layer splits the same way within its window (window_cascade.py), and a packed pass (tree.py:
 nodes end to end, no pad) runs both kinds there too. A KV-shared layer (Gemma 4) attends through the layer whose
 keys it reuses (`_owner`); where the model keeps only the last position, its one query is the last slot's.
 
-Only the pieces this module knows are exact take that way: full attention or the window the cache knows (no
-chunk), no softcap, sinks or position bias, one head size, torch's CPU flash kernel (which returns the
-log-sum-exp). Any other call in a tree pass gets the context gathered as before and transformers' own
-sdpa with its mask (a packed pass runs again as a batch for it); every call outside a tree pass is
-transformers' sdpa untouched.
+Every part is one call of lse_attention.attend (attention that returns its log-sum-exp): torch's CPU flash
+kernel on CPU, its CUDA flash or memory-efficient kernel on a GPU where a probe against plain torch passed for
+that kind of call, plain torch otherwise. Only the pieces this module knows are exact take that way: full
+attention or the window the cache knows (no chunk), no softcap, sinks or position bias, one head size. Any
+other call in a tree pass gets the context gathered as before and transformers' own sdpa with its mask (a
+packed pass runs again as a batch for it); every call outside a tree pass is transformers' sdpa untouched.
 
 The attention function is registered with transformers (`AttentionInterface.register`) under NAME,
-with sdpa's mask (none in a packed pass), and a model is switched to it only where it runs sdpa on CPU.
+with sdpa's mask (none in a packed pass), and a model is switched to it only where it runs sdpa, on any device.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 import sys
@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from klpipe.model import packing, window_cascade
+from klpipe.model import lse_attention, packing, window_cascade
 
 NAME = "klpipe_cascade_sdpa"
 
@@ -69,9 +69,6 @@ _PASS: ContextVar = ContextVar("klpipe_tree_pass", default=None)  # the running 
 # else with a value (softcap, s_aux, sliding_window, position_bias, ...) takes the gathered way.
 _HARMLESS = {"position_ids", "cache_position", "use_cache", "output_attentions", "return_dict", "shared_kv_states",
              "position_embeddings", "logits_to_keep"}
-
-_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
 
 def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                **kwargs):
@@ -123,11 +120,9 @@ def _owner(cache, key, value):
 def _exact_here(module, query, key, value, dropout: float, kwargs: dict, window: int | None = None) -> bool:
     """Whether the call computes what the cascade does: plain causal attention, within `window` (the layer's sliding
     window as the cache knows it; None for full attention) and no other."""
-    if kwargs.get("is_causal") is False or _flash is None or dropout or not getattr(module, "is_causal", True):
+    if kwargs.get("is_causal") is False or dropout or not getattr(module, "is_causal", True):
         return False
     if (kwargs.get("sliding_window") or None) != window:  # a window the cache does not know, or none where it does
-        return False
-    if query.device.type != "cpu":
         return False
     if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
@@ -153,15 +148,13 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 
 
 def enable(model, text_config) -> bool:
-    """Switch `model` to the cascade attention function where that is exact and known: sdpa on CPU. True if so.
+    """Switch `model` to the cascade attention function where that is exact and known: sdpa. True if so.
 
     Never for a model whose own code branches on the implementation's name (`branches_on_name`): under a name
     other than its own it may run another computation, and a short probe cannot show that it does not."""
-    if getattr(text_config, "_attn_implementation", None) not in ("sdpa", packing.NAME) or _flash is None:
+    if getattr(text_config, "_attn_implementation", None) not in ("sdpa", packing.NAME):
         return False
     if branches_on_name(model):
-        return False
-    if any(p.device.type != "cpu" for p in model.parameters()):
         return False
     try:
         model.set_attn_implementation(NAME)
@@ -266,61 +259,27 @@ class PassContexts:
         b, heads, fed, dim = query.shape
         scale = scaling if scaling is not None else dim ** -0.5
         if self.segments is not None:
-            return window_cascade.attend_packed(self, _flash, _native_gqa(), query, key, value, scale, self.window)
+            return window_cascade.attend_packed(self, query, key, value, scale, self.window)
         if self.window is not None:
-            return window_cascade.attend(self, _flash, _native_gqa(), query, key, value, scale, self.window)
+            return window_cascade.attend(self, query, key, value, scale, self.window)
         slots = key.shape[2]
-        kv_heads = key.shape[1]
-        groups = heads // kv_heads
-        own_k, own_v = key, value
-        if groups > 1 and not _native_gqa():  # an older kernel: repeat the (short) own keys per query head
-            own_k, own_v = own_k.repeat_interleave(groups, dim=1), own_v.repeat_interleave(groups, dim=1)
         # Causal over the fed slots; the last slot's query alone sees them all.
-        out, lse = _flash(query, own_k, own_v, 0.0, fed == slots, scale=scale)  # (b, H, q, d), (b, H, q) float32
+        out, lse = lse_attention.attend(query, key, value, fed == slots, scale)  # (b, H, q, d), (b, H, q) float32
         if self.real is not None and self.real[0].any():
             # The right layout: a row too short to fill the pass has pads before its real slots (and no context).
             for row in map(int, self.real[0].nonzero()[0]):
                 first = int(self.real[0, row])
                 q = query[row:row + 1, :, first:] if fed == slots else query[row:row + 1]
-                got, got_lse = _flash(q, own_k[row:row + 1, :, first:], own_v[row:row + 1, :, first:], 0.0,
-                                      fed == slots, scale=scale)
+                got, got_lse = lse_attention.attend(q, key[row:row + 1, :, first:], value[row:row + 1, :, first:],
+                                                    fed == slots, scale)
                 out[row:row + 1, :, fed - got.shape[2]:] = got
                 lse[row:row + 1, :, fed - got.shape[2]:] = got_lse
-        out = out.transpose(1, 2)  # (b, T, H, d): the layout the kernel writes, so a view
         if not self.parts:
-            return out.contiguous()
-        out = out.float().contiguous()  # merged in fp32, in place, a part at a time
-        lse = lse.transpose(1, 2)  # (b, T, H): of what is merged so far
+            return out.transpose(1, 2).contiguous()  # (b, T, H, d), as transformers' sdpa returns it
+        out = out.float()  # merged in fp32, in place, a part at a time; lse: of what is merged so far
         for rows, nodes, stop in self.parts:
             context_k, context_v = self.read(nodes, None if stop is None else 0, stop)  # (h, C, d)
-            if not context_k.shape[1]:
-                continue
-            q = query[rows]  # (r, H, T, d)
-            r = q.shape[0]
-            # Every query of these rows sees every position of these nodes, so their order is free: (group, KV
-            # head, row and slot) stacks all of them, and all query heads of a KV head, into one product against
-            # the keys broadcast over the groups. With transformers' (b, T, H, d) queries this is a view.
-            stacked = q.reshape(r, kv_heads, groups, fed, dim).permute(2, 1, 0, 3, 4).reshape(
-                groups, kv_heads, r * fed, dim)
-            part, part_lse = _flash(stacked, context_k.expand(groups, *context_k.shape),
-                                    context_v.expand(groups, *context_v.shape), 0.0, False, scale=scale)
-            part = part.permute(2, 1, 0, 3).reshape(r, fed, heads, dim)  # (r, T, H, d)
-            part_lse = part_lse.permute(2, 1, 0).reshape(r, fed, heads)
-            # merged·e^a + part·e^c over e^a + e^c, i.e. merged + σ(c − a)·(part − merged): one lerp in place;
-            # a later part of these rows then merges against both, a + log(1 + e^(c − a)).
-            so_far = lse[rows]
-            out[rows].lerp_(part.float(), torch.sigmoid(part_lse - so_far).unsqueeze(-1))
-            so_far.copy_(torch.logaddexp(so_far, part_lse))
-        return out.to(query.dtype)
-
-
-@functools.cache
-def _native_gqa() -> bool:
-    """Whether torch's CPU flash kernel takes fewer key heads than query heads (exactly as if repeated)."""
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, 3, 4, generator=generator) for heads in (2, 1, 1))
-    try:
-        got = _flash(q, k, v, 0.0, True, scale=0.5)[0]
-    except RuntimeError:
-        return False
-    return torch.equal(got, _flash(q, k.expand(1, 2, 3, 4), v.expand(1, 2, 3, 4), 0.0, True, scale=0.5)[0])
+            if context_k.shape[1]:
+                # Every query of these rows sees every key of these nodes: window_cascade's piece A, no window.
+                window_cascade.context(query[rows], context_k, context_v, scale, None, 0, out[rows], lse[rows])
+        return out.transpose(1, 2).to(query.dtype).contiguous()

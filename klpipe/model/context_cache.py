@@ -6,9 +6,9 @@ transformers Cache whose layers hand the model's own code that context: keys and
 pass's slots (`ContextLayer`), the parent's states (`StateLayer`), or both (`ContextAndStateLayer`), as
 continuation.py says each kind of layer needs.
 
-Where the model runs sdpa on CPU in the left layout, a full-attention layer does not gather its context
-into the pass's slots at all: cascade.py's attention reads the kept keys and values of each row's path
-where they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take
+Where the model runs sdpa (on any device, in either layout), a full-attention or sliding-window layer does not
+gather its context into the pass's slots at all: cascade.py's attention reads the kept keys and values of each
+row's path where they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take
 exactly gets them gathered.
 """
 

@@ -5,7 +5,8 @@ row of T tokens through a causal full-attention layer needs T (T + 1) / 2 of the
 count wraps the kernels every attention path here ends in, for the forwards run inside `PairCount`:
 
     torch.nn.functional.scaled_dot_product_attention   transformers' sdpa, packed rows (packing.py)
-    cascade._flash                                      the tree's cascade (cascade.py)
+    lse_attention.run                                   the tree's cascade (cascade.py), whichever kernel runs it
+                                                        (a kernel's probe is not counted)
 
 A call with `is_causal` and no mask executes the causal triangle (query i over keys 0 .. i: the kernels skip the
 blocks above the diagonal, so this is what they compute, to within a block); a call with a mask, or none and not
@@ -21,7 +22,7 @@ from contextvars import ContextVar
 
 import torch
 
-from klpipe.model import cascade
+from klpipe.model import lse_attention
 
 _MODULE: ContextVar = ContextVar("klpipe_attention_module", default=None)  # (kind, window, query heads)
 
@@ -60,7 +61,7 @@ class PairCount:
         self.layers: dict[str, set] = {}
         self.window: dict[str, int | None] = {}
         self._hooks = []
-        self._sdpa = self._flash = None
+        self._sdpa = self._kernel = None
 
     def __enter__(self) -> PairCount:
         for module in self.model.modules():
@@ -71,25 +72,24 @@ class PairCount:
             self._hooks.append(module.register_forward_pre_hook(self._enter(module, found, heads)))
             self._hooks.append(module.register_forward_hook(_leave))
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
-        self._flash = cascade._flash
-        sdpa, flash = self._sdpa, self._flash
+        self._kernel = lse_attention.run
+        sdpa, kernel = self._sdpa, self._kernel
 
         def counted_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
             self._add(query, key, is_causal, attn_mask is not None)
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
 
-        def counted_flash(query, key, value, dropout, is_causal, **kwargs):
-            self._add(query, key, is_causal, kwargs.get("attn_mask") is not None)
-            return flash(query, key, value, dropout, is_causal, **kwargs)
+        def counted_kernel(backend, query, key, value, causal, scale):
+            self._add(query, key, causal, False)
+            return kernel(backend, query, key, value, causal, scale)
 
         torch.nn.functional.scaled_dot_product_attention = counted_sdpa
-        if flash is not None:
-            cascade._flash = counted_flash
+        lse_attention.run = counted_kernel
         return self
 
     def __exit__(self, *exc) -> None:
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
-        cascade._flash = self._flash
+        lse_attention.run = self._kernel
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()

@@ -15,9 +15,12 @@ into parts merged by their log-sum-exp, each computing only the pairs it needs:
                  B  the rest: query i sees key j iff (held' − 1 − j) ≤ (s1 − 1 − i), which is top-left
                     causal once queries and keys are both reversed: one causal kernel call, no mask
 
-A packed pass (tree.py: the nodes' own tokens end to end, no pad) runs the same parts per node, full layers
-included (`attend_packed`). Where the model keeps only the last position (Gemma 4's KV-shared layers under logits_to_keep = 1), the one
-query is slot T − 1 and the same pieces hold with that offset. Pads (after a row's real slots on the left
+With no window (None), `context` is piece A alone, every query over every key: cascade.py merges a full
+layer's context parts through it too. A packed pass (tree.py: the nodes' own tokens end to end, no pad) runs the
+same parts per node, full layers included (`attend_packed`). Every piece is one call of lse_attention (a kernel
+that returns the log-sum-exp, probed against plain torch), on whatever device the keys are. Where the model keeps
+only the last position (Gemma 4's KV-shared layers under logits_to_keep = 1), the one query is slot T − 1 and the
+same pieces hold with that offset. Pads (after a row's real slots on the left
 layout, before them on the right) are never read as keys; a pad's own output is zeros or a finite mix that
 nothing reads.
 """
@@ -26,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from klpipe.model import packing
+from klpipe.model import lse_attention, packing
 
 
-def attend(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attend(contexts, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            scale: float, window: int) -> torch.Tensor:
     """(b, q, H, d_v) attention of query (b, H, q, d) over each row's own real slots of key, value (b, h, T, d) and
     its context (contexts: cascade.PassContexts), within `window`; q = T, or 1 (the last slot's only)."""
@@ -43,18 +46,17 @@ def attend(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Te
         first, count = int(contexts.real[0, row]), int(contexts.real[1, row])
         if not count:
             continue
-        _own(flash, gqa_native, query[row:row + 1], key[row:row + 1], value[row:row + 1], first, count, scale,
+        _own(query[row:row + 1], key[row:row + 1], value[row:row + 1], first, count, scale,
              window, out[row:row + 1], lse[row:row + 1], base)
     if seen:
         for rows, nodes, cached in contexts.runs:
             held = min(cached, window - 1)
             keys, values = contexts.read(nodes, cached - held, cached)  # (h, held, d)
-            _context(flash, gqa_native, query[rows, :, :seen], keys, values, scale, window, base + seen,
-                     out[rows, :, :seen], lse[rows])
+            context(query[rows, :, :seen], keys, values, scale, window, base + seen, out[rows, :, :seen], lse[rows])
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
-def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attend_packed(contexts, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float, window: int | None) -> torch.Tensor:
     """(1, N, H, d_v) attention of a packed pass (tree.py): its nodes' own tokens end to end, query (1, H, N, d) and
     key, value (1, h, N, d), node k in slots contexts.segments[0][k] .. + contexts.segments[1][k] - 1, each over its
@@ -66,7 +68,7 @@ def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: t
     for start, length in zip(starts, lengths):
         span = slice(start, start + length)
         if length:
-            _own(flash, gqa_native, query[:, :, span], key[:, :, span], value[:, :, span], 0, length, scale, window,
+            _own(query[:, :, span], key[:, :, span], value[:, :, span], 0, length, scale, window,
                  out[:, :, span], lse[:, :, span], 0)
     if window is None:
         # Every query of a part's rows sees all of its keys: their slots are one stretch of the sequence.
@@ -75,8 +77,7 @@ def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: t
             if not keys.shape[1]:
                 continue
             span = slice(starts[rows.start], starts[rows.stop - 1] + lengths[rows.stop - 1])
-            _context(flash, gqa_native, query[:, :, span], keys, values, scale, None, 0, out[:, :, span],
-                     lse[:, :, span])
+            context(query[:, :, span], keys, values, scale, None, 0, out[:, :, span], lse[:, :, span])
     else:
         for rows, nodes, cached in contexts.runs:
             held = min(cached, window - 1)
@@ -85,12 +86,12 @@ def attend_packed(contexts, flash, gqa_native: bool, query: torch.Tensor, key: t
                 seen = min(lengths[row], window - 1)  # a node's first window - 1 tokens see its context
                 if seen:
                     span = slice(starts[row], starts[row] + seen)
-                    _context(flash, gqa_native, query[:, :, span], keys, values, scale, window, seen,
-                             out[:, :, span], lse[:, :, span])
+                    context(query[:, :, span], keys, values, scale, window, seen, out[:, :, span],
+                            lse[:, :, span])
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
-def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, scale: float, window: int, out, lse,
+def _own(query, key, value, first: int, count: int, scale: float, window: int, out, lse,
          base: int) -> None:
     """One row's attention over its real slots first .. first + count - 1, written into out (1, H, q, d_v) fp32, and
     the log-sum-exp of the queries that may see context into lse (1, H, seen)."""
@@ -100,15 +101,13 @@ def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, sca
         if first + count != key.shape[2]:
             raise ValueError("the model kept a last position that is a pad")
         low = max(first, key.shape[2] - window)
-        got, got_lse = flash(query, *_kv(key[:, :, low:], value[:, :, low:], query, gqa_native), 0.0, False,
-                             scale=scale)
+        got, got_lse = lse_attention.attend(query, key[:, :, low:], value[:, :, low:], False, scale)
         out.copy_(got)
         lse.copy_(got_lse[:, :, :seen])
         return
     q, k, v = query[:, :, real], key[:, :, real], value[:, :, real]
     head = count if window is None else min(count, window)  # queries that see every real key before them
-    got, got_lse = flash(q[:, :, :head], *_kv(k[:, :, :head], v[:, :, :head], q, gqa_native), 0.0, True,
-                         scale=scale)
+    got, got_lse = lse_attention.attend(q[:, :, :head], k[:, :, :head], v[:, :, :head], True, scale)
     out[:, :, first:first + head] = got
     if first == 0:  # only a row whose real slots open the pass continues a context
         lse[:, :, :min(seen, head)] = got_lse[:, :, :seen]
@@ -116,29 +115,23 @@ def _own(flash, gqa_native: bool, query, key, value, first: int, count: int, sca
         out[:, :, first + window:first + count] = packing.band(q, k, v, scale, window, window)
 
 
-def _context(flash, gqa_native: bool, query, keys, values, scale: float, window: int, end: int, out, lse) -> None:
+def context(query, keys, values, scale: float, window: int | None, end: int, out, lse) -> None:
     """Merge into out (r, H, s, d_v) and lse (r, H, s) the attention of query (r, H, s, d), at slots end - s .. end - 1
-    of rows continuing the same context, over that context's last keys, values (h, held, d)."""
+    of rows continuing the same context, over that context's last keys, values (h, held, d), within `window` (None:
+    full attention, every query sees every key: piece A alone). cascade.py merges a full layer's parts here too."""
     r, heads, s, dim = query.shape
     held = keys.shape[1]
     every = held if window is None else min(window - 1 - end, held)  # A: the last keys, seen by every query
     if every > 0:
-        kv_heads = keys.shape[0]
-        groups = heads // kv_heads
         # Every query sees every key of A: rows, slots and the query heads of a KV head stack into one product.
-        stacked = query.reshape(r, kv_heads, groups, s, dim).permute(2, 1, 0, 3, 4).reshape(groups, kv_heads, r * s,
-                                                                                            dim)
-        k, v = keys[:, held - every:], values[:, held - every:]
-        part, part_lse = flash(stacked, k.expand(groups, *k.shape), v.expand(groups, *v.shape), 0.0, False,
-                               scale=scale)
-        part = part.reshape(groups, kv_heads, r, s, -1).permute(2, 1, 0, 3, 4).reshape(r, heads, s, -1)
-        part_lse = part_lse.reshape(groups, kv_heads, r, s).permute(2, 1, 0, 3).reshape(r, heads, s)
+        part, part_lse = lse_attention.attend_shared(query, keys[:, held - every:], values[:, held - every:], scale)
         _merge(out, lse, part, part_lse)
     rest = held - max(every, 0)  # B: keys 0 .. rest - 1, query i seeing key j iff rest - 1 - j <= s - 1 - i
     if rest > 0:
         k, v = keys[:, :rest].flip(1), values[:, :rest].flip(1)  # (h, rest, d), the nearest key first
-        k, v = k.expand(r, *k.shape), v.expand(r, *v.shape)
-        part, part_lse = flash(query.flip(2), *_kv(k, v, query, gqa_native), 0.0, True, scale=scale)
+        # Causal, so the rows cannot stack along the queries: each row reads the same (at most window - 1) keys.
+        part, part_lse = lse_attention.attend(query.flip(2), k.expand(r, *k.shape), v.expand(r, *v.shape), True,
+                                              scale)
         _merge(out, lse, part.flip(2), part_lse.flip(2))
 
 
@@ -146,11 +139,3 @@ def _merge(out, lse, part, part_lse) -> None:
     """out·e^a + part·e^c over e^a + e^c, in place: out + σ(c − a)·(part − out); lse becomes log(e^a + e^c)."""
     out.lerp_(part.float(), torch.sigmoid(part_lse - lse).unsqueeze(-1))
     lse.copy_(torch.logaddexp(lse, part_lse))
-
-
-def _kv(key, value, query, gqa_native: bool):
-    """key, value as the kernel takes them for query's heads: repeated per query head on a kernel without GQA."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1 and not gqa_native:
-        return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return key, value
