@@ -102,13 +102,16 @@ class Background:
 
     def wait_for_room(self) -> None:
         """Block until an item can be submitted without waiting; raises the consumer's error."""
+        self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
         with self._changed:
             while self._pending >= self._most and self._failure is None:
                 self._changed.wait()
         self.check()
 
     def submit(self, item: T) -> None:
-        self.wait_for_room()
+        self._wait_for_room()
         with self._changed:
             self._items.append(item)
             self._pending += 1

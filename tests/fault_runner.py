@@ -17,6 +17,7 @@ Every child appends to a trace file, with O_APPEND writes that survive a SIGKILL
   `call <phase>`        each time a wrapped seam is reached (census runs count them);
   `go`                  each time klpipe checked for a stop between batches and went on;
   `pass`                each time a forward pass of the model ran its first layer;
+  `wait`                each time precompute, a chunk computed, waits to hand it to its writer thread;
   `fault <phase> <n>`   just before the fault fires, so a test knows it really fired.
 
 Reproduce a trial by hand:
@@ -56,6 +57,7 @@ import klpipe.precompute.workdir
 import klpipe.score.report
 import klpipe.score.run
 import klpipe.signals
+import klpipe.threads
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
@@ -180,6 +182,14 @@ def _install(inj: _Injector) -> None:
         inj.log("go")
 
     klpipe.signals.StopOnSignal.check = check
+
+    original_wait_for_room = klpipe.threads.Background.wait_for_room
+
+    def wait_for_room(self):
+        inj.log("wait")  # before it blocks: a test can act while the computed chunk is held back
+        original_wait_for_room(self)
+
+    klpipe.threads.Background.wait_for_room = wait_for_room
 
     original_iter_file_rows = rollouts._iter_file_rows
 
