@@ -3,6 +3,9 @@
 Parquet decoding and encoding and large numpy operations release the GIL, so on two cores a
 reader thread, the main thread and a writer thread run side by side. Queues hold at most `depth`
 items, which keeps memory bounded, and an exception in any thread surfaces in the caller.
+
+`prefetch` reads ahead (precompute's chunks, score's record batches); `in_background` writes behind
+(score's row groups; precompute's chunk checkpoints, which must survive a stop, hence `on_error`).
 """
 
 from __future__ import annotations

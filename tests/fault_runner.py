@@ -126,6 +126,10 @@ class _Injector:
         self.census = census
         self.counts: Counter = Counter()
         self.lock = threading.Lock()
+        # Held by the thread writing a chunk until its `commit` line is logged. A kill from another thread (the
+        # reader's) takes it first, so it never lands between a chunk's rename and its line: the trace's
+        # commits stay exactly the chunk files. (A kill inside the write itself is the writer's own: reentrant.)
+        self.commit_lock = threading.RLock()
 
     def log(self, line: str) -> None:
         os.write(self.trace_fd, (line + "\n").encode())  # one write(2): whole lines even on SIGKILL
@@ -146,7 +150,8 @@ class _Injector:
         fault = self.fault
         self.log(f"fault {fault.phase} {fault.at} {fault.action}")
         if fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            with self.commit_lock:
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # never reached: SIGKILL cannot be caught
         elif fault.action == "signal":
             os.kill(os.getpid(), signal.Signals[fault.signal])  # handled in the main thread, as for `kill PID`
@@ -168,8 +173,9 @@ def _install(inj: _Injector) -> None:
     original_write_chunk = workdir.WorkDir.write_chunk
 
     def write_chunk(self, tokenized, logprobs, policy_logprobs=None):
-        original_write_chunk(self, tokenized, logprobs, policy_logprobs)
-        inj.log(f"commit {tokenized.chunk.index}")
+        with inj.commit_lock:
+            original_write_chunk(self, tokenized, logprobs, policy_logprobs)
+            inj.log(f"commit {tokenized.chunk.index}")
         if inj.reached("commit"):
             inj.fire()
 
