@@ -92,10 +92,14 @@ def main() -> None:
     from klpipe.precompute import PrecomputeConfig, precompute
     from klpipe.precompute.workdir import WorkDir
 
+    import threading
+
     timed = {"write": 0.0, "wait": 0.0}
+    writers = set()  # the threads that wrote chunks
 
     def timer(key, function):
         def run(*a, **k):
+            writers.add(threading.current_thread().name) if key == "write" else None
             started = time.perf_counter()
             try:
                 return function(*a, **k)
@@ -121,7 +125,7 @@ def main() -> None:
           f"{args.passthrough_kib} KiB pass-through per row ({out.stat().st_size / 2**20:.0f} MiB out), "
           f"{torch.get_num_threads()} torch threads on {os.cpu_count()} cores")
     print(f"wall (load excluded) {wall:.2f} s; writing chunks {timed['write']:.2f} s "
-          f"({'in the writer thread' if background is not None else 'on the model thread'}); "
+          f"(in {', '.join(sorted(writers))}); "
           f"the model's thread waited for the writer {timed['wait']:.2f} s")
 
 
