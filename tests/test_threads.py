@@ -109,19 +109,20 @@ def test_wait_for_room_waits_for_the_item_in_hand_then_submit_does_not_block():
     assert order == ["released", "consumed 0", "room", "consumed 1"]
 
 
-def test_on_error_finish_consumes_what_was_submitted_before_the_blocks_error_goes_on():
-    # A stop (SIGTERM) in precompute: the chunk computed and handed over is still written.
+@pytest.mark.parametrize("stop", [KeyError, KeyboardInterrupt])  # an error, or Ctrl-C (SIGINT)
+def test_on_error_finish_consumes_what_was_submitted_before_the_blocks_error_goes_on(stop):
+    # A stop (SIGTERM: Preempted; SIGINT) in precompute: the chunk computed and handed over is still written.
     seen = []
 
     def slow(item):
         time.sleep(0.01)
         seen.append(item)
 
-    with pytest.raises(KeyError, match="stopped"):
+    with pytest.raises(stop):
         with in_background(slow, depth=1, on_error="finish") as background:
             for i in range(5):
                 background.submit(i)
-            raise KeyError("stopped")
+            raise stop("stopped")
     assert seen == list(range(5))
     assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
 

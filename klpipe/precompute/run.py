@@ -449,8 +449,8 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
                     policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
                     policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, check)
-                # Checked once the last chunk is written: a stop asked for while it was written leaves this
-                # chunk unwritten, as a stop during the write of the chunk before it always did.
+                # The last chunk written first, then the check: a stop asked for during that write leaves this
+                # chunk unwritten, as it did when each write was followed by a check on this thread.
                 writer.wait_for_room()
                 check()
                 writer.submit((tokenized, logprobs, policy_logprobs))
