@@ -17,6 +17,7 @@ Every child appends to a trace file, with O_APPEND writes that survive a SIGKILL
   `call <phase>`        each time a wrapped seam is reached (census runs count them);
   `go`                  each time klpipe checked for a stop between batches and went on;
   `pass`                each time a forward pass of the model ran its first layer;
+  `wait`                each time precompute, a chunk computed, waits to hand it to its writer thread;
   `fault <phase> <n>`   just before the fault fires, so a test knows it really fired.
 
 Reproduce a trial by hand:
@@ -56,6 +57,7 @@ import klpipe.precompute.workdir
 import klpipe.score.report
 import klpipe.score.run
 import klpipe.signals
+import klpipe.threads
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
@@ -124,6 +126,10 @@ class _Injector:
         self.census = census
         self.counts: Counter = Counter()
         self.lock = threading.Lock()
+        # Held by the thread writing a chunk until its `commit` line is logged. A kill from another thread (the
+        # reader's) takes it first, so it never lands between a chunk's rename and its line: the trace's
+        # commits stay exactly the chunk files. (A kill inside the write itself is the writer's own: reentrant.)
+        self.commit_lock = threading.RLock()
 
     def log(self, line: str) -> None:
         os.write(self.trace_fd, (line + "\n").encode())  # one write(2): whole lines even on SIGKILL
@@ -144,7 +150,8 @@ class _Injector:
         fault = self.fault
         self.log(f"fault {fault.phase} {fault.at} {fault.action}")
         if fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            with self.commit_lock:
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # never reached: SIGKILL cannot be caught
         elif fault.action == "signal":
             os.kill(os.getpid(), signal.Signals[fault.signal])  # handled in the main thread, as for `kill PID`
@@ -166,8 +173,9 @@ def _install(inj: _Injector) -> None:
     original_write_chunk = workdir.WorkDir.write_chunk
 
     def write_chunk(self, tokenized, logprobs, policy_logprobs=None):
-        original_write_chunk(self, tokenized, logprobs, policy_logprobs)
-        inj.log(f"commit {tokenized.chunk.index}")
+        with inj.commit_lock:
+            original_write_chunk(self, tokenized, logprobs, policy_logprobs)
+            inj.log(f"commit {tokenized.chunk.index}")
         if inj.reached("commit"):
             inj.fire()
 
@@ -180,6 +188,14 @@ def _install(inj: _Injector) -> None:
         inj.log("go")
 
     klpipe.signals.StopOnSignal.check = check
+
+    original_wait_for_room = klpipe.threads.Background.wait_for_room
+
+    def wait_for_room(self):
+        inj.log("wait")  # before it blocks: a test can act while the computed chunk is held back
+        original_wait_for_room(self)
+
+    klpipe.threads.Background.wait_for_room = wait_for_room
 
     original_iter_file_rows = rollouts._iter_file_rows
 

@@ -330,6 +330,60 @@ def test_full_disk_failing_writer(world, tmp_path, trial):
     assert_only(out.parent, {out.name}, msg)
 
 
+# -- write behind: chunk k written in the writer's thread while the model runs chunk k+1 -------------
+
+
+def read_trace(child) -> list[str]:
+    return child.trace_path.read_text().splitlines() if child.trace_path.exists() else []
+
+
+def test_sigkill_while_a_computed_chunk_waits_for_the_writer(world, tmp_path):
+    """The writer held inside chunk k's write (its file written, not yet renamed) while the model computes
+    chunk k+1, which then waits to be handed over; kill -9 there: neither is committed, the rerun is identical."""
+    at = world.n_chunks // 2  # the at-th write is chunk at-1's
+    fault = Fault("write", at, action="pause")
+    msg = str(fault)
+    out = tmp_path / "out" / "cached.parquet"
+    out.parent.mkdir()
+
+    child = world.runner.start(world.args(out), fault)
+    # `wait` is logged once per chunk, as the model hands it over: the (at+1)-th is chunk at's, computed
+    # while chunk at-1's write is held, since a write held on the model's thread would hold the model too.
+    wait_until(lambda: read_trace(child).count("wait") > at, what="the next chunk to be computed during the write")
+    assert child.paused(), msg
+    os.kill(child.pid, signal.SIGKILL)
+    result = child.wait(timeout=30)
+    assert result.returncode == -signal.SIGKILL, f"{msg}: {result.stderr}"
+    assert result.committed() == set(range(at - 1)), msg
+    resumed = assert_interrupted_cleanly(out, result, world.expected, msg)
+    rerun_and_compare(world, world.args(out), out, world.expected, resumed, msg)
+    assert_only(out.parent, {out.name}, msg)
+
+
+def test_full_disk_in_the_writer_stops_the_model(world, tmp_path):
+    """ENOSPC in chunk k's write, in the writer's thread, while the model runs chunk k+1: one `Error:` line, exit 2,
+    no chunk after k+1 begun, nothing partial; a rerun resumes to the same bytes."""
+    at = world.n_chunks // 2
+    fault = Fault("write", at, action="enospc", fraction=0.5)
+    msg = str(fault)
+    out = tmp_path / "out" / "cached.parquet"
+    out.parent.mkdir()
+
+    result = world.runner.run(world.args(out), fault)
+    assert result.fired(), msg
+    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
+    assert "No space left on device" in one_error_line(result.stderr), msg
+    after = result.trace[result.trace.index(next(t for t in result.trace if t.startswith("fault "))):]
+    # Chunk at (the one after the failed write) may have been computed; none after it began. Its batch in
+    # flight ends, and at most one more begins in the moment the writer records its failure.
+    assert result.trace.count("wait") <= at + 1, f"{msg}: the model went on past the failed write"
+    assert after.count("pass") <= 2 * world.batch_passes[1], f"{msg}: the model did not stop at a batch boundary"
+    assert result.committed() == set(range(at - 1)), msg
+    resumed = assert_interrupted_cleanly(out, result, world.expected, msg)
+    rerun_and_compare(world, world.args(out), out, world.expected, resumed, msg)
+    assert_only(out.parent, {out.name}, msg)
+
+
 @pytest.fixture(scope="module")
 def peak_bytes(world) -> int:
     """Disk a run needs at its peak: every chunk plus the merged file, just before the rename."""

@@ -296,6 +296,41 @@ def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
     assert len(streams) == 1 and readers == [] and excinfo.value.errno == 28
 
 
+def test_the_model_runs_the_next_chunk_while_the_last_is_written(tmp_path, monkeypatch, models):
+    """Write behind: chunk 0's write is held until the model has begun chunk 1, which it can only do if the
+    write is off the model's thread. Writes stay in order, and the output and counts are those of the rows."""
+    from klpipe.precompute import run as precompute_module
+    from klpipe.precompute.workdir import WorkDir
+
+    chunks = -(-pq.read_metadata(ROLLOUTS).num_rows // 8)
+    began = [threading.Event() for _ in range(chunks)]  # chunk i's first forward has begun
+    real_run_plan, real_write = precompute_module.run_plan, WorkDir.write_chunk
+    calls, written, overlapped = [], [], []
+
+    def run_plan(*args, **kwargs):  # one call per chunk: there is no --policy
+        calls.append(threading.current_thread().name)
+        began[len(calls) - 1].set()
+        return real_run_plan(*args, **kwargs)
+
+    def held_write(self, tokenized, logprobs, policy_logprobs=None):
+        if tokenized.chunk.index == 0:
+            overlapped.append(began[1].wait(timeout=60))  # a write on the model's thread waits here in vain
+        written.append((tokenized.chunk.index, threading.current_thread().name))
+        real_write(self, tokenized, logprobs, policy_logprobs)
+
+    monkeypatch.setattr(precompute_module, "run_plan", run_plan)
+    monkeypatch.setattr(WorkDir, "write_chunk", held_write)
+    summary = run(tmp_path, model=TINY_LLAMA, chunk_rows=8)
+    assert overlapped == [True]
+    assert written == [(i, "klpipe-writer") for i in range(chunks)] and set(calls) == {"MainThread"}
+    got, source = pq.read_table(summary.output), pq.read_table(ROLLOUTS)
+    assert got.drop_columns([cache.REF_LOGPROBS]).equals(source.replace_schema_metadata(None))
+    assert_matches_oracle(models[TINY_LLAMA], got)
+    assert summary.rows == source.num_rows  # counted as each chunk was written
+    assert summary.tokens == sum(len(r) for r in source.column("response_ids").to_pylist())
+    assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
+
+
 def test_work_dir_from_another_run_is_refused(tmp_path):
     work = tmp_path / "out.parquet.partial"
     work.mkdir()

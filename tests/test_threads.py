@@ -71,3 +71,85 @@ def test_in_background_drops_queued_items_when_the_block_fails():
             raise KeyError("scoring failed")
     assert len(seen) < 5
     assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
+
+
+def test_depth_0_hands_an_item_over_only_once_the_last_is_consumed():
+    # Write behind in precompute: the model is never more than one chunk ahead of the disk.
+    log = []
+
+    def consume(item):
+        log.append(f"consumed {item}")
+
+    with in_background(consume, depth=0) as background:
+        for i in range(20):
+            background.submit(i)
+            log.append(f"handed {i}")
+    handed = [log.index(f"handed {i}") for i in range(20)]
+    consumed = [log.index(f"consumed {i}") for i in range(20)]
+    assert all(consumed[i] < handed[i + 1] for i in range(19)), log
+    assert [line for line in log if line.startswith("consumed")] == [f"consumed {i}" for i in range(20)]
+
+
+def test_wait_for_room_waits_for_the_item_in_hand_then_submit_does_not_block():
+    release, started = threading.Event(), threading.Event()
+    order = []
+
+    def consume(item):
+        started.set()
+        assert release.wait(timeout=30)
+        order.append(f"consumed {item}")
+
+    with in_background(consume, depth=0) as background:
+        background.submit(0)
+        assert started.wait(timeout=30)
+        threading.Thread(target=lambda: (order.append("released"), release.set())).start()
+        background.wait_for_room()
+        order.append("room")
+        background.submit(1)
+    assert order == ["released", "consumed 0", "room", "consumed 1"]
+
+
+@pytest.mark.parametrize("stop", [KeyError, KeyboardInterrupt])  # an error, or Ctrl-C (SIGINT)
+def test_on_error_finish_consumes_what_was_submitted_before_the_blocks_error_goes_on(stop):
+    # A stop (SIGTERM: Preempted; SIGINT) in precompute: the chunk computed and handed over is still written.
+    seen = []
+
+    def slow(item):
+        time.sleep(0.01)
+        seen.append(item)
+
+    with pytest.raises(stop):
+        with in_background(slow, depth=1, on_error="finish") as background:
+            for i in range(5):
+                background.submit(i)
+            raise stop("stopped")
+    assert seen == list(range(5))
+    assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
+
+
+def test_check_raises_the_consumers_error_without_a_submit():
+    # precompute calls check between the model's batches, so a full disk stops the model at once.
+    failed = threading.Event()
+
+    def consume(item):
+        failed.set()
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        with in_background(consume, depth=0, on_error="finish") as background:
+            background.submit(0)
+            assert failed.wait(timeout=30)
+            with pytest.raises(OSError, match="No space left"):
+                background.wait_for_room()
+            background.check()
+            raise AssertionError("check did not raise")
+
+
+def test_on_error_finish_keeps_the_blocks_error_when_the_consumer_fails_too():
+    def consume(item):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(KeyError, match="stopped"):
+        with in_background(consume, depth=1, on_error="finish") as background:
+            background.submit(0)
+            raise KeyError("stopped")

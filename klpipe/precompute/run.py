@@ -47,7 +47,7 @@ from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
-from klpipe.threads import prefetch
+from klpipe.threads import in_background, prefetch
 
 # Default output name beside a single input (see default_output).
 OUTPUT_SUFFIX = ".cached.parquet"
@@ -417,28 +417,46 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
             needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
             return tokenized, pairs, needed, sharing.plan_ahead(pairs, max_tokens, needed)
 
-        # Reading, tokenizing and planning the next chunks overlap with the model's work on this one. On an
-        # error or a stop, closing the stream stops that thread now, not when the stream is collected.
-        with closing(prefetch(map(read_ahead, chunks))) as stream:
+        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk, as before
+            tokenized, logprobs, policy_logprobs = item
+            work.write_chunk(tokenized, logprobs, policy_logprobs)
+            response_tokens = tokenized.scored_tokens()
+            summary.rows += tokenized.num_rows
+            summary.tokens += response_tokens
+            progress.update(tokenized.num_rows, response_tokens)
+            if on_chunk is not None:
+                on_chunk(tokenized.num_rows, response_tokens)
+
+        # Reading, tokenizing and planning the next chunks overlap with the model's work on this one, and
+        # so does writing the last one (write behind). On an error or a stop, closing the stream stops the
+        # reader now, not when the stream is collected; then the writer finishes the chunk handed to it
+        # (finished work, as the chunk written before a stop always was) and ends before the error goes on.
+        # depth=0: the model runs at most one chunk ahead of the disk, so a slow disk holds one chunk back.
+        with in_background(checkpoint, depth=0, on_error="finish") as writer, \
+                closing(prefetch(map(read_ahead, chunks))) as stream:
+            def check():  # between batches: a stop asked for, or the writer failed (a full disk)
+                stop.check()
+                writer.check()
+
             for tokenized, pairs, needed, ahead in stream:
                 if ahead is None or not sharing.current(ahead):  # not made ahead, or under a mode since changed
                     ahead = sharing.plan(pairs, max_tokens, needed)
                 plan = ahead
                 plan_stats(plan, summary.forward, packs_passes(model))
-                logprobs = run_plan(model, plan, pairs, config.temperature, stop.check)
+                logprobs = run_plan(model, plan, pairs, config.temperature, check)
                 policy_logprobs = None
                 if policy is not None:
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
                     policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
-                    policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, stop.check)
-                work.write_chunk(tokenized, logprobs, policy_logprobs)
-                response_tokens = tokenized.scored_tokens()
-                summary.rows += tokenized.num_rows
-                summary.tokens += response_tokens
-                progress.update(tokenized.num_rows, response_tokens)
-                if on_chunk is not None:
-                    on_chunk(tokenized.num_rows, response_tokens)
-                stop.check()
+                    policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, check)
+                # The last chunk written first, then the check: a stop asked for during that write leaves this
+                # chunk unwritten, as it did when each write was followed by a check on this thread.
+                writer.wait_for_room()
+                check()
+                writer.submit((tokenized, logprobs, policy_logprobs))
+        # Here the last chunk is written (the block waits for it: the merge reads every chunk). A stop asked
+        # for while it was written stops the run before the merge, as it did when the write was not behind.
+        stop.check()
     finally:
         progress.close()
         summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
