@@ -80,7 +80,8 @@ class Compiled:
     """The compiled modules of one model: each runs its compiled forward until told to run eager, for good (`drop`)
     or within `eager()`."""
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]], dtype: torch.dtype):
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], compiler=None):
+        """`compiler(function) -> function`: torch.compile with klpipe's options unless given (a test's)."""
         self.active = True
         self.failures: list[str] = []  # one line per class that fell back to eager, not yet logged
         self.dropped: set[str] = set()  # classes running eager for good
@@ -88,13 +89,13 @@ class Compiled:
         self._installed = []
         quiet()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        compiler = compiler or _compile
         compiled_by_class: dict[type, object] = {}
         for _, module in modules:
             cls = type(module)
             if cls not in compiled_by_class:
                 # One compiled function per class: dynamo caches by code object, so every instance shares its graphs.
-                compiled_by_class[cls] = torch.compile(cls.forward, dynamic=True,
-                                                       options={"emulate_precision_casts": True})
+                compiled_by_class[cls] = compiler(cls.forward)
             self._install(module, compiled_by_class[cls])
 
     def _install(self, module: torch.nn.Module, compiled) -> None:
@@ -145,6 +146,12 @@ class Compiled:
     @property
     def classes(self) -> list[str]:
         return sorted({type(m).__name__ for _, m in self.modules} - self.dropped)
+
+
+def _compile(function):
+    # dynamic: a batch of another length reuses the graph. emulate_precision_casts: a bf16 intermediate is rounded
+    # where eager rounds it, not kept in fp32 across the fused kernel.
+    return torch.compile(function, dynamic=True, options={"emulate_precision_casts": True})
 
 
 def quiet() -> None:

@@ -213,7 +213,9 @@ def check_compile(reference, oracle: Oracle) -> None:
         found = max(found, _body_gap(reference, np.stack([ids[:length], ids[::-1][:length]])))
     compiled = reference.compiled
     reference.notes.extend(f"{name}: {line}" for line in compiled.take_failures())
-    if found > reference.probe_tolerance:
+    # fp32: the oracle's own bound (compiled and eager differ by the order of a few sums, ~1e-6); bf16: the probes'.
+    tolerance = 1e-4 if reference.dtype == torch.float32 else reference.probe_tolerance
+    if found > tolerance:
         reference.drop_compile()
         reference.notes.append(f"{name}: its compiled norms and MLPs disagree with its own forward (max |Δ logprob| "
                                f"= {found:.3g}); they run eager")

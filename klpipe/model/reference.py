@@ -77,9 +77,10 @@ class ReferenceModel:
         reference.use_compile(compile)
         return reference
 
-    def use_compile(self, mode: str) -> None:
+    def use_compile(self, mode: str, compiler=None) -> None:
         """Compile the decoder layers' norms and MLPs (compiled.py) where `mode` asks on this device, and keep them
-        only where the load-time probe (probes.check_compile) agrees with the model's own forward; noted if not."""
+        only where the load-time probe (probes.check_compile) agrees with the model's own forward; noted if not.
+        `compiler`: compiled.Compiled's (torch.compile with klpipe's options unless a test gives one)."""
         import time
 
         if self.compiled is not None or self.oracle is None or not compiled.wanted(mode, self.device):
@@ -94,7 +95,7 @@ class ReferenceModel:
             self.notes.append(f"{name}: runs eager, not compiled ({why_not})")
             return
         started = time.perf_counter()
-        self.compiled = compiled.Compiled(targets, self.dtype)
+        self.compiled = compiled.Compiled(targets, compiler)
         probes.check_compile(self, self.oracle)
         self.compile_seconds = time.perf_counter() - started
 
