@@ -5,7 +5,7 @@
 
 Model: bench_width.py's random Gemma 4 of E2B's text width (hidden 1536, vocabulary 262,144, head size 512 on the
 full layers, per-layer inputs of 256, double-wide MLPs on the KV-shared layers, window 512, softcap 30) with
---layers layers in E2B's pattern (4 sliding to 1 full; the last half KV-shared), fp32, built once under
+--layers layers in E2B's pattern (4 sliding to 1 full; the last half KV-shared from 10 layers on), fp32, built once under
 build/bench/compile. Rows: bench_width.py's GRPO groups.
 
 One process, one loaded model: the chunk runs eager (after a warm-up on two other rows), then the layers' norms and
@@ -34,11 +34,8 @@ WORK = ROOT / "build" / "bench" / "compile"
 
 
 def config(layers: int):
-    base = bench_width.config()
-    kinds = (["sliding_attention"] * 4 + ["full_attention"]) * (layers // 5 + 1)
-    base.num_hidden_layers, base.layer_types = layers, kinds[:layers - 1] + ["full_attention"]
-    base.num_kv_shared_layers = layers // 2
-    return base
+    # Gemma 4 needs a full layer among those that keep keys and values: the last half shares them from 10 layers on.
+    return bench_width.config(layers, kv_shared=layers // 2 if layers >= 10 else 0)
 
 
 def build_model(layers: int) -> Path:
@@ -71,7 +68,6 @@ def main() -> None:
     from klpipe.precompute.logprobs import run_plan
     from klpipe.precompute.sharing import Sharing
 
-    bench_width.config = lambda: config(args.layers)  # its FLOP count reads the model's config from here
     chunk = bench_width.rows(args.groups)
     prompts, responses = [p for p, _ in chunk], [r for _, r in chunk]
     warm = bench_width.rows(1, seed=9)[:2]
@@ -81,7 +77,8 @@ def main() -> None:
     shape = {"m": 2048, "k": 1536, "n": 6144}  # the MLP's up-projection on a 2,048-token pass
     peak_before = flops.matmul_peak(**shape)
     segments = flops.tree(prompts, responses, sharing="auto", skips_layers=reference.prefill_skips_layers)
-    needed = bench_width.model_flops().method(segments, sum(map(len, responses))).total
+    kv_shared = config(args.layers).num_kv_shared_layers
+    needed = bench_width.model_flops(args.layers, kv_shared).method(segments, sum(map(len, responses))).total
 
     def timed(sharing: Sharing):
         started = time.perf_counter()
