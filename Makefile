@@ -71,8 +71,12 @@ test-bf16: install
 
 # precompute --compile on for real (tests/test_compiled.py): inductor compiles the layers' norms and MLPs through
 # gcc, on tiny Llama, Qwen3 and Gemma 4, fp32 and bf16, tree on and off, against the oracle; a compile that fails
-# (no C++ compiler) falls back with one line. Several minutes on 2 CPU cores, most of it compiling.
+# (no C++ compiler) falls back with one line. About 4 minutes on 2 CPU cores, most of it compiling. Inductor's CPU
+# kernels need g++ and the interpreter's headers: Debian's installed first when missing (needs root, as in CI).
 test-compile: install
+	@command -v g++ >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }
+	@$(BIN)/python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev; }
 	$(BIN)/python -m pytest -q -m compile --durations=5 tests/test_compiled.py
 
 # benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
