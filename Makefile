@@ -15,7 +15,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-bf16 bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-bf16 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,16 @@ test-matrix: install
 # matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/test_cascade.py).
 test-bf16: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py
+
+# precompute --compile on for real (tests/test_compiled.py): inductor compiles the layers' norms and MLPs through
+# gcc, on tiny Llama, Qwen3 and Gemma 4, fp32 and bf16, tree on and off, against the oracle; a compile that fails
+# (no C++ compiler) falls back with one line. About 4 minutes on 2 CPU cores, most of it compiling. Inductor's CPU
+# kernels need g++ and the interpreter's headers: Debian's installed first when missing (needs root, as in CI).
+test-compile: install
+	@command -v g++ >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }
+	@$(BIN)/python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev; }
+	$(BIN)/python -m pytest -q -m compile --durations=5 tests/test_compiled.py
 
 # benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
 # never costs a GPU's minutes. benchmarks/gpu_run.sh runs it for real on a lent GPU.

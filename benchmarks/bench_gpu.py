@@ -41,6 +41,10 @@ bf16 dense peak:
 
 and the tree's speed-up beside its FLOP ratio (the share of the FLOP limit it reached).
 
+`--compile on,off` (the default) runs `auto` and `off` under each mode: `auto+c` and `off+c` with the decoder layers'
+norms and MLPs compiled (`klpipe precompute --compile on`), beside them eager, and prints compiled over eager. The
+compile happens at load, outside a runner's seconds; its time is in klpipe's log line ("compiled ... in N s").
+
 `--model qwen3_5` runs a random hybrid instead: a Qwen3.5-style model of about 2B parameters (hidden
 2048, 24 layers, 3 Gated DeltaNet : 1 gated full attention, 16 query and 2 KV heads of 256, 16 key and
 value heads of 128 in the linear layers, vocabulary 248,320, tied head). Its nodes hand on recurrent
@@ -303,20 +307,21 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
             "padded": padded, "per_row": fed, "peak_gib": peak_gib(), "mfu": float("nan"), "first_rows": first}
 
 
-def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
+def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto") -> dict:
     import pyarrow.parquet as pq
 
     from klpipe.model import cascade, lse_attention
     from klpipe.precompute import PrecomputeConfig, precompute
 
-    out = WORK / f"cached-{rollouts.stem}-{sharing}.parquet"
+    out = WORK / f"cached-{rollouts.stem}-{sharing}-{compile}.parquet"
     out.unlink(missing_ok=True)
     reset_peak()
     cascade.CALLS.clear()
     lse_attention.CALLS.clear()
     summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
-                                          prefix_sharing=sharing), log=lambda m: print(f"  {m}", flush=True))
+                                          prefix_sharing=sharing, compile=compile),
+                         log=lambda m: print(f"  {m}", flush=True))
     cost = flops_per_token()
     forward = summary.forward
     # Nodes that need only their last output run the KV-shared layers on that position alone
@@ -335,7 +340,8 @@ def run(rollouts: Path, sharing: str, peak_tflops: float) -> dict:
         print(f"  note: {sharing} fed {forward.fed_tokens:,} tokens, flops.py's plan {counted_fed:,}", flush=True)
     return {
         "needed": needed, "needed_mfu": needed.total / summary.seconds / (peak_tflops * 1e12),
-        "sharing": sharing, "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
+        "sharing": sharing if compile == "off" else f"{sharing}+c",  # +c: the layers' norms and MLPs compiled
+        "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
         "fed": forward.fed_tokens, "padded": forward.padded_tokens, "per_row": forward.per_row_tokens,
         "peak_gib": peak_gib(),
         "mfu": flops / summary.seconds / (peak_tflops * 1e12),
@@ -350,6 +356,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="grpo,agent", help="comma-separated: grpo, agent")
     parser.add_argument("--runners", default="auto,off,padded", help="comma-separated: auto, off, padded")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
+    parser.add_argument("--compile", default="on,off",
+                        help="comma-separated --compile modes each of auto and off runs under (a runner compiled "
+                             "is labelled RUNNER+c; its load, where the compile happens, is not in its seconds)")
     parser.add_argument("--model", choices=["gemma4-e2b", "qwen3_5"], default="gemma4-e2b")
     parser.add_argument("--dry-run", action="store_true", help="on CPU, a tiny model and short rows: checks the script")
     args = parser.parse_args()
@@ -383,8 +392,9 @@ def main() -> None:
         rollouts = build_rollouts(shape, args.tokens)
         print(f"\n{shape} rows: {pq_rows(rollouts)} rows in groups of {GROUP_SIZE}, ~{args.tokens:,} tokens per "
               "row-wise count", flush=True)
-        results = [run_padded(rollouts, peak) if runner == "padded" else run(rollouts, runner, peak)
-                   for runner in runners]
+        results = [result for runner in runners
+                   for result in ([run_padded(rollouts, peak)] if runner == "padded" else
+                                  [run(rollouts, runner, peak, mode) for mode in args.compile.split(",")])]
         report(results, peak)
     print(f"\nwhole run {time.perf_counter() - started:.0f}s", flush=True)
 
@@ -412,6 +422,10 @@ def report(results: list[dict], peak: float) -> None:
         print(f"{r['sharing']} / {base['sharing']}: {speed:.2f}x the throughput on {flop_ratio:.2f}x fewer FLOPs "
               f"needed ({speed / flop_ratio:.0%} of the FLOP limit); max |Δ| over the first 16 rows' logprobs: "
               f"{gap:.3g} (bf16)")
+    for name in ("auto", "off"):
+        if name in by and f"{name}+c" in by:
+            print(f"{name}+c / {name} (compiled norms and MLPs against eager): "
+                  f"{by[name]['seconds'] / by[name + '+c']['seconds']:.2f}x the throughput")
     if "padded" in by and "auto" in by and base is not by["padded"]:
         print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
 

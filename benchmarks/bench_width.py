@@ -33,13 +33,15 @@ VOCAB = 262_144
 GROUP_SIZE = 8
 
 
-def config():
+def config(layers: int = 10, kv_shared: int = 5):
+    """E2B's text width, `layers` layers in its pattern (4 sliding to 1 full), the last `kv_shared` sharing KV
+    (bench_compile.py builds fewer)."""
     from transformers import Gemma4TextConfig
 
     return Gemma4TextConfig(
         vocab_size=VOCAB, hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=4 * 1536,
-        num_hidden_layers=10, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
-        num_attention_heads=8, num_key_value_heads=1, num_kv_shared_layers=5, use_double_wide_mlp=True,
+        num_hidden_layers=layers, layer_types=((["sliding_attention"] * 4 + ["full_attention"]) * layers)[:layers],
+        num_attention_heads=8, num_key_value_heads=1, num_kv_shared_layers=kv_shared, use_double_wide_mlp=True,
         final_logit_softcapping=30.0, sliding_window=512, tie_word_embeddings=True,
         rope_parameters={
             "full_attention": {"rope_theta": 1_000_000.0, "rope_type": "proportional", "partial_rotary_factor": 0.25},
@@ -73,14 +75,14 @@ def rows(groups: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def model_flops() -> flops.ModelFlops:
+def model_flops(layers: int = 10, kv_shared: int = 5) -> flops.ModelFlops:
     """Per layer: 2 × its linear weights per token, 4 × its query width per pair, its window, KV-shared or not;
     the per-layer input projections outside the layers per token; the head per scored token."""
     import torch
     from transformers import Gemma4ForCausalLM
 
     with torch.device("meta"):
-        model = Gemma4ForCausalLM(config())
+        model = Gemma4ForCausalLM(config(layers, kv_shared))
 
     def linear(module) -> int:
         return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))

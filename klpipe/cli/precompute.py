@@ -88,6 +88,11 @@ def precompute_command(
              "prompt, a multi-turn history) runs once, and rows continue from its keys and values; "
              "on: every row through that prefix tree; off: every row runs whole.",
         envvar="KLPIPE_PREFIX_SHARING", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["prefix_sharing"],
+    compile: Annotated[str, typer.Option(
+        "--compile", metavar="auto|on|off",
+        help="torch.compile the decoder layers' norms and MLPs (fewer passes over activations), held to the model's "
+             "own forward at load; a module that fails or disagrees runs eager. auto: on for CUDA, off on CPU.",
+        envvar="KLPIPE_COMPILE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["compile"],
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an output, or discard a work directory, that a different run made.",
         envvar="KLPIPE_OVERWRITE", rich_help_panel=OUTPUT_PANEL)] = PRECOMPUTE["overwrite"],
@@ -195,7 +200,7 @@ def precompute_command(
         overwrite_policy_logprobs=overwrite_policy_logprobs,
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, max_cache_mib=max_cache_mib,
         chunk_rows=chunk_rows,
-        prefix_sharing=prefix_sharing, work_dir=work_dir,
+        prefix_sharing=prefix_sharing, compile=compile, work_dir=work_dir,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column), tools=read_tools(tools),
         chat_template_kwargs=parse_template_kwargs(chat_template_kwargs),

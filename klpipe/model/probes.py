@@ -7,6 +7,8 @@ it on the same probe, and one that disagrees is dropped for the model's own code
 
     the chunked head (head.LMHead)        dropped for head.ModelHead: the model's own head, by its forward
     the cascade attention (cascade.py)    dropped for the model's own attention implementation
+    the compiled norms and MLPs           dropped for their eager forward (compiled.py; a module that fails to
+                                          compile runs eager alone)
 
 The prefix tree's probe (precompute/logprobs.check_tree) holds the tree against the same forward.
 Two computations of klpipe's that agree with each other prove nothing; the model's own forward does.
@@ -15,6 +17,7 @@ Two computations of klpipe's that agree with each other prove nothing; the model
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,3 +195,44 @@ def check_attention(reference, oracle: Oracle) -> str | None:
         return None
     return (f"{type(reference.model).__name__}: klpipe's cascade attention disagrees with the model's own "
             f"{reference.own_attention} attention (max |Δ logprob| = {found:.3g}); the model's own runs instead")
+
+
+def check_compile(reference, oracle: Oracle) -> None:
+    """Keep the compiled norms and MLPs (compiled.py) where klpipe's rows run whole reproduce the oracle with them;
+    else every module eager again, noted. A class that fails to compile runs eager on its own, noted.
+
+    The probe runs the shapes a run meets (rows packed or padded, a batch of one-token rows, a lone token: dynamo
+    specialises a length of 1), so their compiles happen here, before any row, and are held to the oracle too."""
+    name = type(reference.model).__name__
+    ids = oracle.ids
+    found = gap(reference, oracle)
+    first = oracle.logprobs[:1]  # log p(ids[1] | ids[0]): a row of one token fed
+    for rows in ([(ids[:1], ids[1:2])], [(ids[:1], ids[1:2])] * 2):
+        found = max(found, *(float(np.max(np.abs(values - first))) for values in reference.score_batch(rows)))
+    for length in (len(ids), 1):  # a batch of two rows, as the prefix tree's passes are (the batch's 1 specialised)
+        found = max(found, _body_gap(reference, np.stack([ids[:length], ids[::-1][:length]])))
+    compiled = reference.compiled
+    reference.notes.extend(f"{name}: {line}" for line in compiled.take_failures())
+    # fp32: the oracle's own bound (compiled and eager differ by the order of a few sums, ~1e-6); bf16: the probes'.
+    tolerance = 1e-4 if reference.dtype == torch.float32 else reference.probe_tolerance
+    if found > tolerance:
+        reference.drop_compile()
+        reference.notes.append(f"{name}: its compiled norms and MLPs disagree with its own forward (max |Δ logprob| "
+                               f"= {found:.3g}); they run eager")
+    elif not compiled.classes:
+        reference.drop_compile()
+
+
+@torch.inference_mode()
+def _body_gap(reference, ids: np.ndarray) -> float:
+    """The largest |Δ logprob| of every next token of `ids` ((B, T), each row from position 0) between the body run
+    as installed and the body run eager (the model's own), through the same head."""
+    batch = torch.from_numpy(ids.astype(np.int64)).to(reference.input_device)  # (B, T)
+    rows, length = ids.shape
+    targets = torch.from_numpy(np.roll(ids, -1, axis=1).reshape(-1).astype(np.int64))  # (B·T,) the next token
+    values = []
+    for eager in (False, True):
+        with reference.eager() if eager else nullcontext():
+            hidden = reference.body(input_ids=batch, use_cache=False).last_hidden_state  # (B, T, H)
+        values.append(reference.head.logprobs(hidden.reshape(rows * length, -1), targets, 1.0).numpy())
+    return float(np.max(np.abs(values[0] - values[1])))

@@ -12,7 +12,7 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import cascade, loading, packing, probes
+from klpipe.model import cascade, compiled, loading, packing, probes
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -61,16 +61,57 @@ class ReferenceModel:
         self._layer_kinds = None
         self._cache_cost = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
+        # The layers' norms and MLPs compiled (compiled.py, --compile), where the load-time probe agrees; None: eager.
+        self.compiled: compiled.Compiled | None = None
+        self.compile_seconds = 0.0  # the compile and its probe, at load
 
     @classmethod
-    def load(cls, spec: ModelSpec) -> ReferenceModel:
-        """Load `spec` safely (loading.py) and check the chunked head against the model's own logits."""
+    def load(cls, spec: ModelSpec, compile: str = "off") -> ReferenceModel:
+        """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
+        layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees."""
         model, device, dtype = loading.load_model(spec)
         reference = cls(model, device, dtype)
         with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
             reference.check_head()
         reference.slow_kernels = tuple(missing)
+        reference.use_compile(compile)
         return reference
+
+    def use_compile(self, mode: str, compiler=None) -> None:
+        """Compile the decoder layers' norms and MLPs (compiled.py) where `mode` asks on this device, and keep them
+        only where the load-time probe (probes.check_compile) agrees with the model's own forward; noted if not.
+        `compiler`: compiled.Compiled's (torch.compile with klpipe's options unless a test gives one)."""
+        import time
+
+        if self.compiled is not None or self.oracle is None or not compiled.wanted(mode, self.device):
+            return
+        name = type(self.model).__name__
+        targets = compiled.targets(self.body)
+        devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
+        why_not = (f"its rows run by its own forward ({self.own_forward})" if self.own_forward is not None
+                   else "it is spread over several devices" if len(devices) > 1  # accelerate's hooks move tensors
+                   else "no norm or MLP klpipe compiles" if not targets else None)
+        if why_not is not None:
+            self.notes.append(f"{name}: runs eager, not compiled ({why_not})")
+            return
+        started = time.perf_counter()
+        self.compiled = compiled.Compiled(targets, compiler)
+        probes.check_compile(self, self.oracle)
+        self.compile_seconds = time.perf_counter() - started
+
+    def drop_compile(self) -> None:
+        """Every compiled module eager again, for good."""
+        if self.compiled is not None:
+            self.compiled.remove()
+            self.compiled = None
+
+    @property
+    def compile_note(self) -> str | None:
+        """The log's line about what runs compiled, or None where nothing does."""
+        if self.compiled is None or not self.compiled.classes:
+            return None
+        return (f"{type(self.model).__name__}: {', '.join(self.compiled.classes)} compiled (torch.compile) in "
+                f"{self.compile_seconds:.1f}s, held to its own forward")
 
     @property
     def input_device(self) -> torch.device:
@@ -131,10 +172,17 @@ class ReferenceModel:
         if installed != self.own_attention:
             self.model.set_attn_implementation(self.own_attention)
         try:
-            return probes.own_logprobs(self.model, rows)
+            with self.eager():
+                return probes.own_logprobs(self.model, rows)
         finally:
             if installed != self.own_attention:
                 self.model.set_attn_implementation(installed)
+
+    def eager(self):
+        """Within: the compiled modules, if any, run their eager forward (the model's own, as loaded)."""
+        from contextlib import nullcontext
+
+        return self.compiled.eager() if self.compiled is not None else nullcontext()
 
     @property
     def kernel_note(self) -> str | None:

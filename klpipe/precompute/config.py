@@ -27,6 +27,11 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "add_genera
 
 OUTPUT_FORMATS = ("parquet", "atropos")
 
+# --compile: torch.compile of the decoder layers' norms and MLPs (klpipe/model/compiled.py). auto: on for CUDA, where
+# those passes over activations cost about what the GEMMs do; off on CPU, where the compile (tens of seconds) costs
+# more than it wins (README, "Compiled norms and MLPs").
+COMPILE_MODES = ("auto", "on", "off")
+
 
 @dataclass
 class PrecomputeConfig:
@@ -43,6 +48,7 @@ class PrecomputeConfig:
     max_cache_mib: int | None = None  # keys and values the prefix tree keeps alive at once; None: by device
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
     prefix_sharing: str = "auto"  # auto | on | off: each prefix the chunk's rows share runs once (SHARING_MODES)
+    compile: str = "auto"  # auto | on | off: torch.compile of the layers' norms and MLPs (COMPILE_MODES)
     trust_remote_code: bool = False
     # A second model whose logprobs of the same tokens go into policy_logprobs, in the same pass: for
     # rollouts that carry none (verl dumps, offline trajectories, a checkpoint's drift on an eval set).
@@ -106,6 +112,8 @@ class PrecomputeConfig:
             raise InputError(f"--output-format must be {' or '.join(OUTPUT_FORMATS)}, not {self.output_format!r}")
         if self.prefix_sharing not in SHARING_MODES:
             raise InputError(f"--prefix-sharing must be auto, on or off, not {self.prefix_sharing!r}")
+        if self.compile not in COMPILE_MODES:
+            raise InputError(f"--compile must be auto, on or off, not {self.compile!r}")
         reserved = sorted(set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS)
         if reserved:
             raise InputError(f"--chat-template-kwargs: {', '.join(reserved)} is set by klpipe itself, as TRL sets it; "

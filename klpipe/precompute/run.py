@@ -172,9 +172,10 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             # input should fail in seconds, not after hours of compute.
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
-            model = reference.ReferenceModel.load(spec)
+            model = reference.ReferenceModel.load(spec, compile=config.compile)
             # Both resident: each chunk's rows run through one, then the other, on one plan.
-            policy = reference.ReferenceModel.load(policy_spec) if policy_spec is not None else None
+            policy = (reference.ReferenceModel.load(policy_spec, compile=config.compile) if policy_spec is not None
+                      else None)
             summary.load_seconds = time.perf_counter() - load_started
             _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk)
         if groups_out:
@@ -398,6 +399,9 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
     for note in model.notes + (policy.notes if policy is not None else []):  # what the load-time check dropped
         log(note)
+    for line in (model.compile_note, policy.compile_note if policy is not None else None):
+        if line is not None:
+            log(line)
     sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
     if model.kernel_note:
         log(model.kernel_note)
@@ -449,6 +453,8 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
                     policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
                     policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, check)
+                for line in _compile_failures(model) + (_compile_failures(policy) if policy is not None else []):
+                    log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager now
                 # The last chunk written first, then the check: a stop asked for during that write leaves this
                 # chunk unwritten, as it did when each write was followed by a check on this thread.
                 writer.wait_for_room()
@@ -462,3 +468,9 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
         summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
         summary.seconds = time.perf_counter() - compute_started
 
+
+def _compile_failures(model) -> list[str]:
+    """The lines to log for compiled modules that fell back to eager since the last call (compiled.py)."""
+    if model.compiled is None:
+        return []
+    return [f"{type(model.model).__name__}: {line}" for line in model.compiled.take_failures()]
