@@ -37,6 +37,19 @@ ROLLOUTS = WORK / "rollouts.parquet"
 VOCAB = 32_000
 
 
+def random_rows(rng, tokens: int, vocab: int = VOCAB) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, responses) of random ids until `tokens` in all: rows of log-uniform length 16-512, each 20-60%
+    prompt."""
+    prompts, responses, total = [], [], 0
+    while total < tokens:
+        length = int(np.exp(rng.uniform(np.log(16), np.log(512))))
+        prompt_len = max(1, int(length * rng.uniform(0.2, 0.6)))
+        prompts.append(rng.integers(0, vocab, prompt_len).tolist())
+        responses.append(rng.integers(0, vocab, length - prompt_len).tolist())
+        total += length
+    return prompts, responses
+
+
 def build_inputs(target_tokens: int, seed: int = 0) -> None:
     """The model and the rollouts, made once and reused (delete build/bench to rebuild)."""
     import pyarrow as pa
@@ -57,14 +70,7 @@ def build_inputs(target_tokens: int, seed: int = 0) -> None:
         AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-llama").save_pretrained(MODEL_DIR)
     marker = WORK / f"rollouts-{target_tokens}.done"
     if not marker.exists():
-        rng = np.random.default_rng(seed)
-        prompts, responses, total = [], [], 0
-        while total < target_tokens:
-            length = int(np.exp(rng.uniform(np.log(16), np.log(512))))
-            prompt_len = max(1, int(length * rng.uniform(0.2, 0.6)))
-            prompts.append(rng.integers(0, VOCAB, prompt_len).tolist())
-            responses.append(rng.integers(0, VOCAB, length - prompt_len).tolist())
-            total += length
+        prompts, responses = random_rows(np.random.default_rng(seed), target_tokens)
         table = pa.table({
             "id": [f"r{i}" for i in range(len(prompts))],
             "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_precompute import random_rows  # benchmarks/bench_precompute.py
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "bench" / "write_behind"
@@ -51,13 +52,7 @@ def build_rollouts(path: Path, tokens: int, passthrough_kib: int, seed: int = 0)
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
-    prompts, responses, total = [], [], 0
-    while total < tokens:
-        length = int(np.exp(rng.uniform(np.log(16), np.log(512))))
-        prompt_len = max(1, int(length * rng.uniform(0.2, 0.6)))
-        prompts.append(rng.integers(0, VOCAB, prompt_len).tolist())
-        responses.append(rng.integers(0, VOCAB, length - prompt_len).tolist())
-        total += length
+    prompts, responses = random_rows(rng, tokens, VOCAB)  # bench_precompute's rows
     # Random bytes as base64 text: parquet's compression cannot shrink them below 3/4 of their size.
     text = [base64.b64encode(rng.bytes(passthrough_kib * 768)).decode() for _ in prompts]
     pq.write_table(pa.table({
