@@ -189,6 +189,12 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
+def assert_full_disk(result: Result, msg: str) -> None:
+    """The run stopped on a full disk as bad input: exit 2 and one `Error:` line that says so."""
+    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
+    assert "No space left on device" in one_error_line(result.stderr), msg
+
+
 def wait_until(condition, timeout: float = 60, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -323,8 +329,7 @@ def test_full_disk_failing_writer(world, tmp_path, trial):
 
     result = world.runner.run(world.args(out), fault)
     assert result.fired(), msg
-    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
-    assert "No space left on device" in one_error_line(result.stderr), msg
+    assert_full_disk(result, msg)
     resumed = assert_interrupted_cleanly(out, result, world.expected, msg)
     rerun_and_compare(world, world.args(out), out, world.expected, resumed, msg)
     assert_only(out.parent, {out.name}, msg)
@@ -371,8 +376,7 @@ def test_full_disk_in_the_writer_stops_the_model(world, tmp_path):
 
     result = world.runner.run(world.args(out), fault)
     assert result.fired(), msg
-    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
-    assert "No space left on device" in one_error_line(result.stderr), msg
+    assert_full_disk(result, msg)
     after = result.trace[result.trace.index(next(t for t in result.trace if t.startswith("fault "))):]
     # Chunk at (the one after the failed write) may have been computed; none after it began. Its batch in
     # flight ends, and at most one more begins in the moment the writer records its failure.
@@ -424,8 +428,7 @@ def test_full_disk_tmpfs(world, peak_bytes, tmpfs, trial):
     out = disk / "cached.parquet"
 
     result = world.runner.run(world.args(out))
-    assert result.returncode == BAD_INPUT, f"{msg}: exit {result.returncode}: {result.stderr}"
-    assert "No space left on device" in one_error_line(result.stderr), msg
+    assert_full_disk(result, msg)
     resumed = assert_interrupted_cleanly(out, result, world.expected, msg, allowed_beside=frozenset({"filler"}))
     filler.unlink()  # the operator frees space and reruns the same command
     rerun_and_compare(world, world.args(out), out, world.expected, resumed, msg)
