@@ -27,7 +27,7 @@ def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
 
     `depth` counts every item the thread holds, the one it is producing included: it waits for room
     before it starts the next one, not after (a queue of `depth` beside a producer blocked on a full
-    queue held `depth + 1` chunks, and its loop variable one more). The consumer's item is its own.
+    queue held `depth + 1`). The consumer's item is its own.
     Leaving the loop early (an error, a break) stops the producer before this generator returns.
     """
     if depth < 1:
