@@ -25,18 +25,29 @@ _DONE = object()
 def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     """Yield `items`, produced up to `depth` ahead in a background thread.
 
+    `depth` counts every item the thread holds, the one it is producing included: it waits for room
+    before it starts the next one, not after (a queue of `depth` beside a producer blocked on a full
+    queue held `depth + 1`). The consumer's item is its own.
     Leaving the loop early (an error, a break) stops the producer before this generator returns.
     """
-    slots: queue.Queue = queue.Queue(maxsize=depth)
+    if depth < 1:
+        raise ValueError("depth must be 1 or more")
+    room = threading.Semaphore(depth)
+    slots: queue.SimpleQueue = queue.SimpleQueue()  # never more than `depth`: `room` is taken first
     stop = threading.Event()
 
     def produce() -> None:
         try:
-            for item in items:
+            iterator = iter(items)
+            while True:
+                room.acquire()
                 if stop.is_set():
                     return
+                item = next(iterator, _DONE)
                 slots.put(item)
-            slots.put(_DONE)
+                if item is _DONE:
+                    return
+                del item  # handed over: the queue's, then the consumer's
         except BaseException as exc:  # raised again in the consumer's thread
             slots.put(exc)
 
@@ -44,16 +55,15 @@ def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
     thread.start()
     try:
         while (item := slots.get()) is not _DONE:
+            room.release()
             if isinstance(item, BaseException):
                 raise item
             yield item
+            del item  # the consumer has moved on: not kept while the next one is waited for
     finally:
         stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                slots.get(timeout=0.05)
-            except queue.Empty:
-                pass
+        room.release()  # a producer waiting for room wakes, sees the stop and ends
+        thread.join()
 
 
 class Background:
@@ -94,6 +104,7 @@ class Background:
                     self._pending = 0
                     self._changed.notify_all()
                 return
+            del item  # consumed (a chunk written): released now, not once the next item arrives
             with self._changed:
                 self._pending -= 1
                 self._changed.notify_all()

@@ -4,7 +4,10 @@ import fcntl
 import hashlib
 import os
 import stat
+import subprocess
+import sys
 
+import pyarrow.parquet as pq
 import pytest
 
 from klpipe.errors import InputError, OutputError
@@ -170,3 +173,30 @@ def test_fingerprint_of_a_directory_includes_every_file(tmp_path):
     assert fingerprint.fingerprint(folder)["sha256"] != before["sha256"]
     os.rename(folder / "b", folder / "c")
     assert fingerprint.fingerprint(folder)["sha256"] != before["sha256"]
+
+
+
+# A fresh process, so that arrow's peak (max_memory) is the write's: a 40 MB column of 20 kB rows, then the write.
+_WIDE_WRITE = """
+import sys, numpy as np, pyarrow as pa
+from klpipe.files.parquet import write_table
+rows, width = 2048, 20_000
+blob = pa.allocate_buffer(rows * width)  # in arrow's pool, as a chunk read from parquet is
+np.frombuffer(blob, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, rows * width, dtype=np.uint8)
+offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * width).buffers()[1]
+table = pa.table({"blob": pa.BinaryArray.from_buffers(pa.binary(), rows, [None, offsets, blob])})
+held = pa.total_allocated_bytes()
+write_table(table, sys.argv[1])
+print(held, pa.default_memory_pool().max_memory())
+"""
+
+
+def test_writing_wide_rows_holds_about_a_page_beside_the_table(tmp_path):
+    # pyarrow checks a page's size every 1,024 values: 1,024 rows of a 20 kB column made a 20 MB page, encoded
+    # and compressed in memory whole. Writing a 41 MB chunk took 65 MB more; each of precompute's checkpoints
+    # and its merge wrote so.
+    done = subprocess.run([sys.executable, "-c", _WIDE_WRITE, str(tmp_path / "wide.parquet")], capture_output=True,
+                          text=True, check=True)
+    held, peak = map(int, done.stdout.split())
+    assert peak - held <= 8 << 20, f"writing {held >> 20} MiB of rows took {(peak - held) >> 20} MiB more"
+    assert pq.read_table(tmp_path / "wide.parquet").num_rows == 2048

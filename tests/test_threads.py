@@ -1,5 +1,6 @@
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -37,6 +38,42 @@ def test_leaving_prefetch_early_stops_the_producer():
     assert len(produced) == count < 10  # bounded read-ahead, and nothing after close
     assert not [t for t in threading.enumerate() if t.name == "klpipe-prefetch"]
 
+
+class Chunk:
+    """Stands for a chunk of rows (40 MB of them in precompute): tests count the ones still alive."""
+
+
+def test_prefetch_holds_at_most_depth_items_beside_the_consumers():
+    # depth counts the item being produced: a producer blocked on a full queue of `depth` held one more,
+    # and precompute a 40 MB chunk more than it said.
+    for depth in (1, 2):
+        alive = weakref.WeakSet()
+
+        def items():
+            for _ in range(8):
+                chunk = Chunk()
+                alive.add(chunk)
+                yield chunk
+                del chunk
+
+        counts = []
+        for _item in prefetch(items(), depth):
+            time.sleep(0.05)  # a slow consumer: the producer fills all the room it has
+            counts.append(len(alive))
+        assert max(counts) == depth + 1, (depth, counts)  # the room ahead, and the consumer's own
+
+
+def test_in_background_lets_go_of_an_item_once_it_is_consumed():
+    # Write behind: the writer thread kept a written chunk until the next one came, a chunk more held.
+    alive = weakref.WeakSet()
+    with in_background(lambda item: None, depth=0) as background:
+        for _ in range(3):
+            chunk = Chunk()
+            alive.add(chunk)
+            background.submit(chunk)
+            del chunk
+            background.wait_for_room()  # consumed
+            assert len(alive) == 0
 
 def test_in_background_consumes_everything_in_order_before_the_block_ends():
     seen = []

@@ -45,14 +45,29 @@ def read_schema(path: str | Path | Location) -> pa.Schema:
     return pq.read_schema(path)
 
 
-def parquet_writer(where, schema: pa.Schema) -> pq.ParquetWriter:
-    """A parquet writer whose pages carry checksums: every klpipe writer writes this way."""
-    return pq.ParquetWriter(where, schema, write_page_checksum=True)
+# pyarrow encodes `write_batch_size` values (1024 by default) before it checks a page's size, so 1024 rows of
+# a 20 kB pass-through column became one 20 MB page, encoded, dictionary-tried and compressed in memory whole
+# (a write of a 41 MB chunk held 62 MiB more). Batches of about half a page's bytes keep pages near pyarrow's
+# 1 MiB whatever the rows' width (a write then holds a few MiB more); narrow rows keep the default.
+PAGE_BYTES = 1 << 20  # pyarrow's data_page_size
+DEFAULT_WRITE_BATCH = 1024  # pyarrow's write_batch_size
+
+
+def write_batch_rows(table: pa.Table | pa.RecordBatch) -> int:
+    """The write batch (in values) for rows as wide as `table`'s: a list's values are never wider than its row."""
+    row_bytes = table.nbytes // max(table.num_rows, 1)
+    return max(1, min(DEFAULT_WRITE_BATCH, PAGE_BYTES // 2 // max(row_bytes, 1)))
+
+
+def parquet_writer(where, schema: pa.Schema, write_batch_size: int = DEFAULT_WRITE_BATCH) -> pq.ParquetWriter:
+    """A parquet writer whose pages carry checksums: every klpipe writer writes this way. Wide rows: pass
+    `write_batch_rows` of a table like the ones to come."""
+    return pq.ParquetWriter(where, schema, write_page_checksum=True, write_batch_size=write_batch_size)
 
 
 def write_table(table: pa.Table, where) -> None:
-    """`pq.write_table`, with page checksums."""
-    pq.write_table(table, where, write_page_checksum=True)
+    """`pq.write_table`, with page checksums and pages of about 1 MiB however wide the rows."""
+    pq.write_table(table, where, write_page_checksum=True, write_batch_size=write_batch_rows(table))
 
 
 def leaf_index(schema: pa.Schema, name: str) -> int:

@@ -436,8 +436,11 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
         # reader now, not when the stream is collected; then the writer finishes the chunk handed to it
         # (finished work, as the chunk written before a stop always was) and ends before the error goes on.
         # depth=0: the model runs at most one chunk ahead of the disk, so a slow disk holds one chunk back.
+        # Read-ahead depth 1: reading, tokenizing and planning a chunk takes far less than scoring one, so one
+        # chunk ahead keeps the model fed. At most three chunks are held (read ahead, scored, written), and a
+        # 3-chunk input already holds as much as any longer one: memory stops growing at the third chunk.
         with in_background(checkpoint, depth=0, on_error="finish") as writer, \
-                closing(prefetch(map(read_ahead, chunks))) as stream:
+                closing(prefetch(map(read_ahead, chunks), depth=1)) as stream:
             def check():  # between batches: a stop asked for, or the writer failed (a full disk)
                 stop.check()
                 writer.check()

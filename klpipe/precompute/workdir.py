@@ -27,7 +27,7 @@ from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError, first_line
 from klpipe.files.atomic import atomic_output
 from klpipe.files.fingerprint import cache_dir
-from klpipe.files.parquet import open_parquet, parquet_writer, write_table
+from klpipe.files.parquet import open_parquet, parquet_writer, write_batch_rows, write_table
 from klpipe.files.store import Location, identity, is_remote
 from klpipe.mask import MASK_TYPE
 from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
@@ -191,13 +191,22 @@ class WorkDir:
         expected = self.run["rows"][1] - self.run["rows"][0]
         with atomic_output(output, tmp_dir=self.output_tmp_dir) as tmp:
             rows = 0
-            with parquet_writer(tmp, self.output_schema) as writer:
+            writer = None  # opened at the first chunk, whose rows' width sets the pages' write batch
+            try:
                 for path in chunks:
                     # One chunk in memory at a time, and each chunk stays one row group of the cache.
                     for table in _row_groups(path):
                         table = table.cast(self.output_schema)
                         rows += table.num_rows
+                        if writer is None:
+                            writer = parquet_writer(tmp, self.output_schema, write_batch_rows(table))
                         writer.write_table(table)
+                        del table  # this chunk is written: the next one is read beside none
+                if writer is None:  # no chunks: an empty cache
+                    writer = parquet_writer(tmp, self.output_schema)
+            finally:
+                if writer is not None:
+                    writer.close()
             if rows != expected:  # a guard against a lost or duplicated chunk, never expected to fire
                 raise OutputError(f"{self.path}: chunks hold {rows} rows, expected {expected}; delete it and rerun")
 
