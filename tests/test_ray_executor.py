@@ -174,8 +174,9 @@ def test_a_node_without_the_drivers_directory_refuses_relative_paths_in_one_line
     gone = str(tmp_path / "driver")
     with pytest.raises(InputError) as raised, in_directory(gone, relative, "10.0.0.11 (4c45512a)"):
         pass
-    assert str(raised.value) == (f"rollouts.parquet, cached, ref: relative to the driver's directory {gone}, which node "
-                                 "10.0.0.11 (4c45512a) does not have; give absolute paths on storage every node sees")
+    assert str(raised.value) == (f"rollouts.parquet, cached, ref: relative to the driver's directory {gone}, which "
+                                 "node 10.0.0.11 (4c45512a) does not have; give absolute paths on storage every node "
+                                 "sees")
     absolute = PrecomputeConfig(inputs=[ROLLOUTS], model="hub/model", output=tmp_path / "cached")
     with in_directory(gone, absolute, "node"):  # nothing relative: runs where it is
         assert Path.cwd() == tmp_path
