@@ -146,3 +146,37 @@ def test_the_rayjob_example_is_a_rayjob_kuberay_accepts(rayjob_schema):
     assert any(e.startswith("spec.rayClusterSpec.workerGroupSpecs.0.replicas: '4' is not of type") for e in errors)
     assert "spec.rayClusterSpec.headGroupSpec.template.spec.containers.0: 'name' is a required property" in errors
     assert ".spec.rayClusterSpec.headGroupSpec.rayStartParam: unknown field" in errors, errors
+
+
+def test_a_task_runs_in_the_drivers_directory_and_goes_back(tmp_path, monkeypatch):
+    """ray_task.in_directory, as a Ray worker runs a shard: in the driver's directory within, its own after (Ray runs
+    the worker's next task in the same process)."""
+    from klpipe.precompute.config import PrecomputeConfig
+    from klpipe.precompute.ray_task import in_directory
+
+    worker, driver = tmp_path / "worker", tmp_path / "driver"
+    worker.mkdir()
+    driver.mkdir()
+    monkeypatch.chdir(worker)
+    config = PrecomputeConfig(inputs=[Path("rollouts.parquet")], model="hub/model", output=Path("cached"))
+    with in_directory(str(driver), config, "node"):
+        assert Path.cwd() == driver
+    assert Path.cwd() == worker
+
+
+def test_a_node_without_the_drivers_directory_refuses_relative_paths_in_one_line(tmp_path, monkeypatch):
+    from klpipe.precompute.config import PrecomputeConfig
+    from klpipe.precompute.ray_task import in_directory
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ref").mkdir()  # a model given as a relative directory counts; a hub id (no such directory) not
+    relative = PrecomputeConfig(inputs=[Path("rollouts.parquet"), ROLLOUTS], model="ref", output=Path("cached"))
+    gone = str(tmp_path / "driver")
+    with pytest.raises(InputError) as raised, in_directory(gone, relative, "10.0.0.11 (4c45512a)"):
+        pass
+    assert str(raised.value) == (f"rollouts.parquet, cached, ref: relative to the driver's directory {gone}, which "
+                                 "node 10.0.0.11 (4c45512a) does not have; give absolute paths on storage every node "
+                                 "sees")
+    absolute = PrecomputeConfig(inputs=[ROLLOUTS], model="hub/model", output=tmp_path / "cached")
+    with in_directory(gone, absolute, "node"):  # nothing relative: runs where it is
+        assert Path.cwd() == tmp_path

@@ -78,7 +78,7 @@ def refuse_unseen_output(ray, output: Location, nodes: list[dict]) -> None:
     probe = output / f".klpipe-ray-probe-{token}"
     probe.write_text(token)
     try:
-        seen = _probe(ray, str(probe), token, nodes)
+        seen = _probe(ray, os.path.abspath(probe), token, nodes)  # a task's directory is not the driver's
     finally:
         probe.unlink(missing_ok=True)
     blind = [node_name(node) for node in nodes if seen.get(node["NodeID"]) is False]

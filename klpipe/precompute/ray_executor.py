@@ -22,6 +22,7 @@ slots, whether its nodes see a local output). Ray is imported only in these, and
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -187,7 +188,9 @@ def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, todo: list[
         name="klpipe-shard", num_cpus=ray_config.cpus_per_shard, num_gpus=gpus_per_shard,
         max_retries=ray_config.max_retries, retry_exceptions=False)
     # The driver shows the run's progress; a shard's own progress lines would only repeat it.
-    pending = {task.remote(dataclasses.replace(config, shard=shard, progress="none"), board): shard
+    # Each task runs in the driver's directory, where the config's relative paths lead (ray_task.in_directory).
+    directory = os.getcwd()
+    pending = {task.remote(dataclasses.replace(config, shard=shard, progress="none"), board, directory): shard
                for shard in todo}
     summaries, failures, nodes = [], {}, set()
     progress = Progress(config.progress, total_rows=total, initial_rows=done_rows, log=log,

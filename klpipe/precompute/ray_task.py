@@ -1,12 +1,21 @@
 """The task's side of `--ray`: one shard's body, as a Ray worker runs it, and the board it reports progress to.
 
 A worker imports this module (Ray pickles `shard_task` by reference), not the driver's: ray_executor.py.
+
+A Ray worker runs in a directory of Ray's choosing, not the driver's, so a relative path the user gave the driver
+(`-m sample_data/ref data.parquet -o cached/`) would name another file there, or none: each task runs in the
+driver's directory, as a Slurm array task runs in the directory it was submitted from.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
+from klpipe.errors import InputError
+from klpipe.files.store import is_remote
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.run import PrecomputeSummary
 
@@ -33,7 +42,7 @@ class Board:
         return self.shards
 
 
-def shard_task(config: PrecomputeConfig, board) -> tuple[PrecomputeSummary, str]:
+def shard_task(config: PrecomputeConfig, board, directory: str) -> tuple[PrecomputeSummary, str]:
     """One shard, as a Slurm array task runs it: precompute() with its Shard. Runs in a Ray worker."""
     import ray
 
@@ -51,4 +60,35 @@ def shard_task(config: PrecomputeConfig, board) -> tuple[PrecomputeSummary, str]
     def on_chunk(rows: int, tokens: int) -> None:
         board.chunk.remote(index, rows, tokens)
 
-    return precompute(config, log=log, on_chunk=on_chunk), node
+    with in_directory(directory, config, node):
+        return precompute(config, log=log, on_chunk=on_chunk), node
+
+
+def relative_paths(config: PrecomputeConfig) -> list[str]:
+    """The local paths of `config` that are relative: inputs, output, work directory, and a model or policy given
+    as a relative path (a hub id is relative too, so these two count only where they name a directory here)."""
+    paths = [*config.inputs, config.output, config.work_dir]
+    found = [str(p) for p in paths if p is not None and not is_remote(p) and not Path(p).is_absolute()]
+    found += [name for name in (config.model, config.policy)
+              if name is not None and not Path(name).is_absolute() and Path(name).exists()]
+    return found
+
+
+@contextmanager
+def in_directory(directory: str, config: PrecomputeConfig, node: str):
+    """Within: the driver's working directory (`directory`), where the config's relative paths lead, and back
+    after (Ray runs the worker's next task in the same process). Refused in one line where the node has no such
+    directory and the config holds relative local paths: they would name other files, or none."""
+    before = os.getcwd()
+    if not os.path.isdir(directory):
+        relative = relative_paths(config)
+        if relative:
+            raise InputError(f"{', '.join(relative)}: relative to the driver's directory {directory}, which node "
+                             f"{node} does not have; give absolute paths on storage every node sees")
+        yield
+        return
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(before)

@@ -80,6 +80,11 @@ def test_three_shards_are_one_process_bit_for_bit_and_score_the_same(cluster, si
     assert again.returncode == 0, again.stderr
     assert f"all 3 shards of {out} are already complete" in again.stderr
 
+    assert_same_scores(out, single, tmp_path)
+
+
+def assert_same_scores(out, single, tmp_path):
+    """`klpipe score` of the parts writes the single run's scored rows and controller state."""
     scored = {}
     for name, cache in (("ray", out), ("single", single)):
         scored[name] = tmp_path / f"{name}.scored.parquet"
@@ -112,7 +117,10 @@ def paused_driver(cluster, out, shard: int, faults):
             driver.wait()
 
 
-def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes(cluster, single, tmp_path):
+def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes_and_a_lost_part_is_rerun(cluster, single,
+                                                                                            tmp_path):
+    """A worker SIGKILLed mid-shard, then a part lost and the command rerun: the parts are still the single run's,
+    bit for bit, and score the same."""
     out, faults = tmp_path / "cached", tmp_path / "faults"
     faults.mkdir()
     with paused_driver(cluster, out, 1, faults) as (driver, worker):
@@ -122,6 +130,30 @@ def test_a_worker_killed_mid_shard_is_run_again_by_ray_and_resumes(cluster, sing
     assert "shard 1: resuming: 1 of 2 chunks already done" in stderr, stderr
     assert "Ray ran again after a worker died: shard 1 1x" in stderr, stderr
     assert_same_cache(out, single)
+
+    (out / "part-00000-of-00003.parquet").unlink()  # lost; its marker stays, describing a part that is not there
+    kept = {p.name: p.read_bytes() for p in parts(out)}
+    rerun = ray_precompute(cluster, out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "ray: 1 of 3 shards to run on 1 node(s), each with 0 GPU and 1 CPU; 2 already complete" in rerun.stderr
+    assert "shard 0 of 3 done" in rerun.stderr and "shard 1 of 3 done" not in rerun.stderr, rerun.stderr
+    assert {p.name: p.read_bytes() for p in parts(out) if p.name in kept} == kept
+    assert_same_cache(out, single)
+    assert_same_scores(out, single, tmp_path)
+
+
+def test_relative_paths_are_the_drivers_in_every_task(cluster, single, tmp_path):
+    """`-m sample_data/... sample_data/rollouts.parquet -o cached` from the driver's directory: a Ray worker runs
+    elsewhere (the node's own directory), where those paths name other files or none; each task runs in the
+    driver's directory, so the parts are the single run's."""
+    (tmp_path / "sample_data").mkdir()
+    for source in (TINY_GEMMA, ROLLOUTS):
+        (tmp_path / "sample_data" / source.name).symlink_to(source)
+    relative = ["--model", f"sample_data/{TINY_GEMMA.name}", f"sample_data/{ROLLOUTS.name}", *COMMON[3:]]
+    result = run_cli("precompute", *relative, "--output", "cached", "--ray", cluster.address,
+                     "--num-shards", str(SHARDS), env=cluster.env(), cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert_same_cache(tmp_path / "cached", single)
 
 
 def test_a_shard_that_always_fails_is_named_and_a_rerun_completes_it_alone(cluster, single, tmp_path):

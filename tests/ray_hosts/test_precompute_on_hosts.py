@@ -192,7 +192,7 @@ def test_a_worker_node_lost_with_the_output_on_s3_the_driver_never_seeing_the_wo
 def test_a_worker_node_lost_with_the_output_on_a_shared_directory_resumes_from_its_checkpoint(
         hosts, single, tmp_path, lost):
     """The output in a directory every host sees: shard 1's work directory sits beside it, so the node that runs
-    it again resumes from the chunk the lost node finished."""
+    it again resumes from the chunk the lost node finished. Then a part is lost and the command rerun."""
     cluster, _ = hosts
     shared = tmp_path / "shared" / "cached"
     faults = tmp_path / "faults"
@@ -210,6 +210,26 @@ def test_a_worker_node_lost_with_the_output_on_a_shared_directory_resumes_from_i
     assert re.search(r"Ray ran again after a worker died: .*shard 1 1x", stderr), stderr
     assert sorted(p.name for p in shared.iterdir()) == sorted(part_names("parquet") + part_names("done"))
     assert_same_cache([pq.read_table(shared / n) for n in part_names("parquet")], single)
+
+    # A part lost afterwards (shard 4's, which the worker's death did not touch) and the command rerun: that
+    # shard alone runs again, the others stay as they are, and the parts still score as the single run.
+    lost_part = shared / part_names("parquet")[4]
+    lost_part.unlink()
+    kept = {n: (shared / n).read_bytes() for n in part_names("parquet") if n != lost_part.name}
+    rerun = drive(cluster, precompute_argv(cluster, str(shared)))
+    assert rerun.returncode == 0, rerun.stderr + cluster.logs()
+    assert re.search(rf"ray: 1 of {SHARDS} shards to run on \d node\(s\), each with 0 GPU and 1 CPU; 5 already "
+                     "complete", rerun.stderr), rerun.stderr
+    assert sorted(placement(rerun.stderr)) == [4], rerun.stderr
+    assert {n: (shared / n).read_bytes() for n in kept} == kept
+    assert_same_cache([pq.read_table(shared / n) for n in part_names("parquet")], single)
+    scored = {}
+    for name, cache in (("ray", shared), ("single", single)):
+        scored[name] = tmp_path / f"{name}.scored.parquet"
+        done = run_cli("score", str(cache), "--output", str(scored[name]), "--state", str(tmp_path / f"{name}.json"))
+        assert done.returncode == 0, done.stderr
+    assert pq.read_table(scored["ray"]).equals(pq.read_table(scored["single"]))
+    assert controller_state(tmp_path / "ray.json") == controller_state(tmp_path / "single.json")
 
 
 def test_an_output_on_the_drivers_own_disk_is_refused_in_one_line_before_any_shard(hosts, tmp_path):
