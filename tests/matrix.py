@@ -226,9 +226,12 @@ def _oracle(model, rows):
 
 def fp64_forward(model, rows) -> list[np.ndarray]:
     """The naive oracle of an fp64 `model` with every fp32 its code asks for made fp64 (wide.fp64())."""
+    import torch
+
     from klpipe.model import wide
     from tests.helpers import oracle_logprobs
 
+    model.to(torch.float64)  # what a model keeps in fp32 (its `_keep_in_fp32_modules`) too
     if model._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # the grouped-matmul kernels take no fp64
     with wide.fp64():

@@ -9,6 +9,7 @@ The architecture matrix's fast half runs in `make test`; its slow half and every
 """
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def expected(tiny, rows, temperature=1.0) -> list[np.ndarray]:
         from klpipe.model import wide
         from tests.helpers import oracle_logprobs
 
+        untouched.double()  # what a model keeps in fp32 too
         if untouched._can_set_experts_implementation():
             untouched.set_experts_implementation("eager")
         with wide.fp64():
@@ -121,7 +123,13 @@ def test_every_registry_family_is_the_fp64_forward(name):
     figures = {mode: f"{error:.3g}" for mode, error in run.errors.items()}
     assert not run.crashed, f"{name}: raw errors {run.crashed}"
     assert not run.wrong, f"{name}: worst |error| {figures} from the fp64 forward"
-    assert run.record() == RECORD[name], f"{name} in fp64: {run.record()}"
+    assert without_figures(run.record()) == without_figures(RECORD[name]), f"{name} in fp64: {run.record()}"
+
+
+def without_figures(record: dict) -> dict:
+    """A record with the figures its reasons quote (a probe's max |Δ logprob|) left out: fp64 measures other ones."""
+    return {key: re.sub(r"= [-+0-9.e]+", "= …", value) if isinstance(value, str) else value
+            for key, value in record.items()}
 
 
 # -- the fp32 tests' oracle ------------------------------------------------------------------------------

@@ -268,8 +268,10 @@ def load_model(spec: ModelSpec):
     _check_loading_info(spec.name, type(model).__name__, info)
     if device_map is None:
         model.to(device)
-    if dtype == torch.float64 and model._can_set_experts_implementation():
-        model.set_experts_implementation("eager")  # the grouped-matmul expert kernels take no fp64
+    if dtype == torch.float64:
+        model.to(torch.float64)  # the parameters and buffers a model keeps in fp32 too: fp64 all the way (wide.py)
+        if model._can_set_experts_implementation():
+            model.set_experts_implementation("eager")  # the grouped-matmul expert kernels take no fp64
     model.eval()
     model.requires_grad_(False)
     return model, device, dtype

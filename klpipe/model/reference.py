@@ -66,8 +66,21 @@ class ReferenceModel:
         # The layers' norms and MLPs compiled (compiled.py, --compile), where the load-time probe agrees; None: eager.
         self.compiled: compiled.Compiled | None = None
         self.compile_seconds = 0.0  # the compile and its probe, at load
-        if dtype == torch.float64:
-            wide.install(self)  # fp64 all the way through, not only the weights
+        if dtype == torch.float64:  # fp64 all the way through, not only the weights (the head: its setter)
+            wide.install(self.model)
+            wide.install(self.body)
+
+    @property
+    def head(self):
+        return self._head
+
+    @head.setter
+    def head(self, head) -> None:
+        """The head, fp64 all the way through on an fp64 model: the one built here and any the load-time check puts
+        in its place (probes.py)."""
+        self._head = head
+        if self.dtype == torch.float64:
+            wide.install(head, "logprobs")
 
     @classmethod
     def load(cls, spec: ModelSpec, compile: str = "off") -> ReferenceModel:

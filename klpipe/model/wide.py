@@ -53,12 +53,11 @@ def _fp64_call(self, *args, **kwargs):
         return self._before_fp64(*args, **kwargs)
 
 
-def install(reference) -> None:
-    """An fp64 reference model computes in fp64 throughout: its forward, its body's and the head's under fp64()
-    (klpipe's attention and caches run inside the body's forward). Bound methods on the instances, not closures:
-    a deep copy of the model (the tests' oracle) runs its own forward, under fp64() too."""
-    for target, name in ((reference.model, "forward"), (reference.body, "forward"), (reference.head, "logprobs")):
-        if "_before_fp64" in vars(target):
-            continue  # the body is the model itself (a model with no decoder of its own)
-        vars(target)["_before_fp64"] = getattr(target, name)
-        vars(target)[name] = types.MethodType(_fp64_call, target)
+def install(target, name: str = "forward") -> None:
+    """`target.name` runs under fp64() from now on: an fp64 reference model's forward, its body's and its head's
+    (ReferenceModel; klpipe's attention and caches run inside the body's forward). A bound method on the instance,
+    not a closure: a deep copy of the model (the tests' oracle) runs its own forward, under fp64() too."""
+    if "_before_fp64" in vars(target):
+        return  # the body is the model itself (a model with no decoder of its own)
+    vars(target)["_before_fp64"] = getattr(target, name)
+    vars(target)[name] = types.MethodType(_fp64_call, target)
