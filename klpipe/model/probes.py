@@ -150,7 +150,8 @@ def check_head(reference, oracle: Oracle) -> None:
 
     name = type(reference.model).__name__
     chunked = gap(reference, oracle)
-    if chunked <= reference.probe_tolerance:
+    unapplied = getattr(reference.head, "unapplied", [])
+    if chunked <= reference.probe_tolerance and not unapplied:
         return
     chunked_head = reference.head
     reference.head = ModelHead(reference.model, reference.body, reference.device, reference.head.logits_budget)
@@ -159,8 +160,10 @@ def check_head(reference, oracle: Oracle) -> None:
     except Exception as exc:  # noqa: BLE001 - a forward that cannot take given hidden states (Inkling's routers)
         own, why = None, f"{type(exc).__name__}: {first_line(exc)}"
     if own is not None and own <= reference.probe_tolerance:
-        reference.notes.append(f"{name}: klpipe's chunked LM head disagrees with the model's own logits (max |Δ "
-                               f"logprob| = {chunked:.3g}); logprobs come from the model's own head, in blocks")
+        why = (f"does not apply its head's {', '.join(unapplied)}" if unapplied else
+               f"disagrees with the model's own logits (max |Δ logprob| = {chunked:.3g})")
+        reference.notes.append(f"{name}: klpipe's chunked LM head {why}; logprobs come from the model's own head, "
+                               "in blocks")
         return
     # Neither head reproduces the forward on given hidden states: the forward itself computes every row.
     reference.head = chunked_head  # only its block size is used from now on
