@@ -151,3 +151,33 @@ def test_the_fp32_tests_oracle_is_an_fp64_forward(tiny):
     fp64, _ = oracle.expected(ROWS)
     results = chunk_logprobs(reference, ROWS, 96, 1.0, "on", ForwardStats())
     assert worst(results, fp64) <= EXACT, name
+
+
+# -- as a user runs it -----------------------------------------------------------------------------------
+
+
+def test_precompute_dtype_float64(tmp_path):
+    """`klpipe precompute --dtype float64` through the tree on agent rollouts: the cache holds the fp64 forward's
+    logprobs rounded to float32 (half an fp32 ulp), and says the run was fp64."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from klpipe import cache
+    from tests.helpers import TINY_LLAMA, agent_rollouts, run_cli
+
+    rollouts = agent_rollouts(tmp_path / "rollouts.parquet", tasks=3)
+    output = tmp_path / "cached.parquet"
+    result = run_cli("precompute", "--model", str(TINY_LLAMA), str(rollouts), "--output", str(output),
+                     "--dtype", "float64", "--prefix-sharing", "on")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "Warning" not in result.stderr
+    table = pq.read_table(output)
+    assert json.loads(table.schema.metadata[b"klpipe"])["dtype"] == "float64"
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=torch.float64).eval()
+    rows = table.to_pylist()
+    exact = matrix.fp64_forward(model, [(np.array(r["prompt_ids"]), np.array(r["response_ids"])) for r in rows])
+    for row, want in zip(rows, exact, strict=True):
+        got = np.array(row[cache.REF_LOGPROBS], dtype=np.float64)
+        assert got.shape == want.shape
+        assert np.all(np.abs(got - want) <= np.spacing(np.abs(want).astype(np.float32)) / 2)
