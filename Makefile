@@ -15,7 +15,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-bf16 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
+.PHONY: install demo test test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,13 @@ test-matrix: install
 # matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/test_cascade.py).
 test-bf16: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py
+
+# fp64 all the way through (--dtype float64, klpipe/model/wide.py): every family of tests/architectures.py and of the
+# registry matrix, off, auto and on, within 1e-9 of an fp64 forward of the same weights, where rounding is ~1e-14: a
+# wrong formula is told from rounding on every family. make test runs six families of it; this the rest, in about
+# 6.5 minutes on 2 shared CPU cores (2.7 minutes of CPU).
+test-fp64: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m fp64 --durations=5 tests/test_fp64.py
 
 # precompute --compile on for real (tests/test_compiled.py): inductor compiles the layers' norms and MLPs through
 # gcc, on tiny Llama, Qwen3 and Gemma 4, fp32 and bf16, tree on and off, against the oracle; a compile that fails

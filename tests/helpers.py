@@ -80,9 +80,10 @@ def worst_error(model, rows, results, temperature: float = 1.0) -> float:
 
 
 class Fp64Oracle:
-    """The one-row oracle of `model` in fp64, beside the naive fp32 one. Random tiny models with large weights are
-    chaotic: fp32 rounding alone moves their logprobs by more than 1e-4, so klpipe is held to the fp32 oracle's own
-    error against fp64 + 1e-4. Each set of rows is computed once (a test's modes share them)."""
+    """The one-row oracle of `model` in fp64 all the way through (klpipe/model/wide.py), beside the naive fp32 one.
+    Random tiny models with large weights are chaotic: fp32 rounding alone moves their logprobs by more than 1e-4,
+    so klpipe is held to the fp32 oracle's own error against fp64 + 1e-4. Each set of rows is computed once (a
+    test's modes share them)."""
 
     def __init__(self, model):
         import copy
@@ -104,7 +105,12 @@ class Fp64Oracle:
                 self.exact = copy.deepcopy(self.model).to(torch.float64)
                 if self.exact._can_set_experts_implementation():
                     self.exact.set_experts_implementation("eager")  # the grouped-matmul kernels take no fp64
-            expected = [oracle_logprobs(self.exact, p, r, temperature) for p, r in rows]
+            from klpipe.model import wide
+
+            # fp64 all the way through: the model's own fp32 casts (a delta rule, gated norms, RoPE's angles) made
+            # fp64 too, or they would round the fp64 forward as they round rows run whole, and not as the tree.
+            with wide.fp64():
+                expected = [oracle_logprobs(self.exact, p, r, temperature) for p, r in rows]
             naive = [oracle_logprobs(self.model, p, r, temperature) for p, r in rows]
             own = max((float(np.max(np.abs(a - b))) for a, b in zip(naive, expected) if len(b)), default=0.0)
             self.memo[key] = expected, own

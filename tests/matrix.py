@@ -30,6 +30,7 @@ RECORD = Path(__file__).with_name("matrix.json")
 README = Path(__file__).parents[1] / "README.md"
 BEGIN, END = "<!-- registry matrix: python -m tests.matrix --readme -->", "<!-- end of the registry matrix -->"
 TOLERANCE = 1e-4  # beyond the fp32 oracle's own error against fp64
+EXACT = 1e-9  # fp64 all the way through (klpipe/model/wide.py) against an fp64 forward: rounding is ~1e-14
 WINDOW = 16  # sliding windows and attention chunks; the agent rows' system prompt is longer
 
 # Set wherever the family's config has the field (or an alias of it) and its default is not None (a None there turns
@@ -223,18 +224,33 @@ def _oracle(model, rows):
         return [oracle_logprobs(model, p, r).astype(np.float64) for p, r in rows], 0.0, "fp32"
 
 
-def _worst(results, expected) -> float:
+def fp64_forward(model, rows) -> list[np.ndarray]:
+    """The naive oracle of an fp64 `model` with every fp32 its code asks for made fp64 (wide.fp64())."""
+    import torch
+
+    from klpipe.model import wide
+    from tests.helpers import oracle_logprobs
+
+    model.to(torch.float64)  # what a model keeps in fp32 (its `_keep_in_fp32_modules`) too
+    if model._can_set_experts_implementation():
+        model.set_experts_implementation("eager")  # the grouped-matmul kernels take no fp64
+    with wide.fp64():
+        return [oracle_logprobs(model, p, r) for p, r in rows]
+
+
+def _worst(results, expected, dtype=np.float32) -> float:
     worst = 0.0
     for values, exact in zip(results, expected, strict=True):
-        assert values.dtype == np.float32 and values.shape == exact.shape
+        assert values.dtype == dtype and values.shape == exact.shape
         if len(exact):
             worst = max(worst, float(np.max(np.abs(values - exact))))
     return worst
 
 
-def run_family(directory: Path) -> Run:
+def run_family(directory: Path, dtype: str = "float32") -> Run:
     """The tiny model in `directory` through klpipe's precompute path (sharing.Sharing, plan, run_plan) under off,
-    auto and on, held to the oracle."""
+    auto and on, held to the oracle. `dtype` float64: klpipe in fp64 all the way through, held to the fp64 forward
+    within EXACT."""
     from klpipe.errors import ModelError
     from klpipe.model import ModelSpec, ReferenceModel
     from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
@@ -245,10 +261,13 @@ def run_family(directory: Path) -> Run:
 
     # The oracle is the model as transformers loads it, never klpipe's loaded copy: whatever klpipe installs in it
     # (an attention function, a head) would be in the oracle too, and two things that agree prove nothing.
-    untouched = AutoModelForCausalLM.from_pretrained(directory, dtype="float32").eval()
-    reference = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
+    untouched = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    reference = ReferenceModel.load(ModelSpec(str(directory), dtype=dtype, device="cpu"))
     rows = agent_rows(reference.vocab_size)
-    expected, own, oracle = _oracle(untouched, rows)
+    if dtype == "float64":
+        expected, own, oracle = fp64_forward(untouched, rows), 0.0, "fp64"
+    else:
+        expected, own, oracle = _oracle(untouched, rows)
     del untouched
     errors, said, crashed = {}, {}, {}
     for mode in ("off", "auto", "on"):
@@ -274,9 +293,9 @@ def run_family(directory: Path) -> Run:
             crashed[mode] = _first_line(exc)
             said[mode] = f"crashes: {crashed[mode]}"
             continue
-        errors[mode] = _worst(results, expected)
+        errors[mode] = _worst(results, expected, reference.result_dtype)
         said[mode] = "shares" if stats.tree_rows else f"runs whole: {_why(lines[0]) if lines else 'no tree'}"
-    wrong = [m for m, e in errors.items() if not e <= own + TOLERANCE]
+    wrong = [m for m, e in errors.items() if not e <= own + (EXACT if dtype == "float64" else TOLERANCE)]
     rows_path = "packed" if reference.packed else f"padded: {reference.padded_why}"  # after every mode ran
     return Run(oracle, said["off"], said["auto"], said["on"], errors, own, wrong, crashed, rows_path,
                time.perf_counter() - started)

@@ -41,7 +41,7 @@ def precompute_command(
         help="Hub revision (branch, tag or commit) of the model.",
         envvar="KLPIPE_REVISION", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["revision"],
     dtype: Annotated[str, typer.Option(
-        help="auto | float32 | bfloat16 | float16. auto: bfloat16 on CUDA, float32 on CPU.",
+        help="auto | float32 | bfloat16 | float16 | float64. auto: bfloat16 on CUDA, float32 on CPU.",
         envvar="KLPIPE_DTYPE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["dtype"],
     device: Annotated[str, typer.Option(
         help="auto | cpu | cuda | cuda:N. auto: the GPU if there is one (device_map=auto over several), else CPU.",

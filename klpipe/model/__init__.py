@@ -13,6 +13,7 @@ probes.py     load-time check of the chunked head against the model's own logits
 compiled.py   torch.compile of the decoder layers' norms and MLPs (--compile), held to the model's own forward
 transfer.py   host ↔ device copies: pinned and non-blocking on CUDA
 runtime.py    what the stage records and sizes from torch: the device's memory, the library versions
+wide.py       fp64 all the way through (--dtype float64): every fp32 the model's code or klpipe's asks for made fp64
 """
 
 from klpipe.model.loading import (

@@ -124,7 +124,7 @@ def _exact_here(module, query, key, value, dropout: float, kwargs: dict, window:
         return False
     if (kwargs.get("sliding_window") or None) != window:  # a window the cache does not know, or none where it does
         return False
-    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # fp64: wide.py
         return False
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[1] % key.shape[1]:
         return False

@@ -47,6 +47,7 @@ NO_CONTINUATION = {
     "MambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
     "FalconMambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
     "JambaMambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
+    "ZambaMambaMixer": "Mamba-1 SSM layers, whose scan over several tokens starts from a zero state",
     "MiniMaxLightningAttention": "lightning-attention layers, which keep their state in a cache of their own",
     "RecurrentGemmaRecurrentBlock": "RG-LRU recurrent layers, which keep their state in the layers themselves",
 }

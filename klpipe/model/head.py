@@ -94,6 +94,9 @@ class LMHead:
             raise ModelError(f"{type(model).__name__} has no linear LM head klpipe can apply in chunks")
         self.weight = head.weight  # (V, H)
         self.bias = getattr(head, "bias", None)
+        # Parameters of a head whose forward does more than its weight and bias (Dory's learned per-token logit
+        # scale): this head does not apply them, so the load-time check gives such a model its own (probes.py).
+        self.unapplied = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"})
         # Everything the model does to its logits after the head, in the model's own order.
         self.logit_multiplier = float(getattr(text_config, "logit_scale", None) or 1.0)  # Cohere
         divisor = getattr(text_config, "logits_scaling", None)  # Granite

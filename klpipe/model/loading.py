@@ -21,7 +21,8 @@ import torch
 from klpipe.errors import InputError, ModelError, first_line
 from klpipe.files.fingerprint import file_digest
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64: fp64 all the way through (wide.py), for holding a path to an fp64 forward; CPU speed, no fast kernels.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # The transformers versions klpipe's KV-cache continuation and Gemma 4 handling are tested with:
 # 5.24 renamed `past_key_values` to `cache` and is the first with Gemma 4's KV-shared layer skipping
@@ -91,7 +92,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     if dtype not in DTYPES:
-        raise ModelError(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}")
+        raise ModelError(f"--dtype must be auto, float32, bfloat16, float16 or float64, not {dtype!r}")
     if dtype == "float16" and device == "cpu":
         # CPU float16 matmuls fall back to scalar code: orders of magnitude slower than bfloat16.
         raise ModelError("--dtype float16 on CPU is extremely slow; use bfloat16 or float32")
@@ -267,6 +268,10 @@ def load_model(spec: ModelSpec):
     _check_loading_info(spec.name, type(model).__name__, info)
     if device_map is None:
         model.to(device)
+    if dtype == torch.float64:
+        model.to(torch.float64)  # the parameters and buffers a model keeps in fp32 too: fp64 all the way (wide.py)
+        if model._can_set_experts_implementation():
+            model.set_experts_implementation("eager")  # the grouped-matmul expert kernels take no fp64
     model.eval()
     model.requires_grad_(False)
     return model, device, dtype

@@ -43,15 +43,16 @@ class Oracle:
 @torch.inference_mode()
 def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0,
                  needed: list[np.ndarray] | None = None, block: int | None = None) -> list[np.ndarray]:
-    """log p(response | prompt) of each row by `model`'s own forward, one row at a time, as float32: the naive
-    oracle's computation, prompt + the whole response fed (a model whose forward is not causal reads the last
-    token too), only the positions that predict a needed response token reaching its head (`logits_to_keep`),
-    `block` of them per forward (each block a whole forward: never more than (block, V) logits at once)."""
+    """log p(response | prompt) of each row by `model`'s own forward, one row at a time, as float32 (float64 from an
+    fp64 model): the naive oracle's computation, prompt + the whole response fed (a model whose forward is not causal
+    reads the last token too), only the positions that predict a needed response token reaching its head
+    (`logits_to_keep`), `block` of them per forward (each block a whole forward: never more than (block, V) logits
+    at once)."""
     device = model.get_input_embeddings().weight.device
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters  # a model's own code may not take it
     results = []
     for k, (prompt, response) in enumerate(rows):
-        out = np.full(len(response), np.nan, dtype=np.float32)
+        out = np.full(len(response), np.nan, dtype=np.float64 if model.dtype == torch.float64 else np.float32)
         wanted = np.arange(len(response)) if needed is None else np.flatnonzero(needed[k])
         results.append(out)
         if not len(wanted):
@@ -62,9 +63,10 @@ def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: 
             part = wanted[start: start + step]
             keep = torch.from_numpy(len(prompt) - 1 + part).to(device)  # (R,) positions predicting those tokens
             if keeps:
-                logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float()  # (R, V)
+                logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]  # (R, V)
             else:
-                logits = model(input_ids=ids, use_cache=False).logits[0, keep].float()
+                logits = model(input_ids=ids, use_cache=False).logits[0, keep]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, fp64 from an fp64 model
             targets = torch.from_numpy(np.asarray(response[part], dtype=np.int64)).to(logits.device)
             logprobs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
             out[part] = logprobs.cpu().numpy()
@@ -148,7 +150,8 @@ def check_head(reference, oracle: Oracle) -> None:
 
     name = type(reference.model).__name__
     chunked = gap(reference, oracle)
-    if chunked <= reference.probe_tolerance:
+    unapplied = getattr(reference.head, "unapplied", [])
+    if chunked <= reference.probe_tolerance and not unapplied:
         return
     chunked_head = reference.head
     reference.head = ModelHead(reference.model, reference.body, reference.device, reference.head.logits_budget)
@@ -157,8 +160,10 @@ def check_head(reference, oracle: Oracle) -> None:
     except Exception as exc:  # noqa: BLE001 - a forward that cannot take given hidden states (Inkling's routers)
         own, why = None, f"{type(exc).__name__}: {first_line(exc)}"
     if own is not None and own <= reference.probe_tolerance:
-        reference.notes.append(f"{name}: klpipe's chunked LM head disagrees with the model's own logits (max |Δ "
-                               f"logprob| = {chunked:.3g}); logprobs come from the model's own head, in blocks")
+        why = (f"does not apply its head's {', '.join(unapplied)}" if unapplied else
+               f"disagrees with the model's own logits (max |Δ logprob| = {chunked:.3g})")
+        reference.notes.append(f"{name}: klpipe's chunked LM head {why}; logprobs come from the model's own head, "
+                               "in blocks")
         return
     # Neither head reproduces the forward on given hidden states: the forward itself computes every row.
     reference.head = chunked_head  # only its block size is used from now on

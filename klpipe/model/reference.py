@@ -12,7 +12,7 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import cascade, compiled, loading, packing, probes
+from klpipe.model import cascade, compiled, loading, packing, probes, wide
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -31,7 +31,9 @@ class ReferenceModel:
         self.vocab_size = self.head.vocab_size
         # The load-time probes compare two computations of the same logprobs; bf16 rounding alone
         # moves them by a few hundredths, a wrong computation by nats.
-        self.probe_tolerance = 1e-3 if dtype == torch.float32 else 0.25
+        self.probe_tolerance = 1e-3 if dtype == torch.float32 else 1e-6 if dtype == torch.float64 else 0.25
+        # The logprobs handed back: fp64 from an fp64 model (tests hold it to an fp64 forward within 1e-9), else fp32.
+        self.result_dtype = np.float64 if dtype == torch.float64 else np.float32
         parameters = inspect.signature(self.body.forward).parameters
         # transformers 5 renamed past_key_values to cache (the old name warns, then goes).
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -64,6 +66,21 @@ class ReferenceModel:
         # The layers' norms and MLPs compiled (compiled.py, --compile), where the load-time probe agrees; None: eager.
         self.compiled: compiled.Compiled | None = None
         self.compile_seconds = 0.0  # the compile and its probe, at load
+        if dtype == torch.float64:  # fp64 all the way through, not only the weights (the head: its setter)
+            wide.install(self.model)
+            wide.install(self.body)
+
+    @property
+    def head(self):
+        return self._head
+
+    @head.setter
+    def head(self, head) -> None:
+        """The head, fp64 all the way through on an fp64 model: the one built here and any the load-time check puts
+        in its place (probes.py)."""
+        self._head = head
+        if self.dtype == torch.float64:
+            wide.install(head, "logprobs")
 
     @classmethod
     def load(cls, spec: ModelSpec, compile: str = "off") -> ReferenceModel:
@@ -246,7 +263,7 @@ class ReferenceModel:
         inputs = [np.concatenate([p, r[:int(w[-1])]]) if len(w) else p[:0] for (p, r), w in zip(rows, wanted)]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
-        results = [np.full(len(r), np.nan, dtype=np.float32) for _, r in rows]
+        results = [np.full(len(r), np.nan, dtype=self.result_dtype) for _, r in rows]
         if longest == 0:
             return results
         if self.packed:

@@ -40,7 +40,7 @@ from klpipe.plan import Pass, Tree, Wanted
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
-    """log p(response tokens) of every row of `tree`, each node computed once, as float32 per row."""
+    """log p(response tokens) of every row of `tree`, each node computed once, per row (float32; fp64 models: float64)."""
     if reference.packed:
         try:
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
@@ -62,7 +62,7 @@ def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temper
 
 def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float,
                 check_stop) -> list[np.ndarray]:
-    results = [np.full(len(t), np.nan, dtype=np.float32) for t in wanted.targets]
+    results = [np.full(len(t), np.nan, dtype=reference.result_dtype) for t in wanted.targets]
     rows_of = _rows_through(tree)
     kinds = reference.layer_kinds
     layout = pass_layout(reference)

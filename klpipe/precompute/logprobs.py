@@ -150,7 +150,7 @@ def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], 
     """`model`'s logprobs of every row of the chunk, by `plan` (made for a model of the same plan_key)."""
     if plan.key != plan_key(model, "off" if plan.key[-1] == "off" else "auto"):
         raise ValueError("a chunk plan runs only on models with the plan_key it was made for")
-    results = [np.full(len(response), np.nan if plan.masked else 0.0, dtype=np.float32) for _, response in rows]
+    results = [np.full(len(response), np.nan if plan.masked else 0.0, dtype=model.result_dtype) for _, response in rows]
     if plan.tree is not None:
         from klpipe.model.tree import score_tree  # torch lives behind this import
 
@@ -331,7 +331,7 @@ def _probe_tree(model) -> str | None:
         (tokens(9), tokens(3)),  # shares nothing
     ]
     chosen = np.array([i for i, (_, r) in enumerate(rows) if len(r)])
-    got = [np.zeros(len(r), dtype=np.float32) for _, r in rows]
+    got = [np.zeros(len(r), dtype=model.result_dtype) for _, r in rows]
     try:
         from klpipe.model.tree import score_tree
 
