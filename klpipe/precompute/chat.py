@@ -33,7 +33,7 @@ stop token (the tokenizer's EOS and every id of the model's `generation_config.e
 block TRL's `_get_tool_suffix_ids` renders from a stand-in conversation (trimmed at the EOS), mask 0;
 nothing follows the last turn's stop token. A row this cannot rebuild (a turn that renders no stop
 token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` the tool
-block is the one verl 0.9's ToolAgentLoop appends instead (its Continuous Token builder; `_verl_tool_block`).
+block is the one verl 0.9's ToolAgentLoop appends instead (its Continuous Token builder; klpipe/precompute/verl_loop.py).
 
 No torch here: only the tokenizer (and jinja2, through transformers) is used.
 """
@@ -56,15 +56,6 @@ TOOL_ROLE = "tool"  # a tool's result: context for the policy, never sampled by 
 
 # --rollout-format: whose tool loop built a completion with tool messages.
 ROLLOUT_FORMATS = ("trl", "verl")
-# verl 0.9's Continuous Token builders, chosen by the model's config.json model_type: the Qwen builder writes the
-# `\n` a turn stopped before (`<|im_end|>` then `\n`) ahead of the tool block; these have builders of their own,
-# which klpipe does not rebuild; every other model_type gets verl's default builder.
-VERL_QWEN_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"})
-VERL_OWN_BUILDER_MODEL_TYPES = frozenset({"minimax", "minimax_text_01", "minimax_m2", "glm4_moe", "glm_moe_dsa",
-                                          "gemma4", "gpt_oss", "deepseek_v2", "deepseek_v3", "deepseek_v4"})
-# The stand-in conversation verl renders a tool group after (verl/utils/tokenizer/continuous_token.py).
-VERL_SYSTEM = {"role": "system", "content": "continuous token synthetic system"}
-VERL_USER = {"role": "user", "content": "continuous token synthetic user"}
 
 
 class ChatError(Exception):
@@ -211,6 +202,8 @@ class ChatRenderer:
                                  f"renders a prompt that ends with a {' or '.join(GENERATION_PROMPT_ROLES)} message "
                                  "with the generation prompt")
         self._check_roles(row, prompt, completion)
+        from klpipe.precompute.verl_loop import VERL_OWN_BUILDER_MODEL_TYPES, verl_tool_block  # it imports ChatError
+
         if self.rollout_format == "verl" and self.model_type in VERL_OWN_BUILDER_MODEL_TYPES:
             raise ChatError(row, f"verl builds {self.model_type} tool rows with a builder of its own, which klpipe "
                                  "does not rebuild from messages; give verl's ids: responses as response_ids and "
@@ -231,7 +224,7 @@ class ChatRenderer:
                 end = k
                 while end < len(completion) and completion[end]["role"] == TOOL_ROLE:
                     end += 1
-                block = (self._verl_tool_block(row, completion[k:end], tools, response)
+                block = (verl_tool_block(self, row, completion[k:end], tools, response)
                          if self.rollout_format == "verl" else self._tool_block(row, completion[k:end]))
                 response += block
                 mask += [0] * len(block)
@@ -310,35 +303,6 @@ class ChatRenderer:
                                  "not prefix-preserving), so the tool block TRL appends cannot be rebuilt; "
                                  f"{self._not_prefix_preserving_advice()}")
         return full[len(prefix):]
-
-    def _verl_tool_block(self, row: int, tool_messages: list[dict], tools, response: list[int]) -> list[int]:
-        """What verl 0.9's tool agent loop appends after a turn that called tools (`ContinuousTokenBuilder.
-        merge_context_tokens`): the tool messages rendered after a stand-in conversation (system, user, a call per
-        result with reasoning), with the tools and the generation prompt, less the stand-in's own tokens; the Qwen
-        builder first writes the `\n` the turn stopped before. No EOS trimming, as verl does none."""
-        calls = [{"id": message.get("tool_call_id") if message.get("tool_call_id") is not None
-                  else f"continuous_token_call_{i}", "type": "function",
-                  "function": {"name": str(message["name"]) if message.get("name") else "continuous_token_tool",
-                               "arguments": {}}} for i, message in enumerate(tool_messages)]
-        stand_in = [VERL_SYSTEM, VERL_USER,
-                    {"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls}]
-        prefix = self._ids(self._apply(stand_in, tools))
-        full = self._ids(self._apply(stand_in + tool_messages, tools, add_generation_prompt=True))
-        if full[: len(prefix)] != prefix:
-            raise ChatError(row, "the chat template renders a tool call differently once its result follows (it is "
-                                 "not prefix-preserving), so the tool block verl appends cannot be rebuilt; give "
-                                 "verl's ids: responses as response_ids and response_mask as the mask")
-        boundary = []
-        if self.model_type in VERL_QWEN_MODEL_TYPES:
-            im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-            newline = self.tokenizer.encode("\n", add_special_tokens=False)
-            if len(newline) != 1:  # verl's Qwen builder refuses such a tokenizer too
-                raise ChatError(row, "verl's Qwen builder needs `\\n` to be one token, and this tokenizer makes "
-                                     f"{len(newline)} of it; give verl's ids: responses as response_ids and "
-                                     "response_mask as the mask")
-            if response and response[-1] == im_end:
-                boundary = newline
-        return boundary + full[len(prefix):]
 
     def _not_prefix_preserving(self, header: str, own: str) -> str:
         problem = (f"the chat template is not prefix-preserving ({_parting(header, own)}), so the tokens the policy "
