@@ -32,8 +32,8 @@ stop token (the tokenizer's EOS and every id of the model's `generation_config.e
 1; what the trainer appends after it, up to and including the next generation prompt, is the tool
 block TRL's `_get_tool_suffix_ids` renders from a stand-in conversation (trimmed at the EOS), mask 0;
 nothing follows the last turn's stop token. A row this cannot rebuild (a turn that renders no stop
-token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` the tool
-block is the one verl 0.9's ToolAgentLoop appends instead (its Continuous Token builder; klpipe/precompute/verl_loop.py).
+token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` every
+conversational row is refused: verl's messages do not determine its ids (klpipe/precompute/verl_loop.py).
 
 No torch here: only the tokenizer (and jinja2, through transformers) is used.
 """
@@ -48,6 +48,7 @@ import pyarrow as pa
 
 from klpipe.arrow import is_list_type
 from klpipe.errors import first_line
+from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
 
 # The last prompt message's role decides how TRL renders the prompt.
 GENERATION_PROMPT_ROLES = ("user", "tool")  # add_generation_prompt=True
@@ -76,7 +77,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
                  template_kwargs: dict | None = None, tools_column: str = "tools", stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl", model_type: str | None = None):
+                 template_given: bool = False, rollout_format: str = "trl"):
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
@@ -88,8 +89,7 @@ class ChatRenderer:
         self.stop_ids = frozenset(int(i) for i in stop_ids) | (
             {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set())
         self.template_given = template_given  # --chat-template: the template is the trainer's, as the user says
-        self.rollout_format = rollout_format  # whose tool loop built the rows with tool messages: trl or verl
-        self.model_type = model_type  # the reference's config.json model_type: verl picks its builder by it
+        self.rollout_format = rollout_format  # whose tool loop built the rows: trl, or verl (refused)
 
     @property
     def has_template(self) -> bool:
@@ -101,6 +101,8 @@ class ChatRenderer:
 
         `row_tools` holds each row's tools column value (a list of schemas, JSON text, or None).
         """
+        if self.rollout_format == "verl" and prompts:
+            raise ChatError(0, VERL_MESSAGES_REFUSED)
         if not self.has_template:
             raise ChatError(0, f"{self.prompt_column} holds chat messages, but the tokenizer has no chat template "
                                "to render them with; use a tokenizer that has one, or give prompt_ids and response_ids")
@@ -202,12 +204,6 @@ class ChatRenderer:
                                  f"renders a prompt that ends with a {' or '.join(GENERATION_PROMPT_ROLES)} message "
                                  "with the generation prompt")
         self._check_roles(row, prompt, completion)
-        from klpipe.precompute.verl_loop import VERL_OWN_BUILDER_MODEL_TYPES, verl_tool_block  # it imports ChatError
-
-        if self.rollout_format == "verl" and self.model_type in VERL_OWN_BUILDER_MODEL_TYPES:
-            raise ChatError(row, f"verl builds {self.model_type} tool rows with a builder of its own, which klpipe "
-                                 "does not rebuild from messages; give verl's ids: responses as response_ids and "
-                                 "response_mask as the mask")
         try:
             prompt_ids = self._ids(self._apply(prompt, tools, add_generation_prompt=True))
             response: list[int] = []
@@ -224,8 +220,7 @@ class ChatRenderer:
                 end = k
                 while end < len(completion) and completion[end]["role"] == TOOL_ROLE:
                     end += 1
-                block = (verl_tool_block(self, row, completion[k:end], tools, response)
-                         if self.rollout_format == "verl" else self._tool_block(row, completion[k:end]))
+                block = self._tool_block(row, completion[k:end])
                 response += block
                 mask += [0] * len(block)
                 history += completion[k:end]

@@ -157,8 +157,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                               template_kwargs=config.chat_template_kwargs,
                               stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
                               template_given=config.chat_template is not None,
-                              rollout_format=config.rollout_format,
-                              model_type=getattr(model_config, "model_type", None))
+                              rollout_format=config.rollout_format)
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
