@@ -46,7 +46,7 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from klpipe.arrow import is_list_type
+from klpipe.arrow import is_list_type, without_nones
 from klpipe.errors import first_line
 from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
 
@@ -368,7 +368,7 @@ class ChatRenderer:
                 raise ChatError(row, f"{self.tools_column} is not valid JSON ({exc})") from None
         if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
             raise ChatError(row, f"{self.tools_column} must be a list of tool schemas (JSON objects)")
-        return [_without_nones(tool) for tool in value]
+        return [without_nones(tool) for tool in value]
 
     @staticmethod
     def _messages(row: int, value, column: str) -> list[dict]:
@@ -383,7 +383,7 @@ class ChatRenderer:
             # Arrow gives every message every key seen in the column, None where a message had
             # none; templates test for keys (`'tool_calls' in message`), so the Nones go, inside
             # tool calls too.
-            messages.append({k: (_without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
+            messages.append({k: (without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
                              if v is not None or k in ("role", "content")})
         return messages
 
@@ -394,12 +394,3 @@ def _parting(prompt: str, whole: str) -> str:
     start = max(0, same - 12)  # a little of what the two share
     return (f"its generation prompt ends with {prompt[start:][-40:]!r} where the rendered turn has "
             f"{whole[start: same + 28]!r}")
-
-
-def _without_nones(value):
-    """`value` with the None-valued keys of its dicts removed, at every depth: what Arrow's struct columns add."""
-    if isinstance(value, dict):
-        return {k: _without_nones(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nones(v) for v in value]
-    return value
