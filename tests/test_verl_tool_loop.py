@@ -119,5 +119,6 @@ def test_the_cli_refuses_verl_messages_with_exit_2_and_writes_nothing(tokenizer,
     result = run_cli("precompute", "-m", str(TINY_LLAMA), str(rollouts), "-o", str(output), "--rollout-format", "verl")
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "give verl's ids: --column response_ids=responses" in lines[0], result.stderr
-    assert not output.exists()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {rollouts}: --rollout-format verl: verl's agent_data")
+    assert "give verl's ids: --column response_ids=responses" in lines[0], result.stderr
+    assert not output.exists() and not list(tmp_path.glob("cached*"))
