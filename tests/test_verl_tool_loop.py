@@ -81,6 +81,14 @@ def test_the_cases_are_what_they_say(tokenizer):
     assert tokenizer.decode(row["response_ids"]).count("<tool_call>") == 2
     assert len(row["saved"][0]["tool_calls"]) == 1 and [m["role"] for m in row["saved"]] == [
         "assistant", "tool", "assistant"]
+    row = verl_row(tokenizer, "three calls, max_parallel_calls 3")
+    assert len(row["saved"][0]["tool_calls"]) == 3 and [m["role"] for m in row["saved"]].count("tool") == 3
+    assert verl_row(tokenizer, "unknown tool")["saved"][1]["content"].startswith("Unknown function 'stocks'")
+    assert verl_row(tokenizer, "empty tool text")["saved"][1]["content"] == ""
+    assert "...(truncated)..." in verl_row(tokenizer, "truncated tool text")["saved"][1]["content"]
+    row = verl_row(tokenizer, "compact JSON")
+    assert '{"name":"weather","arguments":{"city":"Paris"}}' in tokenizer.decode(row["response_ids"])
+    assert row["saved"][0]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
     row = verl_row(tokenizer, "malformed call")
     assert row["saved"] == [{"role": "assistant", "content": EOS}] and len(row["response_ids"]) > 10
     row = verl_row(tokenizer, "last turn cut at the length limit")

@@ -60,10 +60,10 @@ def load_verl():
 
         class TokenOutput(BaseModel):  # verl/workers/rollout/replica.py's fields
             token_ids: list[int]
-            log_probs: Optional[list[float]] = None
-            routed_experts: Optional[Any] = None
-            stop_reason: Optional[str] = None
-            num_preempted: Optional[int] = None
+            log_probs: list[float] | None = None
+            routed_experts: Any | None = None
+            stop_reason: str | None = None
+            num_preempted: int | None = None
             extra_fields: dict[str, Any] = {}
 
         stand_in("verl.workers.rollout.replica", TokenOutput=TokenOutput)
