@@ -96,12 +96,12 @@ bench-gpu-dry-run: install
 
 # Conversational tool rows against TRL 1.16's own GRPOTrainer tool loop, on every tool-calling chat template it
 # ships and its training variant (-m trl; make test runs five of them). About a minute on 2 CPU cores.
-# verl's own Continuous Token builder (tests/test_verl_tool_loop.py) as the truth for --rollout-format verl: the wheel
-# alone (--no-deps: its builder needs only transformers; ray, vllm, sglang stay out) in a folder of its own, as the
-# wheel ships a top-level `tests` package that would shadow ours in site-packages.
+# verl's own ToolAgentLoop, hermes parser and Continuous Token builder (tests/verl_agent.py) as the truth for
+# --rollout-format verl: the wheel alone (--no-deps: ray, vllm, sglang stay out; tests/verl_agent.py loads the loop
+# without them) in a folder of its own, as the wheel ships a top-level `tests` package that would shadow ours.
 VERL_PIN ?= verl==0.9.1
 test-trl: install
-	test -f $(VENV)/verl/verl/utils/tokenizer/continuous_token.py || \
+	test -f $(VENV)/verl/verl/experimental/agent_loop/tool_agent_loop.py || \
 		$(BIN)/python -m pip install -q --no-deps --target $(VENV)/verl '$(VERL_PIN)'
 	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py tests/test_verl_tool_loop.py
 

@@ -101,3 +101,12 @@ def first_null_in_lists(array: pa.Array) -> int | None:
     if token is None:
         return None
     return int(np.searchsorted(offsets - offsets[0], token, side="right") - 1)
+
+
+def without_nones(value):
+    """`value` with the None-valued keys of its dicts removed, at every depth: what Arrow's struct columns add."""
+    if isinstance(value, dict):
+        return {k: without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nones(v) for v in value]
+    return value

@@ -1,131 +1,132 @@
-"""Conversational tool rows against verl's own tool agent loop rendering (`--rollout-format verl`).
+"""`--rollout-format verl` on verl's `agent_data.messages`, held to verl 0.9.1's own ToolAgentLoop (tests/verl_agent.py).
 
-verl 0.9's ToolAgentLoop builds its token stream with a Continuous Token builder
-(verl/utils/tokenizer/continuous_token.py, chosen by the model's config.json model_type): the prompt rendered with
-the generation prompt, each sampled turn appended as the engine returned it (mask 1), each group of tool results
-appended as the builder renders it (mask 0). This test drives verl's own builder, installed by make test-trl, on the
-same scripted trajectories as tests/trl_loop.py, and holds klpipe's prompt_ids, response_ids and mask to it token
-for token. Only the engine's sampling is a stand-in: it emits what the template renders for the scripted turn, up to
-and including its first stop token.
-
-verl's package __init__ imports ray (its DataProto); the builder's modules import only transformers, so the test
-loads them under bare `verl` and `verl.utils` package entries that skip those two __init__ files. Every line run is
-verl's own. make test-trl installs the wheel into a folder of its own (VERL_DIR, default .venv/verl), never into the
-venv's site-packages: the wheel ships a top-level `tests` package that would shadow this one.
+Each row here is built by verl's loop, its hermes parser, its Continuous Token builder and BaseTool tools, from turns
+a sampler can write (raw text with compact JSON, parallel calls, a malformed call, a turn cut at the length limit);
+the messages are what the loop left in `agent_data.messages`. Pairs of rows show that equal messages come from
+different ids, so klpipe cannot rebuild verl's ids from them: every such row is refused in one line naming the ids
+to give instead. Before, klpipe rendered these rows and 4 kinds of them silently differed from verl's ids.
 """
 
-import os
-import sys
-import types
-from pathlib import Path
+import json
 
-import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from klpipe.precompute.chat import ChatError, ChatRenderer
-from tests import trl_loop
+from tests import trl_loop, verl_agent
+from tests.helpers import TINY_LLAMA, run_cli
 
 pytestmark = pytest.mark.trl  # make test-trl installs verl
 
-
-def verl_builder_factory():
-    root = Path(os.environ.get("VERL_DIR", Path(sys.prefix) / "verl")) / "verl"
-    if not (root / "utils" / "tokenizer" / "continuous_token.py").is_file():
-        pytest.fail(f"verl is not installed in {root.parent}: run make test-trl, which installs it")
-    for name, path in (("verl", root), ("verl.utils", root / "utils")):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [str(path)]
-            sys.modules[name] = package
-    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
-
-    return create_continuous_token_builder
+PROMPT = trl_loop.PROMPT
+MODEL_TYPE = "qwen2"  # Qwen 2.5's template and verl's Qwen builder
+EOS = "<|im_end|>"
 
 
-# (TRL's template file, the model_type of the model it belongs to): verl picks its builder by the model_type.
-CASES = [("qwen2_5", "qwen2"), ("qwen3", "qwen3"), ("qwen3_instruct_2507", "qwen3_moe"), ("llama3_1", "llama")]
-# Where verl 0.9.1's rows are not TRL 1.16's: Qwen3's hub template fails TRL's prefix check (TRL swaps in its
-# training template), while verl renders its stand-in call with reasoning and the tools, which that template keeps.
-# Elsewhere the two loops build the same tokens and mask.
-TRL_REFUSES = {"qwen3"}
-TOOLS = {tool.__name__: tool for tool in trl_loop.TOOLS}
+def call(name="weather", compact=False, **arguments):
+    body = {"name": name, "arguments": arguments or {"city": "Paris"}}
+    text = json.dumps(body, separators=(",", ":")) if compact else json.dumps(body)
+    return f"<tool_call>\n{text}\n</tool_call>"
 
 
-def sampled(tokenizer, stops, history, message) -> list[int]:
-    """The stand-in engine: what the template renders for `message` after the generation prompt, to the first stop."""
-    def ids(messages, **options):
-        return tokenizer.apply_chat_template(messages, tools=trl_loop.TOOL_SCHEMAS, tokenize=False, **options)
-    header = tokenizer(ids(history, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    own = tokenizer(ids(history + [message]), add_special_tokens=False)["input_ids"]
-    rest = own[len(os.path.commonprefix([header, own])):]
-    return rest[: next(i for i, token in enumerate(rest) if token in stops) + 1]
+# Turns as the policy sampled them (raw text), and the loop's options: every case the issue names and more.
+CASES = {
+    "no call": (["It is sunny in Paris." + EOS], {}),
+    "one call": ([call() + EOS, "Sunny." + EOS], {}),
+    "compact JSON": ([call(compact=True) + EOS, "Sunny." + EOS], {}),
+    "two rounds": ([call() + EOS, call("clock") + EOS, "Sunny, 14:05." + EOS], {}),
+    "three calls, max_parallel_calls 3": ([call() + "\n" + call("clock") + "\n" + call(city="Lyon") + EOS,
+                                           "Done." + EOS], {"max_parallel_calls": 3}),
+    "two calls, max_parallel_calls 1": ([call() + "\n" + call("clock") + EOS, "Sunny." + EOS], {}),
+    "text beside the call": (["Let me check.\n" + call() + EOS, "Sunny." + EOS], {}),
+    "empty tool text": ([call("clock", text="") + EOS, "Nothing." + EOS], {}),
+    "truncated tool text": ([call("clock", text="x", times=80) + EOS, "Long." + EOS], {"max_tool_response_length": 20}),
+    "unknown tool": ([call("stocks") + EOS, "Sorry." + EOS], {}),
+    "malformed call": ([call()[:-len("}\n</tool_call>")] + "\n</tool_call>" + EOS], {}),
+    "last turn cut at the length limit": ([call() + EOS, "Sunny " * 80 + EOS], {"response_length": 200}),
+    "tool block overflows the limit": ([call("clock", text="y", times=200) + EOS, "Ok." + EOS],
+                                       {"response_length": 128, "max_tool_response_length": 400}),
+}
 
 
-def verl_loop(builder, tokenizer, stops, turns) -> dict:
-    """verl's ToolAgentLoop state machine, its token handling step by step (`_handle_pending_state`,
-    `_handle_generating_state`, `_handle_processing_tools_state`): every token and mask from verl's builder."""
-    messages = list(trl_loop.PROMPT)
-    ids = builder.build_initial_tokens(messages, tools=trl_loop.TOOL_SCHEMAS)
-    mask, completion = [], []
-    for turn in turns:
-        merge = builder.merge_assistant_tokens(ids, sampled(tokenizer, stops, messages, turn))
-        mask, _ = builder.align_response_metadata(merge, mask)
-        ids = merge.token_ids
-        messages.append(turn)
-        completion.append(turn)
-        if not turn.get("tool_calls"):
-            break
-        previous = list(messages)
-        results = [{"role": "tool", "content": TOOLS[c["function"]["name"]](**c["function"]["arguments"])}
-                   for c in turn["tool_calls"]]  # verl's tool message: role and content (no name, no call id here)
-        messages += results
-        completion += results
-        merge = builder.merge_context_tokens(previous, messages, ids, tools=trl_loop.TOOL_SCHEMAS)
-        mask, _ = builder.align_response_metadata(merge, mask)
-        ids = merge.token_ids
-    return {"prompt_ids": ids[: len(ids) - len(mask)], "response_ids": ids[len(ids) - len(mask):], "mask": mask,
-            "completion": completion}
+@pytest.fixture(scope="module")
+def tokenizer():
+    return trl_loop.build_tokenizer("qwen2_5")
 
 
-@pytest.mark.parametrize("name, model_type", CASES)
-def test_rows_equal_verls_own_builder_token_for_token(name, model_type):
-    create = verl_builder_factory()
-    tokenizer = trl_loop.build_tokenizer(name)
-    stops = set(trl_loop.stop_ids(tokenizer, name)) | {tokenizer.eos_token_id}
-    builder = create(tokenizer, hf_model_type=model_type)
-    klpipe = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS, stop_ids=stops,
-                          rollout_format="verl", model_type=model_type)
-    trl_style = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS, stop_ids=stops)
-    differs_from_trl = []
-    for trajectory, turns in trl_loop.TRAJECTORIES.items():
-        if name.startswith("llama") and trajectory == "parallel calls":
-            continue  # Llama's template raises on parallel calls: no such row exists
-        loop = verl_loop(builder, tokenizer, stops, turns)
-        assert any(m["role"] == "tool" for m in loop["completion"])
-        prompts, responses, masks = klpipe.render([list(trl_loop.PROMPT)], [loop["completion"]])
-        assert prompts[0] == loop["prompt_ids"], trajectory
-        assert responses[0] == loop["response_ids"], (trajectory, tokenizer.decode(responses[0]),
-                                                      tokenizer.decode(loop["response_ids"]))
-        assert masks[0].tolist() == [bool(m) for m in loop["mask"]], trajectory
-        assert 0 < int(np.count_nonzero(masks[0])) < len(masks[0])
-        named = [dict(m, name="weather") if m["role"] == "tool" else m for m in loop["completion"]]  # TRL names them
-        try:
-            _, trl_responses, trl_masks = trl_style.render([list(trl_loop.PROMPT)], [named])
-        except ChatError:
-            differs_from_trl.append((trajectory, "refused as TRL"))
-            continue
-        if trl_responses[0] != responses[0] or trl_masks[0].tolist() != masks[0].tolist():
-            differs_from_trl.append((trajectory, tokenizer.decode(trl_responses[0]), tokenizer.decode(responses[0])))
-    expected = [(t, "refused as TRL") for t in trl_loop.TRAJECTORIES] if name in TRL_REFUSES else []
-    assert differs_from_trl == expected
+def verl_row(tokenizer, name):
+    turns, options = CASES[name]
+    return verl_agent.run(tokenizer, MODEL_TYPE, list(PROMPT), turns, **options)
 
 
-def test_a_model_type_with_its_own_verl_builder_is_refused_in_one_line():
-    tokenizer = trl_loop.build_tokenizer("gemma4")
-    stops = set(trl_loop.stop_ids(tokenizer, "gemma4"))
-    klpipe = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS, stop_ids=stops,
-                          rollout_format="verl", model_type="gemma4")
-    turns = trl_loop.TRAJECTORIES["one call"]
-    completion = [turns[0], {"role": "tool", "content": "18 C and sunny in Paris"}, turns[1]]
-    with pytest.raises(ChatError, match=r"verl builds gemma4 tool rows with a builder of its own.*response_mask"):
-        klpipe.render([list(trl_loop.PROMPT)], [completion])
+def renderer(tokenizer, tools, rollout_format="verl"):
+    stops = set(trl_loop.stop_ids(tokenizer, "qwen2_5")) | {tokenizer.eos_token_id}
+    return ChatRenderer(tokenizer, "prompt", "completion", tools=tools, stop_ids=stops, rollout_format=rollout_format)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verls_messages_are_refused_in_one_line(tokenizer, name):
+    row = verl_row(tokenizer, name)
+    assert row["saved"] and sum(row["response_mask"]) > 0  # verl built a row with sampled tokens
+    with pytest.raises(ChatError, match=r"verl's agent_data.messages do not hold the tokens the policy sampled.*"
+                                        r"--column response_ids=responses") as raised:
+        renderer(tokenizer, row["tools"]).render([list(PROMPT)], [row["saved"]])
+    assert "\n" not in str(raised.value)
+
+
+def test_the_cases_are_what_they_say(tokenizer):
+    """What verl keeps of each case, from its own loop: the losses that make the messages ambiguous."""
+    row = verl_row(tokenizer, "two calls, max_parallel_calls 1")
+    assert tokenizer.decode(row["response_ids"]).count("<tool_call>") == 2
+    assert len(row["saved"][0]["tool_calls"]) == 1 and [m["role"] for m in row["saved"]] == [
+        "assistant", "tool", "assistant"]
+    row = verl_row(tokenizer, "three calls, max_parallel_calls 3")
+    assert len(row["saved"][0]["tool_calls"]) == 3 and [m["role"] for m in row["saved"]].count("tool") == 3
+    assert verl_row(tokenizer, "unknown tool")["saved"][1]["content"].startswith("Unknown function 'stocks'")
+    assert verl_row(tokenizer, "empty tool text")["saved"][1]["content"] == ""
+    assert "...(truncated)..." in verl_row(tokenizer, "truncated tool text")["saved"][1]["content"]
+    row = verl_row(tokenizer, "compact JSON")
+    assert '{"name":"weather","arguments":{"city":"Paris"}}' in tokenizer.decode(row["response_ids"])
+    assert row["saved"][0]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
+    row = verl_row(tokenizer, "malformed call")
+    assert row["saved"] == [{"role": "assistant", "content": EOS}] and len(row["response_ids"]) > 10
+    row = verl_row(tokenizer, "last turn cut at the length limit")
+    assert row["saved"][-1]["role"] == "tool"  # the loop stopped before the cut turn's message
+    text = tokenizer.decode(row["response_ids"])
+    assert len(row["response_ids"]) == 200 and "Sunny Sunny" in text and not text.endswith(EOS)
+    row = verl_row(tokenizer, "tool block overflows the limit")
+    assert row["saved"][-1]["role"] == "tool" and "y" * 200 in row["saved"][-1]["content"]
+    assert tokenizer.decode(row["response_ids"]).endswith(EOS) and set(row["response_mask"]) == {1}  # no block
+
+
+# Rows whose messages are equal and whose ids are not: (turns, options) of each.
+AMBIGUOUS = {
+    "compact JSON": (CASES["one call"], CASES["compact JSON"]),
+    "a call past max_parallel_calls": (([call() + "\n" + EOS, "Sunny." + EOS], {}),
+                                       CASES["two calls, max_parallel_calls 1"]),
+    "a call that did not parse": (([EOS], {}), CASES["malformed call"]),
+    "the last turn cut at the limit": (CASES["last turn cut at the length limit"],
+                                       ([call() + EOS, "Rainy " * 80 + EOS], {"response_length": 200})),
+}
+
+
+@pytest.mark.parametrize("name", list(AMBIGUOUS))
+def test_equal_messages_come_from_different_ids(tokenizer, name):
+    """No rebuild from messages can be right for both rows: the reason every verl messages row is refused."""
+    rows = [verl_agent.run(tokenizer, MODEL_TYPE, list(PROMPT), turns, **options) for turns, options in AMBIGUOUS[name]]
+    assert rows[0]["saved"] == rows[1]["saved"]
+    assert rows[0]["response_ids"] != rows[1]["response_ids"]
+
+
+def test_the_cli_refuses_verl_messages_with_exit_2_and_writes_nothing(tokenizer, tmp_path):
+    row = verl_row(tokenizer, "no call")
+    rollouts = tmp_path / "verl_messages.parquet"
+    pq.write_table(pa.table({"prompt": [list(PROMPT)], "completion": [row["saved"]]}), rollouts)
+    output = tmp_path / "cached.parquet"
+    result = run_cli("precompute", "-m", str(TINY_LLAMA), str(rollouts), "-o", str(output), "--rollout-format", "verl")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {rollouts}: --rollout-format verl: verl's agent_data")
+    assert "give verl's ids: --column response_ids=responses" in lines[0], result.stderr
+    assert not output.exists() and not list(tmp_path.glob("cached*"))

@@ -147,7 +147,7 @@ def precompute_command(
     rollout_format: Annotated[str, typer.Option(
         "--rollout-format", metavar="trl|verl|atropos",
         help="Conversational rows with tool messages: whose tool loop built them, TRL's GRPOTrainer (trl) or "
-             "verl's ToolAgentLoop (verl); the two append a tool's result with other tokens. atropos: JSON Lines "
+             "verl's ToolAgentLoop (verl: refused, as its messages do not determine its ids). atropos: JSON Lines "
              "of Atropos groups (found by their columns when not given).",
         envvar="KLPIPE_ROLLOUT_FORMAT", rich_help_panel=INPUT_PANEL)] = "trl",
     output_format: Annotated[str, typer.Option(

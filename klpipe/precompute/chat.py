@@ -32,8 +32,8 @@ stop token (the tokenizer's EOS and every id of the model's `generation_config.e
 1; what the trainer appends after it, up to and including the next generation prompt, is the tool
 block TRL's `_get_tool_suffix_ids` renders from a stand-in conversation (trimmed at the EOS), mask 0;
 nothing follows the last turn's stop token. A row this cannot rebuild (a turn that renders no stop
-token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` the tool
-block is the one verl 0.9's ToolAgentLoop appends instead (its Continuous Token builder; `_verl_tool_block`).
+token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` every
+conversational row is refused: verl's messages do not determine its ids (klpipe/precompute/verl_loop.py).
 
 No torch here: only the tokenizer (and jinja2, through transformers) is used.
 """
@@ -46,8 +46,9 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from klpipe.arrow import is_list_type
+from klpipe.arrow import is_list_type, without_nones
 from klpipe.errors import first_line
+from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
 
 # The last prompt message's role decides how TRL renders the prompt.
 GENERATION_PROMPT_ROLES = ("user", "tool")  # add_generation_prompt=True
@@ -56,15 +57,6 @@ TOOL_ROLE = "tool"  # a tool's result: context for the policy, never sampled by 
 
 # --rollout-format: whose tool loop built a completion with tool messages.
 ROLLOUT_FORMATS = ("trl", "verl")
-# verl 0.9's Continuous Token builders, chosen by the model's config.json model_type: the Qwen builder writes the
-# `\n` a turn stopped before (`<|im_end|>` then `\n`) ahead of the tool block; these have builders of their own,
-# which klpipe does not rebuild; every other model_type gets verl's default builder.
-VERL_QWEN_MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"})
-VERL_OWN_BUILDER_MODEL_TYPES = frozenset({"minimax", "minimax_text_01", "minimax_m2", "glm4_moe", "glm_moe_dsa",
-                                          "gemma4", "gpt_oss", "deepseek_v2", "deepseek_v3", "deepseek_v4"})
-# The stand-in conversation verl renders a tool group after (verl/utils/tokenizer/continuous_token.py).
-VERL_SYSTEM = {"role": "system", "content": "continuous token synthetic system"}
-VERL_USER = {"role": "user", "content": "continuous token synthetic user"}
 
 
 class ChatError(Exception):
@@ -85,7 +77,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
                  template_kwargs: dict | None = None, tools_column: str = "tools", stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl", model_type: str | None = None):
+                 template_given: bool = False, rollout_format: str = "trl"):
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
@@ -97,8 +89,7 @@ class ChatRenderer:
         self.stop_ids = frozenset(int(i) for i in stop_ids) | (
             {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set())
         self.template_given = template_given  # --chat-template: the template is the trainer's, as the user says
-        self.rollout_format = rollout_format  # whose tool loop built the rows with tool messages: trl or verl
-        self.model_type = model_type  # the reference's config.json model_type: verl picks its builder by it
+        self.rollout_format = rollout_format  # whose tool loop built the rows: trl, or verl (refused)
 
     @property
     def has_template(self) -> bool:
@@ -110,6 +101,8 @@ class ChatRenderer:
 
         `row_tools` holds each row's tools column value (a list of schemas, JSON text, or None).
         """
+        if self.rollout_format == "verl" and prompts:
+            raise ChatError(0, VERL_MESSAGES_REFUSED)
         if not self.has_template:
             raise ChatError(0, f"{self.prompt_column} holds chat messages, but the tokenizer has no chat template "
                                "to render them with; use a tokenizer that has one, or give prompt_ids and response_ids")
@@ -211,10 +204,6 @@ class ChatRenderer:
                                  f"renders a prompt that ends with a {' or '.join(GENERATION_PROMPT_ROLES)} message "
                                  "with the generation prompt")
         self._check_roles(row, prompt, completion)
-        if self.rollout_format == "verl" and self.model_type in VERL_OWN_BUILDER_MODEL_TYPES:
-            raise ChatError(row, f"verl builds {self.model_type} tool rows with a builder of its own, which klpipe "
-                                 "does not rebuild from messages; give verl's ids: responses as response_ids and "
-                                 "response_mask as the mask")
         try:
             prompt_ids = self._ids(self._apply(prompt, tools, add_generation_prompt=True))
             response: list[int] = []
@@ -231,8 +220,7 @@ class ChatRenderer:
                 end = k
                 while end < len(completion) and completion[end]["role"] == TOOL_ROLE:
                     end += 1
-                block = (self._verl_tool_block(row, completion[k:end], tools, response)
-                         if self.rollout_format == "verl" else self._tool_block(row, completion[k:end]))
+                block = self._tool_block(row, completion[k:end])
                 response += block
                 mask += [0] * len(block)
                 history += completion[k:end]
@@ -311,35 +299,6 @@ class ChatRenderer:
                                  f"{self._not_prefix_preserving_advice()}")
         return full[len(prefix):]
 
-    def _verl_tool_block(self, row: int, tool_messages: list[dict], tools, response: list[int]) -> list[int]:
-        """What verl 0.9's tool agent loop appends after a turn that called tools (`ContinuousTokenBuilder.
-        merge_context_tokens`): the tool messages rendered after a stand-in conversation (system, user, a call per
-        result with reasoning), with the tools and the generation prompt, less the stand-in's own tokens; the Qwen
-        builder first writes the `\n` the turn stopped before. No EOS trimming, as verl does none."""
-        calls = [{"id": message.get("tool_call_id") if message.get("tool_call_id") is not None
-                  else f"continuous_token_call_{i}", "type": "function",
-                  "function": {"name": str(message["name"]) if message.get("name") else "continuous_token_tool",
-                               "arguments": {}}} for i, message in enumerate(tool_messages)]
-        stand_in = [VERL_SYSTEM, VERL_USER,
-                    {"role": "assistant", "content": "", "reasoning_content": "reasoning", "tool_calls": calls}]
-        prefix = self._ids(self._apply(stand_in, tools))
-        full = self._ids(self._apply(stand_in + tool_messages, tools, add_generation_prompt=True))
-        if full[: len(prefix)] != prefix:
-            raise ChatError(row, "the chat template renders a tool call differently once its result follows (it is "
-                                 "not prefix-preserving), so the tool block verl appends cannot be rebuilt; give "
-                                 "verl's ids: responses as response_ids and response_mask as the mask")
-        boundary = []
-        if self.model_type in VERL_QWEN_MODEL_TYPES:
-            im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-            newline = self.tokenizer.encode("\n", add_special_tokens=False)
-            if len(newline) != 1:  # verl's Qwen builder refuses such a tokenizer too
-                raise ChatError(row, "verl's Qwen builder needs `\\n` to be one token, and this tokenizer makes "
-                                     f"{len(newline)} of it; give verl's ids: responses as response_ids and "
-                                     "response_mask as the mask")
-            if response and response[-1] == im_end:
-                boundary = newline
-        return boundary + full[len(prefix):]
-
     def _not_prefix_preserving(self, header: str, own: str) -> str:
         problem = (f"the chat template is not prefix-preserving ({_parting(header, own)}), so the tokens the policy "
                    "sampled after the generation prompt cannot be told apart")
@@ -409,7 +368,7 @@ class ChatRenderer:
                 raise ChatError(row, f"{self.tools_column} is not valid JSON ({exc})") from None
         if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
             raise ChatError(row, f"{self.tools_column} must be a list of tool schemas (JSON objects)")
-        return [_without_nones(tool) for tool in value]
+        return [without_nones(tool) for tool in value]
 
     @staticmethod
     def _messages(row: int, value, column: str) -> list[dict]:
@@ -424,7 +383,7 @@ class ChatRenderer:
             # Arrow gives every message every key seen in the column, None where a message had
             # none; templates test for keys (`'tool_calls' in message`), so the Nones go, inside
             # tool calls too.
-            messages.append({k: (_without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
+            messages.append({k: (without_nones(v) if k == "tool_calls" else v) for k, v in message.items()
                              if v is not None or k in ("role", "content")})
         return messages
 
@@ -435,12 +394,3 @@ def _parting(prompt: str, whole: str) -> str:
     start = max(0, same - 12)  # a little of what the two share
     return (f"its generation prompt ends with {prompt[start:][-40:]!r} where the rendered turn has "
             f"{whole[start: same + 28]!r}")
-
-
-def _without_nones(value):
-    """`value` with the None-valued keys of its dicts removed, at every depth: what Arrow's struct columns add."""
-    if isinstance(value, dict):
-        return {k: _without_nones(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nones(v) for v in value]
-    return value

@@ -70,7 +70,7 @@ class PrecomputeConfig:
     # template), in place of the tokenizer's own; None: the tokenizer's.
     chat_template: str | None = None
     # Conversational rows with tool messages: whose tool loop built them, TRL 1.16's GRPOTrainer or verl's
-    # ToolAgentLoop (--rollout-format); the two append a tool's result with other tokens.
+    # ToolAgentLoop (--rollout-format; refused: verl's messages do not determine its ids, precompute/verl_loop.py).
     rollout_format: str = "trl"
     # parquet: the cache. atropos (Atropos groups only): the groups as they came, with ref_logprobs filled in
     # and nothing else changed, as JSON Lines, for trainers that apply the KL in their loss.

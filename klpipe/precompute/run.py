@@ -43,6 +43,7 @@ from klpipe.precompute.rollouts import (
 )
 from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.tokenize import ChunkTokenizer
+from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
@@ -157,8 +158,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                               template_kwargs=config.chat_template_kwargs,
                               stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
                               template_given=config.chat_template is not None,
-                              rollout_format=config.rollout_format,
-                              model_type=getattr(model_config, "model_type", None))
+                              rollout_format=config.rollout_format)
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
@@ -339,6 +339,8 @@ def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
             raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
                              f"messages), which {rollouts.files[0].path} does not hold")
         return
+    if config.rollout_format == "verl":  # before the model loads: no row of verl's messages can be rebuilt
+        raise InputError(f"{rollouts.files[0].path}: {VERL_MESSAGES_REFUSED}")
     tools_column = rollouts.columns.name(cache.TOOLS)
     if tools_column in rollouts.schema.names:
         if config.tools is not None:

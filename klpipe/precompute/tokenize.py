@@ -69,14 +69,14 @@ class ChunkTokenizer:
 
     def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None,
                  tools: list | None = None, template_kwargs: dict | None = None, stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl", model_type: str | None = None):
+                 template_given: bool = False, rollout_format: str = "trl"):
         self.rollouts = rollouts
         self.names = rollouts.columns.name  # role -> the user's column
         self.tokenizer = tokenizer  # only used in text and chat modes
         self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE), tools=tools,
                                  template_kwargs=template_kwargs, tools_column=self.names(cache.TOOLS),
                                  stop_ids=stop_ids, template_given=template_given,
-                                 rollout_format=rollout_format, model_type=model_type)
+                                 rollout_format=rollout_format)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
 
