@@ -22,9 +22,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from typer.testing import CliRunner
+
+from klpipe.cli import app
 from klpipe.errors import InputError
 from klpipe.precompute import PrecomputeConfig, precompute
-from tests.helpers import ROOT, TINY_GEMMA, oracle_logprobs, run_cli
+from klpipe.precompute.rollouts import iter_chunks, open_rollouts
+from klpipe.precompute.tokenize import ChunkTokenizer
+from tests.helpers import ROOT, TINY_GEMMA, oracle_logprobs
 
 TOLERANCE = 1e-4
 PROMPT_WIDTH, RESPONSE_WIDTH = 12, 18
@@ -96,10 +101,31 @@ def verl_batch(tokenizer, rows: list[dict]) -> dict[str, list]:
     return batch
 
 
+def klpipe(*args):
+    """The command line in this process (a fresh one would load torch again: seconds a call on a busy machine)."""
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"KLPIPE_PROGRESS": "none", "HF_HUB_OFFLINE": "1"})
+    result.returncode = result.exit_code
+    return result
+
+
 def run(tmp_path, inputs, name="cached.parquet", **kwargs):
     config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name, model=str(TINY_GEMMA),
                               device="cpu", progress="none", **kwargs)
     return precompute(config, log=lambda message: None)
+
+
+def tokenize(tokenizer, path):
+    """The file's rows as precompute reads them (one chunk), without loading the model: for what is refused."""
+    rollouts = open_rollouts([path])
+    chunk = next(iter_chunks(rollouts, chunk_rows=64))
+    return ChunkTokenizer(rollouts, tokenizer, vocab_size=len(tokenizer), max_positions=None, end_ids=[1])(chunk)
+
+
+def assert_ids(rows: list[dict], tokenized) -> None:
+    for i, row in enumerate(rows):
+        prompt, response = tokenized.row(i)
+        assert prompt.tolist() == row["prompt"] and response.tolist() == row["response"]
+        assert tokenized.row_mask(i).astype(int).tolist() == row["mask"]
 
 
 def assert_rows(oracle, rows: list[dict], cached: pa.Table) -> None:
@@ -123,7 +149,7 @@ def test_verls_batch_keys_are_read_whole_without_a_pad(tmp_path, tokenizer, orac
     assert sum(row.count(0) for row in batch["prompts"]) > 0  # the batch really is padded, with the pad id 0
     path = tmp_path / "batch.parquet"
     pq.write_table(pa.table(batch), path)
-    result = run_cli("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "cached.parquet"))
+    result = klpipe("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "cached.parquet"))
     assert result.returncode == 0, result.stderr
     cached = pq.read_table(tmp_path / "cached.parquet")
     assert_rows(oracle, rows, cached)
@@ -141,7 +167,7 @@ def test_verls_batch_keys_are_read_whole_without_a_pad(tmp_path, tokenizer, orac
         in result.stderr
     # score reads the cache's unpadded columns: KL over the sampled tokens only, against the trainer's logprobs
     scored_path = tmp_path / "scored.parquet"
-    result = run_cli("score", str(tmp_path / "cached.parquet"), "-o", str(scored_path))
+    result = klpipe("score", str(tmp_path / "cached.parquet"), "-o", str(scored_path))
     assert result.returncode == 0, result.stderr
     for got in pq.read_table(scored_path).to_pylist():
         d = [p - r for p, r, m in zip(got["policy_logprobs"], got["ref_logprobs"], got["mask"], strict=True) if m]
@@ -149,7 +175,7 @@ def test_verls_batch_keys_are_read_whole_without_a_pad(tmp_path, tokenizer, orac
 
 
 @pytest.mark.parametrize("form", ["jsonl", "datasets"])
-def test_verls_batch_from_json_lines_and_a_datasets_directory(tmp_path, tokenizer, oracle, form):
+def test_verls_batch_from_json_lines_and_a_datasets_directory(tmp_path, tokenizer, form):
     rows = trajectories(seed=1, rows=3)
     batch = verl_batch(tokenizer, rows)
     if form == "jsonl":
@@ -161,13 +187,14 @@ def test_verls_batch_from_json_lines_and_a_datasets_directory(tmp_path, tokenize
 
         path = tmp_path / "batch"
         datasets.Dataset.from_dict(batch).save_to_disk(str(path))
-    assert_rows(oracle, rows, pq.read_table(run(tmp_path, [path]).output))
+    # Read as the parquet batch is (whose logprobs the test above holds to the oracle): the same ids and mask.
+    assert_ids(rows, tokenize(tokenizer, path))
 
 
 def test_the_issues_mapping_of_verls_padded_prompts_is_refused(tmp_path, tokenizer):
     path = tmp_path / "batch.parquet"
     pq.write_table(pa.table(verl_batch(tokenizer, trajectories(rows=2))), path)
-    result = run_cli("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"),
+    result = klpipe("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"),
                      "--column", "prompt_ids=prompts", "--column", "response_ids=responses")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -183,12 +210,12 @@ def test_a_pad_attended_in_verls_batch_is_refused(tmp_path, tokenizer):
     pq.write_table(pa.table(batch), path)
     with pytest.raises(InputError, match=r"row 1: response_mask is 1 at a pad \(response position 17, after the "
                                          r"last attended token\)$"):
-        run(tmp_path, [path])
+        tokenize(tokenizer, path)
     batch = verl_batch(tokenizer, trajectories(rows=2))
     batch["attention_mask"][0][PROMPT_WIDTH - 2] = 0  # a hole inside the prompt
     pq.write_table(pa.table(batch), path)
     with pytest.raises(InputError, match=r"row 0: attention_mask has a 0 inside the prompt"):
-        run(tmp_path, [path], name="again.parquet")
+        tokenize(tokenizer, path)
 
 
 def test_unpadded_ids_with_verls_response_mask_read_it_by_name(tmp_path, oracle):
@@ -223,21 +250,21 @@ def test_a_mask_like_column_is_never_left_unread(tmp_path, column, message):
     path = tmp_path / "ids.parquet"
     pq.write_table(pa.table(columns), path)
     with pytest.raises(InputError, match=message):
-        run(tmp_path, [path])
+        open_rollouts([path])
 
 
-def test_pads_in_ids_are_refused_or_left_out(tmp_path, oracle):
+def test_pads_in_ids_are_refused_or_left_out(tmp_path, tokenizer, oracle):
     rows = trajectories(seed=3, rows=2)
     prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
     path = tmp_path / "ids.parquet"
     pq.write_table(pa.table({"prompt_ids": [[0, 0] + prompts[0], prompts[1]], "response_ids": responses}), path)
     with pytest.raises(InputError, match=r"ids.parquet: row 0: prompt_ids starts with 2 pad tokens \(id 0\): left "
                                          r"padding would be fed as context the policy never saw"):
-        run(tmp_path, [path])
+        tokenize(tokenizer, path)
     pq.write_table(pa.table({"prompt_ids": prompts, "response_ids": [responses[0], responses[1] + [0, 0]]}), path)
     with pytest.raises(InputError, match=r"row 1: response_ids ends with 2 pad tokens \(id 0\) and no mask: they "
                                          r"would be scored as sampled"):
-        run(tmp_path, [path], name="b.parquet")
+        tokenize(tokenizer, path)
     # A mask that holds 0 at them: never fed nor scored, counted as pads and not as a tool's tokens.
     masks = [r["mask"] for r in rows]
     pq.write_table(pa.table({"prompt_ids": prompts, "response_ids": [responses[0], responses[1] + [0, 0]],
@@ -280,7 +307,7 @@ def test_openrlhfs_experience_fields_are_read_whole(tmp_path, tokenizer, oracle)
     experience["action_mask"][2][-1] = 1  # an action at a pad
     pq.write_table(pa.table(experience), path)
     with pytest.raises(InputError, match=r"row 2: action_mask is 1 at a pad"):
-        run(tmp_path, [path], name="again.parquet")
+        tokenize(tokenizer, path)
 
 
 def test_verls_rollout_dump_is_refused_in_one_line(tmp_path, tokenizer):
@@ -294,7 +321,7 @@ def test_verls_rollout_dump_is_refused_in_one_line(tmp_path, tokenizer):
     path.write_text("".join(json.dumps({"input": i, "output": o, "gts": None, "score": s, "step": 3}) + "\n"
                             for i, o, s in zip(inputs, outputs, scores, strict=True)))
     for mapping in ([], ["--column", "prompt=input", "--column", "response=output"]):
-        result = run_cli("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"),
+        result = klpipe("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"),
                          *mapping)
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
@@ -318,7 +345,7 @@ def test_a_pickle_that_is_no_dataproto_is_refused_unrun(tmp_path):
     marker = tmp_path / "ran"
     path = tmp_path / "gen_batch.dp"
     path.write_bytes(pickle.dumps(Payload(marker)))
-    result = run_cli("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"))
+    result = klpipe("precompute", "-m", str(TINY_GEMMA), str(path), "-o", str(tmp_path / "out.parquet"))
     assert result.returncode == 2 and not marker.exists()
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
