@@ -201,6 +201,13 @@ def test_the_issues_mapping_of_verls_padded_prompts_is_refused(tmp_path, tokeniz
         f"Error: {path}: holds verl's batch (prompts, responses, attention_mask), which klpipe reads by its keys "
         "and unpads: drop --column prompt_ids=prompts"]
     assert not (tmp_path / "out.parquet").exists()
+    # The issue's second form: the same keys beside unpadded prompt_ids, response_mask left unmapped.
+    rows = trajectories(rows=2)
+    table = pa.table(verl_batch(tokenizer, rows)).append_column("prompt_ids", pa.array([r["prompt"] for r in rows]))
+    pq.write_table(table, path)
+    with pytest.raises(InputError, match=r"holds verl's batch \(prompts, responses, attention_mask\) and a prompt_ids "
+                                         r"column too; klpipe writes prompt_ids from the batch's keys"):
+        open_rollouts([path])
 
 
 def test_a_pad_attended_in_verls_batch_is_refused(tmp_path, tokenizer):

@@ -73,12 +73,12 @@ def derived_fields(kind: str, schema: pa.Schema) -> list[pa.Field]:
 
 def check_schema(path: object, kind: str, schema: pa.Schema, given: dict[str, str]) -> None:
     """The keys are lists of numbers, and neither a --column nor a column of the input claims a derived role."""
-    for key in (*KEYS[kind], "response_mask" if kind == VERL else "action_log_probs"):
+    for key in (*KEYS[kind], "response_mask"):
         if key in schema.names:
-            kind_ = schema.field(key).type
-            if not (is_list_type(kind_) and (pa.types.is_integer(kind_.value_type)
-                                              or pa.types.is_boolean(kind_.value_type))) and not key.endswith("probs"):
-                raise InputError(f"{path}: {key} must be a list of integers per row (the batch padded), found {kind_}")
+            found = schema.field(key).type
+            if not (is_list_type(found) and (pa.types.is_integer(found.value_type)
+                                             or pa.types.is_boolean(found.value_type))):
+                raise InputError(f"{path}: {key} must be a list of integers per row (the batch padded), found {found}")
     trainer = "verl's batch" if kind == VERL else "OpenRLHF's experience"
     keys = ", ".join(KEYS[kind])
     for role in DERIVED:
