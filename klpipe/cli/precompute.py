@@ -234,8 +234,8 @@ def _print_summary(summary) -> None:
         _stderr(f"wrote {summary.output}: all {resumed}, nothing left to compute; peak memory {memory}")
         return
     _stderr(
-        f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens{_left_out(summary)} "
-        f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
+        f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
+        f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s){_left_out(summary)}, "
         f"padding efficiency {summary.padding_efficiency:.1%}, {_fed(summary.forward)}, peak memory {memory}"
         + (f"; resumed {resumed}" if summary.resumed_chunks else "")
     )
@@ -245,7 +245,7 @@ def _left_out(summary) -> str:
     """The response tokens not scored, tools' and pads' apart: a pad is no tool's result."""
     if not summary.tool_tokens and not summary.pads:
         return ""
-    return f" (besides {summary.tool_tokens:,} tool tokens read as context, {summary.pads:,} pads left out)"
+    return f", besides {summary.tool_tokens:,} tool tokens read as context and {summary.pads:,} pads left out"
 
 
 def _fed(forward) -> str:
