@@ -35,8 +35,8 @@ DUMP_FIELDS = ("input", "output", "score", "step")  # verl's _write_generations
 DERIVED = (cache.PROMPT_IDS, cache.RESPONSE_IDS, cache.MASK, cache.POLICY_LOGPROBS, cache.SAMPLER_LOGPROBS,
            cache.REWARD)
 LOGPROBS_TYPE = pa.list_(pa.float32())
-SAVE_IDS = ("save the batch's ids instead: its keys as parquet (prompts, responses, attention_mask, response_mask, "
-            "rollout_log_probs; the README's verl section has the lines)")
+SAVE_IDS = ("save the batch instead, which klpipe reads as it is: batch.save_to_disk(PATH), or its keys (prompts, "
+            "responses, attention_mask, response_mask, rollout_log_probs) as parquet (README: Agent trajectories)")
 
 
 def detect(schema: pa.Schema) -> str | None:
