@@ -317,6 +317,33 @@ def test_openrlhfs_experience_fields_are_read_whole(tmp_path, tokenizer, oracle)
         tokenize(tokenizer, path)
 
 
+def test_openrlhfs_unpadded_layout_is_read_exactly(tmp_path, tokenizer, oracle):
+    # OpenRLHF's sample maker of late (experience.py's `action_mask: (B, A)` with A = T - 1): `sequences` is
+    # prompt + response unpadded and right-padded in the batch, `action_mask` the full sequence's mask less its first
+    # position (0 over the prompt). Read as a one-token prompt and the rest as the response, the prompt's tokens
+    # masked 0: context, never scored. The sampled tokens' logprobs are the oracle's all the same.
+    rows = trajectories(seed=6, rows=3)
+    width = max(len(r["prompt"]) + len(r["response"]) for r in rows) + 2
+    experience = {key: [] for key in ("sequences", "attention_mask", "action_mask", "action_log_probs")}
+    for row in rows:
+        sequence = row["prompt"] + row["response"]
+        right = width - len(sequence)
+        full_mask = [0] * len(row["prompt"]) + row["mask"]
+        experience["sequences"].append(sequence + [tokenizer.pad_token_id] * right)
+        experience["attention_mask"].append([1] * len(sequence) + [0] * right)
+        experience["action_mask"].append(full_mask[1:] + [0] * right)
+        experience["action_log_probs"].append([0.0] * (len(row["prompt"]) - 1) + row["logprobs"] + [0.0] * right)
+    path = tmp_path / "experience.parquet"
+    pq.write_table(pa.table(experience), path)
+    for row, got in zip(rows, pq.read_table(run(tmp_path, [path]).output).to_pylist(), strict=True):
+        assert got["prompt_ids"] + got["response_ids"] == row["prompt"] + row["response"]
+        sampled = len(got["response_ids"]) - len(row["response"])  # where the sampled response starts
+        expected = oracle_logprobs(oracle, row["prompt"], row["response"])
+        for value, want, keep in zip(got["ref_logprobs"][sampled:], expected, row["mask"], strict=True):
+            assert (abs(value - want) <= TOLERANCE) if keep else value is None
+        assert all(value is None for value in got["ref_logprobs"][:sampled])
+
+
 def test_verls_rollout_dump_is_refused_in_one_line(tmp_path, tokenizer):
     # As ray_trainer's _log_rollout_data and _write_generations write it: batch_decode(skip_special_tokens=True).
     rows = trajectories(rows=3)
