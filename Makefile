@@ -100,10 +100,15 @@ bench-gpu-dry-run: install
 # --rollout-format verl: the wheel alone (--no-deps: ray, vllm, sglang stay out; tests/verl_agent.py loads the loop
 # without them) in a folder of its own, as the wheel ships a top-level `tests` package that would shadow ours.
 VERL_PIN ?= verl==0.9.1
+# What verl's DataProto module imports, for tests/test_trainer_batches.py to save a batch with verl's own save_to_disk
+# (test-only: klpipe reads those files with a restricted unpickler of its own and imports none of them).
+VERL_PROTOCOL_DEPS ?= tensordict omegaconf 'ray>=2.40,<3'
 test-trl: install
 	test -f $(VENV)/verl/verl/experimental/agent_loop/tool_agent_loop.py || \
 		$(BIN)/python -m pip install -q --no-deps --target $(VENV)/verl '$(VERL_PIN)'
-	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py tests/test_verl_tool_loop.py
+	$(BIN)/python -c "import tensordict, omegaconf, ray" 2>/dev/null || \
+		$(BIN)/python -m pip install -q $(VERL_PROTOCOL_DEPS)
+	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py tests/test_verl_tool_loop.py tests/test_trainer_batches.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults

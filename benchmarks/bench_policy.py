@@ -1,6 +1,6 @@
 """What one pass over two models saves: `precompute --policy` against two separate runs of precompute.
 
-Rollouts without sampler logprobs (a verl dump, an evaluation set): the reference's and the policy's
+Rollouts without sampler logprobs (an evaluation set, offline trajectories): the reference's and the policy's
 logprobs of every response token are wanted. Two contenders, on the same agent-shaped rows:
 
     one pass   `klpipe precompute -m REF --policy POLICY`: one read, one tokenization, one plan (prefix

@@ -69,3 +69,35 @@ def kept_offsets(keep: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Row offsets (rows + 1,) into `values[keep]`, for rows that were `offsets` into `values`."""
     cumulative = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
     return cumulative[offsets]
+
+
+# Columns named like a mask. Those whose meaning klpipe knows (1 where the policy sampled the response token) are
+# read by name when the run has no mask column; any other is refused unread: a mask left unread scores its 0s.
+KNOWN_MASKS = {"response_mask": "verl's", "action_mask": "OpenRLHF's"}
+MASK_LIKE = ("response_mask", "action_mask", "loss_mask", "attention_mask", "labels")
+
+
+def mask_by_name(path: object, schema: pa.Schema, mask: str, mapped: bool) -> str | None:
+    """The column to read as the mask by its name, or None; a mask-like column the run would not read is an error.
+
+    `mask` is the column the run reads as the mask (found or not); `mapped`: the user named it with --column,
+    which says what the other columns are not.
+    """
+    unread = [name for name in MASK_LIKE if name in schema.names and name != mask]
+    if not unread or mapped:
+        return None
+    if mask in schema.names:
+        raise InputError(f"{path}: columns {mask} and {unread[0]} could each be the mask; name the one to use "
+                         f"with --column mask={mask}")
+    if len(unread) == 1 and unread[0] in KNOWN_MASKS:
+        return unread[0]
+    known = [name for name in unread if name in KNOWN_MASKS]
+    if known:
+        raise InputError(f"{path}: columns {' and '.join(unread)} are named like masks; name the one that is 1 where "
+                         f"the policy sampled the token with --column mask={known[0]}")
+    what = {"attention_mask": "marks pads, which klpipe reads only in a trainer's whole batch (verl's prompts, "
+                              "responses, attention_mask; OpenRLHF's sequences, attention_mask, action_mask)",
+            "labels": "holds -100 where no loss is taken, over the whole sequence",
+            "loss_mask": "may cover the prompt or the response"}[unread[0]]
+    raise InputError(f"{path}: column {unread[0]} {what}; klpipe would leave it unread: give the response's mask "
+                     "(1 where the policy sampled the token) with --column mask=NAME")

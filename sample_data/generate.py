@@ -81,7 +81,6 @@ GEMMA_MM_DIR = OUT_DIR / "tiny-gemma4-mm"
 ROLLOUTS_PATH = OUT_DIR / "rollouts.parquet"
 CONVERSATIONAL_PATH = OUT_DIR / "conversational.parquet"
 POLICY_DIR = OUT_DIR / "tiny-gemma4-policy"  # the policy that sampled rollouts.parquet, for precompute --policy
-VERL_PATH = OUT_DIR / "verl_dump.jsonl"  # rollouts.parquet as verl's rollout_data_dir dumps them: text, no logprobs
 TOOL_CALLS_PATH = OUT_DIR / "tool_calls.parquet"  # TRL's ids: prompt_ids, completion_ids, tool_mask
 TOOL_CHAT_PATH = OUT_DIR / "tool_calls_conversational.parquet"  # TRL's messages, tool calls and tools
 TOOL_TEMPLATE_PATH = OUT_DIR / "tool_chat_template.jinja"  # the template the tool rows' trainer used (--chat-template)
@@ -736,17 +735,6 @@ def write_conversational(rows) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), CONVERSATIONAL_PATH)
 
 
-def write_verl_dump(rows, tokenizer) -> None:
-    """The rollouts as verl's trainer.rollout_data_dir writes them: a JSON object a line, the prompt and response
-    decoded without special tokens, the score and the step, and no logprobs."""
-    with open(VERL_PATH, "w", encoding="utf-8") as out:
-        for row in rows:
-            line = {"input": tokenizer.decode(row["prompt_ids"], skip_special_tokens=True),
-                    "output": tokenizer.decode(row["response_ids"], skip_special_tokens=True),
-                    "gts": None, "score": row["reward"], "step": row["step"]}
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-
-
 def write_parquet(rows) -> None:
     schema = pa.schema(
         [
@@ -787,7 +775,6 @@ def main() -> None:
     policy = make_policy(gemma).eval()
     rows, kl_terms = build_rollouts(tokenizer, gemma, policy)
     write_parquet(rows)
-    write_verl_dump(rows, tokenizer)
     conversational, worst_diff = build_conversational(tokenizer, gemma, policy)
     write_conversational(conversational)
     tool_rows, tool_worst = build_tool_calls(tokenizer, gemma, make_policy(gemma, TOOL_POLICY_NOISE).eval())

@@ -28,7 +28,6 @@ from tests.helpers import (
 
 TOLERANCE = 1e-4
 POLICY = SAMPLE / "tiny-gemma4-policy"  # the policy that sampled rollouts.parquet
-VERL_DUMP = SAMPLE / "verl_dump.jsonl"  # rollouts.parquet as verl's rollout_data_dir writes it: text, no logprobs
 TOOL_IDS = SAMPLE / "tool_calls.parquet"
 
 
@@ -207,10 +206,20 @@ def test_a_policy_with_another_vocabulary_is_refused(tmp_path):
         run(tmp_path, [without_policy_logprobs(tmp_path)], policy=small)
 
 
-def test_a_verl_dump_scores_end_to_end_and_the_report_names_the_policy(tmp_path):
-    cached = tmp_path / "verl.cached.parquet"
-    result = run_cli("precompute", "-m", TINY_GEMMA, "--policy", POLICY, VERL_DUMP, "-o", cached,
-                     "--column", "prompt=input", "--column", "response=output", "--column", "reward=score")
+def text_rows(tmp_path) -> Path:
+    """rollouts.parquet as an evaluation set keeps it: prompt and response text in JSON Lines, a score, no ids nor
+    logprobs (verl's own rollout dump is decoded text and is refused: tests/test_trainer_batches.py)."""
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"question": row["prompt"], "answer": row["response"], "score": row["reward"]})
+                            + "\n" for row in pq.read_table(ROLLOUTS).to_pylist()))
+    return path
+
+
+def test_text_rows_score_end_to_end_and_the_report_names_the_policy(tmp_path):
+    cached = tmp_path / "text.cached.parquet"
+    rows = text_rows(tmp_path)
+    result = run_cli("precompute", "-m", TINY_GEMMA, "--policy", POLICY, rows, "-o", cached,
+                     "--column", "prompt=question", "--column", "response=answer", "--column", "reward=score")
     assert result.returncode == 0, result.stderr
     table = pq.read_table(cached)
     assert {"prompt_ids", "response_ids", "ref_logprobs", "policy_logprobs"} <= set(table.column_names)
@@ -226,7 +235,7 @@ def test_a_verl_dump_scores_end_to_end_and_the_report_names_the_policy(tmp_path)
     for row in scored:  # the KL of each row from the two columns, by hand
         d = [p - r for p, r in zip(row["policy_logprobs"], row["ref_logprobs"], strict=True)]
         assert row["kl"] == pytest.approx(max(sum(d) / len(d), 0.0) if d else 0.0, rel=1e-9, abs=1e-12)
-    assert [r["score"] for r in scored] == [json.loads(line)["score"] for line in VERL_DUMP.read_text().splitlines()]
+    assert [r["score"] for r in scored] == [json.loads(line)["score"] for line in rows.read_text().splitlines()]
 
 
 def test_policy_options_without_a_policy_are_refused():

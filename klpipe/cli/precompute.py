@@ -235,10 +235,17 @@ def _print_summary(summary) -> None:
         return
     _stderr(
         f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
-        f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s), "
+        f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s){_left_out(summary)}, "
         f"padding efficiency {summary.padding_efficiency:.1%}, {_fed(summary.forward)}, peak memory {memory}"
         + (f"; resumed {resumed}" if summary.resumed_chunks else "")
     )
+
+
+def _left_out(summary) -> str:
+    """The response tokens not scored, tools' and pads' apart: a pad is no tool's result."""
+    if not summary.tool_tokens and not summary.pads:
+        return ""
+    return f", besides {summary.tool_tokens:,} tool tokens read as context and {summary.pads:,} pads left out"
 
 
 def _fed(forward) -> str:

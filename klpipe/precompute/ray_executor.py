@@ -312,7 +312,7 @@ def _sum(total: PrecomputeSummary, summaries: list[PrecomputeSummary]) -> None:
     """The run's summary from its shards': counts summed, the largest shard's peak memory and load time."""
     total.forward = ForwardStats(**{f.name: sum(getattr(s.forward, f.name) for s in summaries)
                                     for f in dataclasses.fields(ForwardStats)})
-    for name in ("rows", "tokens", "resumed_chunks", "resumed_rows"):
+    for name in ("rows", "tokens", "tool_tokens", "pads", "resumed_chunks", "resumed_rows"):
         setattr(total, name, sum(getattr(s, name) for s in summaries))
     total.load_seconds = max((s.load_seconds for s in summaries), default=0.0)
     modes = {s.prefix_sharing for s in summaries}

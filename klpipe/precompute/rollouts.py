@@ -30,16 +30,19 @@ from klpipe.files.discover import (
 )
 from klpipe.files.parquet import open_parquet
 from klpipe.files.download import local_copy
-from klpipe.files.store import Location, store_failure
-from klpipe.mask import check_mask_type
-from klpipe.precompute import atropos
+from klpipe.files.store import Location, is_remote, store_failure
+from klpipe.mask import check_mask_type, mask_by_name
+from klpipe.precompute import atropos, batches
 from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
 TEXT = "text"  # text mode: prompt / response tokenized with the reference tokenizer
 CHAT = "chat"  # TRL conversational: prompt / completion messages rendered with the chat template
+BATCH = "batch"  # a trainer's padded batch (verl's keys, OpenRLHF's experience): unpadded by batches.py
 TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
+DATAPROTO = "dataproto"  # a file's kind: verl's DataProto.save_to_disk pickle
+PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # pickle protocols 2 to 5
 
 
 @dataclass
@@ -56,9 +59,10 @@ class Rollouts:
 
     files: list[RolloutFile]
     schema: pa.Schema  # without metadata
-    mode: str  # TOKEN_IDS, TEXT or CHAT
+    mode: str  # TOKEN_IDS, TEXT, CHAT or BATCH
     columns: ColumnMap  # role -> the user's column name
     skipped: list[Location] = field(default_factory=list)  # klpipe's own outputs found in input directories
+    batch: str | None = None  # BATCH mode: whose batch (batches.VERL or batches.OPENRLHF)
 
     @property
     def num_rows(self) -> int:
@@ -72,7 +76,7 @@ class Rollouts:
     @property
     def has_mask(self) -> bool:
         """Whether the rows carry a mask column (conversational rows get one derived from their roles)."""
-        return self.columns.name(cache.MASK) in self.schema.names
+        return self.mode == BATCH or self.columns.name(cache.MASK) in self.schema.names
 
 
 @dataclass
@@ -104,8 +108,16 @@ def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None 
                 f"{other.path}: columns differ from {first.path} "
                 f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
+    batches.refuse_rollout_dump(first.path, first.schema)
     columns = (columns or ColumnMap()).resolve(first.schema, first.path)
     columns.check_present(first.path, first.schema, outputs=writes)
+    batch = batches.detect(first.schema) if first.kind != atropos.ATROPOS else None
+    if batch is not None:
+        batches.check_schema(first.path, batch, first.schema, columns.given)
+        return Rollouts(files=files, schema=first.schema, mode=BATCH, columns=columns, skipped=skipped, batch=batch)
+    by_name = mask_by_name(first.path, first.schema, columns.name(cache.MASK), cache.MASK in columns.given)
+    if by_name is not None:  # recorded as if mapped, so that score reads the same column
+        columns = ColumnMap({**columns.given, cache.MASK: by_name}).resolve(first.schema, first.path)
     mode = _detect_mode(first.path, first.schema, columns)
     if columns.name(cache.MASK) in first.schema.names:
         check_mask_type(first.path, first.schema, columns.name(cache.MASK))
@@ -123,6 +135,9 @@ def _open_file(path: Location, groups: bool = False) -> RolloutFile:
         table = _datasets_table(path)
         kind = "datasets" if path.is_dir() else "jsonl"
         num_rows, schema = table.num_rows, table.schema
+    elif not path.is_dir() and _is_pickle(path):  # verl's DataProto.save_to_disk
+        table = _dataproto_table(path)
+        kind, num_rows, schema = DATAPROTO, table.num_rows, table.schema
     else:
         kind = "parquet"
         try:
@@ -138,6 +153,24 @@ def _open_file(path: Location, groups: bool = False) -> RolloutFile:
     if num_rows == 0:
         raise InputError(f"{path}: file has no rows")
     return RolloutFile(path=path, kind=kind, num_rows=num_rows, schema=schema.remove_metadata())
+
+
+def _is_pickle(path: Location) -> bool:
+    try:
+        opened = path.open_input_file() if is_remote(path) else open(path, "rb")
+        with opened as file:
+            return file.read(2) in PICKLE_MAGIC
+    except (OSError, pa.ArrowException):
+        return False  # the parquet reader says why
+
+
+def _dataproto_table(path: Location) -> pa.Table:
+    """A DataProto.save_to_disk file as a table, read by a restricted unpickler (model/dataproto.py: torch)."""
+    try:
+        from klpipe.model.dataproto import read_dataproto
+    except ImportError:
+        raise InputError(f"{path}: reading a DataProto pickle needs torch: pip install 'klpipe[precompute]'") from None
+    return read_dataproto(path, local_copy(path))
 
 
 def _datasets_table(path: Location) -> pa.Table:
@@ -305,7 +338,8 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                 return
             else:
                 first = lo
-                batches = _datasets_table(info.path).slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
+                table = _dataproto_table(info.path) if info.kind == DATAPROTO else _datasets_table(info.path)
+                batches = table.slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
             position = first
             for batch in batches:
                 begin, end = max(lo - position, 0), min(hi - position, batch.num_rows)

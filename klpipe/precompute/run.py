@@ -60,6 +60,8 @@ class PrecomputeSummary:
     output: Location
     rows: int = 0  # rows scored in this run
     tokens: int = 0  # response tokens scored in this run (the policy's own: a mask's 0s get no logprob)
+    tool_tokens: int = 0  # response tokens a mask holds 0 that are not pads: a tool's, fed as context only
+    pads: int = 0  # pad tokens left out: stripped from a padded batch, or masked 0 after a response's end
     forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
     prefix_sharing: str = "off"  # the mode in force (auto falls back to off where the tree's probe fails: sharing.py)
     seconds: float = 0.0  # scoring time, model loading excluded
@@ -157,6 +159,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
                               template_kwargs=config.chat_template_kwargs,
                               stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
+                              end_ids=reference.stop_token_ids(spec),
                               template_given=config.chat_template is not None,
                               rollout_format=config.rollout_format)
     work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
@@ -429,6 +432,8 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
             response_tokens = tokenized.scored_tokens()
             summary.rows += tokenized.num_rows
             summary.tokens += response_tokens
+            summary.tool_tokens += tokenized.tool_tokens()
+            summary.pads += tokenized.pads
             progress.update(tokenized.num_rows, response_tokens)
             if on_chunk is not None:
                 on_chunk(tokenized.num_rows, response_tokens)

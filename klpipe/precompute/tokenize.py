@@ -21,8 +21,9 @@ from klpipe.arrow import (
 )
 from klpipe.errors import InputError
 from klpipe.mask import read_mask
+from klpipe.precompute import batches
 from klpipe.precompute.chat import ChatError, ChatRenderer
-from klpipe.precompute.rollouts import CHAT, TOKEN_IDS, Chunk, Rollouts
+from klpipe.precompute.rollouts import BATCH, CHAT, TOKEN_IDS, Chunk, Rollouts
 from klpipe.rows import row_name
 
 
@@ -37,6 +38,8 @@ class TokenizedChunk:
     # (response tokens,) bool: 1 where the policy sampled the token (klpipe/mask.py); None: every token.
     mask: np.ndarray | None = None
     derived_mask: bool = False  # the mask came from a conversation's roles and is written to the cache
+    pads: int = 0  # pad tokens left out: stripped from a padded batch, or masked 0 after a response's end (never fed)
+    masked_pads: int = 0  # those of `pads` that are in the response, masked 0 (not stripped)
 
     @property
     def num_rows(self) -> int:
@@ -59,6 +62,10 @@ class TokenizedChunk:
             return None
         return self.mask[self.response_offsets[i]:self.response_offsets[i + 1]]
 
+    def tool_tokens(self) -> int:
+        """Response tokens the mask holds 0 that are not pads: a tool's, fed as context and not scored."""
+        return 0 if self.mask is None else int(len(self.mask) - np.count_nonzero(self.mask)) - self.masked_pads
+
     def scored_tokens(self) -> int:
         """Response tokens whose logprob is computed: the mask's 1s, or every one."""
         return int(self.response_offsets[-1]) if self.mask is None else int(np.count_nonzero(self.mask))
@@ -69,7 +76,7 @@ class ChunkTokenizer:
 
     def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None,
                  tools: list | None = None, template_kwargs: dict | None = None, stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl"):
+                 template_given: bool = False, rollout_format: str = "trl", end_ids=()):
         self.rollouts = rollouts
         self.names = rollouts.columns.name  # role -> the user's column
         self.tokenizer = tokenizer  # only used in text and chat modes
@@ -79,14 +86,22 @@ class ChunkTokenizer:
                                  rollout_format=rollout_format)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
+        # Where ids come as they are, a pad at the prompt's left or after the response's end is refused (or, masked
+        # 0 at the end, counted and never fed); once where it is also the BOS or a stop token the policy sampled.
+        self.pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.bos_id = getattr(tokenizer, "bos_token_id", None)
+        self.end_ids = {*end_ids, getattr(tokenizer, "eos_token_id", None)} - {None}
 
     def __call__(self, chunk: Chunk) -> TokenizedChunk:
         table = chunk.table
         names = self.names
         derived = None  # conversational rows: the mask their roles give
-        if self.rollouts.mode == TOKEN_IDS:
-            prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS))
-            response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS))
+        pads = 0
+        if self.rollouts.mode == BATCH:  # the attended tokens of a trainer's padded batch, as prompt_ids & co.
+            table, pads = batches.unpad(table, self.rollouts.batch, lambda i: self._row_name(chunk, i))
+        if self.rollouts.mode in (TOKEN_IDS, BATCH):
+            prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS), table)
+            response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS), table)
         else:
             if self.rollouts.mode == CHAT:
                 prompt_lists, response_lists, derived = self._render_chat(chunk)
@@ -95,10 +110,41 @@ class ChunkTokenizer:
             prompt, prompt_off = _flatten(prompt_lists)
             response, response_off = _flatten(response_lists)
             table = self._with_ids(table, prompt, prompt_off, response, response_off)
-        tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off)
+        tokenized = TokenizedChunk(chunk, table, prompt, prompt_off, response, response_off, pads=pads)
         self._validate(tokenized)
         self._read_mask(tokenized, derived)
+        if self.rollouts.mode == TOKEN_IDS:
+            self._check_pads(tokenized)
         return tokenized
+
+    def _check_pads(self, t: TokenizedChunk) -> None:
+        """Ids as they came: a left pad would be fed as context the policy never saw, a right pad scored as
+        sampled. Refused naming the row, but trailing pads the mask holds 0 (never fed: nothing after a row's last 1
+        is), which are counted as pads."""
+        pad = self.pad_id
+        if pad is None:
+            return
+        names = self.names
+        for i in range(t.num_rows):
+            prompt, response = t.row(i)
+            lead = _run_length(prompt, pad)
+            if lead > (1 if pad == self.bos_id else 0):
+                self._fail(t.chunk, i, f"{names(cache.PROMPT_IDS)} starts with {lead} pad tokens (id {pad}): left "
+                                       "padding would be fed as context the policy never saw; give the prompt "
+                                       "unpadded, or a trainer's batch whole (verl's prompts, responses, "
+                                       "attention_mask), which klpipe unpads")
+            trail = _run_length(response[::-1], pad)
+            if not trail:
+                continue
+            mask = t.row_mask(i)
+            sampled = trail if mask is None else int(np.count_nonzero(mask[len(response) - trail:]))
+            if sampled > (1 if pad in self.end_ids else 0):
+                self._fail(t.chunk, i, f"{names(cache.RESPONSE_IDS)} ends with {trail} pad tokens (id {pad}) "
+                                       f"{'that its mask holds 1' if mask is not None else 'and no mask'}: they "
+                                       "would be scored as sampled; give the response unpadded, or a mask that "
+                                       "holds 0 at its pads (--column mask=NAME)")
+            t.pads += trail - sampled
+            t.masked_pads += trail - sampled
 
     def _read_mask(self, t: TokenizedChunk, derived: list[np.ndarray] | None) -> None:
         """The chunk's mask: the mask column, checked against the response tokens; for conversational rows, the
@@ -107,8 +153,8 @@ class ChunkTokenizer:
         lengths = t.response_lengths()
         against = self.names(cache.RESPONSE_IDS)
         given = None
-        if name in t.chunk.table.column_names:
-            given = read_mask(t.chunk.table.column(name), lengths, name, against,
+        if name in t.table.column_names:
+            given = read_mask(t.table.column(name), lengths, name, against,
                               lambda i: self._row_name(t.chunk, i))
         if derived is None:
             t.mask = given
@@ -152,8 +198,8 @@ class ChunkTokenizer:
         except ChatError as exc:
             self._fail(chunk, exc.row, str(exc))
 
-    def _flat_ids(self, chunk: Chunk, column: str) -> tuple[np.ndarray, np.ndarray]:
-        array = chunk.table.column(column).combine_chunks()
+    def _flat_ids(self, chunk: Chunk, column: str, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        array = table.column(column).combine_chunks()
         row = first_null(array)
         if row is not None:
             self._fail(chunk, row, f"{column} is null")
@@ -222,6 +268,12 @@ class ChunkTokenizer:
         id_column = self.names(cache.ID)
         row_id = chunk.table.column(id_column)[row].as_py() if id_column in chunk.table.column_names else None
         return row_name(path, int(chunk.file_row[row]), row_id)
+
+
+def _run_length(ids: np.ndarray, value: int) -> int:
+    """How many of `ids`' first values are `value`."""
+    differs = np.flatnonzero(ids != value)
+    return int(differs[0]) if len(differs) else len(ids)
 
 
 def _flatten(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

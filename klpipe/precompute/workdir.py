@@ -30,7 +30,8 @@ from klpipe.files.fingerprint import cache_dir
 from klpipe.files.parquet import open_parquet, parquet_writer, write_batch_rows, write_table
 from klpipe.files.store import Location, identity, is_remote
 from klpipe.mask import MASK_TYPE
-from klpipe.precompute.rollouts import CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
+from klpipe.precompute import batches
+from klpipe.precompute.rollouts import BATCH, CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
 
 CHUNK_PATTERN = "chunk-{:08d}.parquet"
@@ -88,6 +89,13 @@ class WorkDir:
                     schema = schema.set(schema.get_field_index(name), pa.field(name, TOKEN_ID_TYPE))
                 else:
                     schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
+        if rollouts.mode == BATCH:  # the batch's attended tokens, mask, logprobs and reward (batches.py)
+            derived = batches.derived_fields(rollouts.batch, schema)
+            if self.provenance.policy_model is not None and cache.POLICY_LOGPROBS in [f.name for f in derived]:
+                raise InputError(f"{rollouts.files[0].path}: the batch carries the policy's logprobs; --policy "
+                                 "computes them for rows that have none")
+            for derived_field in derived:
+                schema = schema.append(derived_field)
         mask = rollouts.columns.name(cache.MASK)
         if rollouts.mode == CHAT and mask not in schema.names:  # the mask the conversation's roles give
             schema = schema.append(pa.field(mask, MASK_TYPE))
