@@ -22,12 +22,12 @@ from klpipe.score import ScoreConfig, score
 from tests.architectures import save_tiny
 from tests.helpers import (
     ROLLOUTS,
+    RUN_KLPIPE,
     TINY_GEMMA,
     TINY_LLAMA,
     Fp64Oracle,
     agent_rollouts,
     assert_mismatch_figures,
-    block_imports,
     run_python,
     sampled_logprobs,
 )
@@ -92,7 +92,8 @@ def qwen3(tmp_path_factory):
 
 
 # Llama, Qwen3 and Gemma 4; rank 1 and 64; attention alone and attention + MLP; the head as modules_to_save; rows
-# run whole (packed), the prefix tree (its caches per side), and auto.
+# run whole (packed), the prefix tree (its caches per side), and auto. make test runs the first; make test-slow all.
+FAST = "llama-r1-attention-whole"
 CASES = {
     "llama-r1-attention-whole": (TINY_LLAMA, 1, ATTENTION, None, "off"),
     "llama-r64-all-tree-head": (TINY_LLAMA, 64, ATTENTION + MLP, ["lm_head"], "on"),
@@ -101,7 +102,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == FAST else pytest.mark.slow)
+                                  for case in sorted(CASES)])
 def test_both_columns_at_their_oracles_with_one_copy_of_the_base(tmp_path, qwen3, monkeypatch, case):
     base, rank, targets, to_save, sharing = CASES[case]
     base = qwen3 if base == "qwen3" else base
@@ -118,6 +120,7 @@ def test_both_columns_at_their_oracles_with_one_copy_of_the_base(tmp_path, qwen3
     assert mean_gap(table) > 0.05  # the adapter moves the logprobs: the policy is not the reference again
 
 
+@pytest.mark.slow
 def test_dora_and_a_reference_adapter_under_the_policys(tmp_path):
     # --model ADAPTER (an SFT adapter over the base) and --policy a DoRA adapter over the same base: each side with
     # its own adapter on, each at PEFT's merge of it.
@@ -191,16 +194,23 @@ def test_what_klpipe_does_not_apply_is_refused(tmp_path, field, value, words):
         run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter)
 
 
-def test_without_peft_the_error_names_the_extra(tmp_path):
+@pytest.mark.slow
+def test_an_adapter_runs_where_peft_is_not_installed(tmp_path):
+    # klpipe reads the folder itself: PEFT (110 MiB of RSS imported) is the tests' oracle, never a dependency.
     adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
-    code = block_imports("peft") + "from klpipe.cli import main\nsys.argv = ['klpipe'] + sys.argv[1:]\nmain()"
-    result = run_python(code, "precompute", "-m", str(TINY_LLAMA), "--policy", str(adapter), str(ROLLOUTS),
-                        "-o", str(tmp_path / "out.parquet"), "--device", "cpu", "--overwrite-policy-logprobs")
-    assert result.returncode == 2
-    assert result.stderr.strip() == "Error: PEFT adapters need the peft package: pip install 'klpipe[lora]'"
-    assert not (tmp_path / "out.parquet").exists()
+    rollouts = bare_rollouts(tmp_path)
+    # Uninstalled as the import system sees it: importlib.util.find_spec says None (transformers asks whether PEFT is
+    # available), and an import fails.
+    code = "import sys\nsys.modules['peft'] = None\n" + RUN_KLPIPE
+    result = run_python(code, "precompute", "-m", str(TINY_LLAMA), "--policy", str(adapter), str(rollouts),
+                        "-o", str(tmp_path / "out.parquet"), "--device", "cpu", "--progress", "none")
+    assert result.returncode == 0, result.stderr
+    assert "peft" not in result.stderr.lower()
+    expected = pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, name="here.parquet").output)
+    assert pq.read_table(tmp_path / "out.parquet").column("policy_logprobs").equals(expected.column("policy_logprobs"))
 
 
+@pytest.mark.slow
 def test_the_mismatch_section_works_with_an_adapter_policy(tmp_path):
     # The rollouts' own policy_logprobs are the sampler's: kept as sampler_logprobs beside the adapter's computed ones.
     adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj", "v_proj"], spread=0.01)
@@ -209,3 +219,31 @@ def test_the_mismatch_section_works_with_an_adapter_policy(tmp_path):
     section = scored.report["mismatch"]
     assert section["trainer_computed_by"] == str(adapter) and section["kl_from"] == "trainer"
     assert_mismatch_figures(section["run"], sampled_logprobs(summary.output))
+
+
+@pytest.mark.slow
+def test_an_adapter_saved_by_trls_own_trainer(tmp_path):
+    # TRL's SFTTrainer with peft_config, one optimizer step from PEFT's zero B, saved by its save_model: the folder a
+    # LoRA run's checkpoint is (adapter, config, tokenizer), taken as it is.
+    import warnings
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notes about their own defaults
+        args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, learning_rate=0.05, per_device_train_batch_size=2,
+                         report_to=[], use_cpu=True, bf16=False, logging_steps=1000, save_strategy="no")
+        trainer = SFTTrainer(model=str(TINY_LLAMA), args=args,
+                             train_dataset=Dataset.from_list([{"prompt": "The sky is", "completion": " blue today."}] * 4),
+                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                    task_type="CAUSAL_LM"))
+        trainer.train()
+        trainer.save_model(str(tmp_path / "checkpoint"))
+    adapter = tmp_path / "checkpoint"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "tokenizer.json").is_file()
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], None, adapter, prefix_sharing="on")
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
+    assert mean_gap(table) > 1e-3

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from klpipe.errors import ModelError, first_line
+from klpipe.errors import ModelError
 
+WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's, in the folder: never its pickled adapter_model.bin
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own path to the base model
 LORA_KEYS = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_magnitude_vector(\.weight)?)$")
 
@@ -89,13 +90,14 @@ class Adapters:
             if update is None:
                 return output
             x = args[0].to(update.down.dtype)  # (..., in)
-            delta = (x @ update.down.T) @ update.up.T * update.scaling  # (..., out)
-            result = output.to(delta.dtype)
-            if update.dora is not None:
-                bias = module.bias
-                base = result if bias is None else result - bias.to(delta.dtype)  # W x
-                delta = (update.dora - 1) * base + update.dora * delta
-            return (result + delta).to(output.dtype)
+            delta = (x @ update.down.T) @ update.up.T  # (..., out), in the adapter's fp32
+            delta.mul_(update.scaling)  # in place, as the adds below: the update's temporaries are the policy's peak
+            if update.dora is not None:  # f·s·B A x + (f − 1)·W x, W x the output less its bias
+                base = output.to(delta.dtype) if module.bias is None else output.to(delta.dtype) - module.bias
+                delta = update.dora * delta + (update.dora - 1) * base
+            if output.dtype == delta.dtype:
+                return output.add_(delta)  # a fresh tensor of the Linear's, read by nothing else yet
+            return delta.add_(output).to(output.dtype)  # rounded once, as PEFT's (output + update).to(dtype)
         return hook
 
     def activate(self, name: str | None) -> None:
@@ -125,16 +127,6 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module) -> Adapter:
     the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks)."""
     from safetensors import safe_open
 
-    from klpipe.precompute.adapters import CONFIG_FILE, INSTALL, WEIGHTS_FILE
-
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise ModelError(f"PEFT adapters need the peft package: {INSTALL}") from None
-    try:
-        LoraConfig.from_pretrained(path)  # what PEFT itself cannot read as a LoRA config, klpipe does not apply
-    except Exception as exc:  # noqa: BLE001 - PEFT raises ValueError, TypeError, OSError for a config it refuses
-        raise ModelError(f"{path}: PEFT cannot read its {CONFIG_FILE} ({first_line(exc)})") from None
     adapter = Adapter(name, path)
     modules = dict(model.named_modules())
     dtype = next(model.parameters()).dtype

@@ -3,7 +3,9 @@
 TRL (`GRPOTrainer(peft_config=...)`), Unsloth, verl (`lora_rank`) and OpenRLHF (`--lora_rank`) save a LoRA run's
 checkpoints as PEFT folders: `adapter_config.json` and `adapter_model.safetensors`, over a base model the config
 records (`base_model_name_or_path`). This module reads the config (json: no torch, no PEFT) and refuses, in one
-line, what klpipe does not apply exactly; model/lora.py applies the weights over the base's own.
+line, what klpipe does not apply exactly; model/lora.py applies the weights over the base's own. PEFT itself is
+never imported: its import alone costs ~110 MiB of RSS (benchmarks/bench_lora.py), about what a rank-16 adapter
+saves a 300 MB base over a merged copy; it is the tests' oracle (its merge_and_unload), not a dependency.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from pathlib import Path
 from klpipe.errors import ModelError
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = "adapter_model.safetensors"  # as model/lora.py reads it (which imports nothing of precompute/)
 PICKLED_WEIGHTS = "adapter_model.bin"
-INSTALL = "pip install 'klpipe[lora]'"
 
 # What klpipe applies (model/lora.py), with PEFT's meaning.
 APPLIED = {"peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",

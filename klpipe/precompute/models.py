@@ -62,8 +62,6 @@ def resolve(config: PrecomputeConfig) -> Models:
         models.policy_side = POLICY
     elif config.policy is not None:
         models.policy_spec = spec(config.policy, config.policy_revision, config.policy_device or config.device)
-    if models.adapters:
-        require_peft()
     return models
 
 
@@ -76,14 +74,6 @@ def _read(config: PrecomputeConfig, option: str, path: str) -> dict:
                          f"({_class_of(checked['auto_mapping'])}); klpipe runs it only "
                          "with --trust-remote-code")
     return checked
-
-
-def require_peft() -> None:
-    """PEFT is the `lora` extra: imported only when an adapter is given."""
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ModelError(f"PEFT adapters need the peft package: {adapters.INSTALL}") from None
 
 
 def base_fingerprint(spec) -> str | None:
