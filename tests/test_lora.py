@@ -60,11 +60,11 @@ def merged(base: Path, adapter: Path):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
 
 
-def run(tmp_path, inputs, model, policy, name="out.parquet", **kwargs):
+def run(tmp_path, inputs, model, policy, name="out.parquet", log=lambda message: None, **kwargs):
     config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name,
                               model=None if model is None else str(model), policy=None if policy is None else str(policy),
                               device="cpu", progress="none", **kwargs)
-    return precompute(config, log=lambda message: None)
+    return precompute(config, log=log)
 
 
 def bare_rollouts(tmp_path) -> Path:
@@ -247,3 +247,20 @@ def test_an_adapter_saved_by_trls_own_trainer(tmp_path):
     assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
     assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
     assert mean_gap(table) > 1e-3
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("targets", [ATTENTION, ATTENTION + MLP], ids=["attention", "attention-mlp"])
+def test_compile_with_an_adapter(tmp_path, targets):
+    # --compile on: the MLPs an adapter changes run eager (a hook per side), the others compiled, both sides at their
+    # oracles.
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=4, targets=targets, modules_to_save=["lm_head"])
+    lines = []
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter, compile="on", prefix_sharing="auto",
+                  log=lines.append)
+    compiled = next(line for line in lines if "compiled (torch.compile)" in line)
+    assert ("LlamaMLP" in compiled) == (targets == ATTENTION), compiled
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
+    assert mean_gap(table) > 0.05

@@ -70,7 +70,8 @@ class Adapters:
         return {path for adapter in self.adapters.values() for path in (*adapter.updates, *adapter.saved)}
 
     def add(self, name: str, path: str, config: dict) -> None:
-        """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive."""
+        """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
+        until `activate` (or `use`) names it."""
         adapter = read(name, path, config, self.model)
         self.adapters[name] = adapter
         modules = dict(self.model.named_modules())
@@ -81,7 +82,6 @@ class Adapters:
             base = self._base.setdefault(module_path, {})
             for key in tensors:
                 base.setdefault(key, getattr(modules[module_path], key))
-        self.activate(self.default)
 
     def _hook(self, module_path: str):
         def hook(module, args, output):  # output: (..., out)

@@ -82,6 +82,7 @@ class ReferenceModel:
             attached = lora.Adapters(model, default)
             for name, path, config in adapters:
                 attached.add(name, path, config)
+            attached.activate(default)
             head = model.get_output_embeddings()
             adapted_head = [a.path for a in attached.adapters.values()
                             if any(model.get_submodule(p) is head for p in a.updates)]
