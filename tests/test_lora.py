@@ -62,8 +62,8 @@ def merged(base: Path, adapter: Path):
 
 def run(tmp_path, inputs, model, policy, name="out.parquet", log=lambda message: None, **kwargs):
     config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name,
-                              model=None if model is None else str(model), policy=None if policy is None else str(policy),
-                              device="cpu", progress="none", **kwargs)
+                              model=None if model is None else str(model),
+                              policy=None if policy is None else str(policy), device="cpu", progress="none", **kwargs)
     return precompute(config, log=log)
 
 
@@ -232,10 +232,11 @@ def test_an_adapter_saved_by_trls_own_trainer(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notes about their own defaults
-        args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, learning_rate=0.05, per_device_train_batch_size=2,
-                         report_to=[], use_cpu=True, bf16=False, logging_steps=1000, save_strategy="no")
-        trainer = SFTTrainer(model=str(TINY_LLAMA), args=args,
-                             train_dataset=Dataset.from_list([{"prompt": "The sky is", "completion": " blue today."}] * 4),
+        args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, learning_rate=0.05,
+                         per_device_train_batch_size=2, report_to=[], use_cpu=True, bf16=False, logging_steps=1000,
+                         save_strategy="no")
+        rows = [{"prompt": "The sky is", "completion": " blue today."}] * 4
+        trainer = SFTTrainer(model=str(TINY_LLAMA), args=args, train_dataset=Dataset.from_list(rows),
                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                                     task_type="CAUSAL_LM"))
         trainer.train()
@@ -264,3 +265,19 @@ def test_compile_with_an_adapter(tmp_path, targets):
     assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
     assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
     assert mean_gap(table) > 0.05
+
+
+@pytest.mark.slow
+def test_shards_of_an_adapter_run_are_the_whole_run_cut(tmp_path):
+    # Two shards (a Slurm array's tasks), each loading the base and the adapter: their parts, in order, are the
+    # unsharded cache's rows, both columns bit for bit.
+    from klpipe.sharding import Shard
+
+    rollouts = bare_rollouts(tmp_path)
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=4, modules_to_save=["lm_head"])
+    whole = pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, chunk_rows=4).output)
+    parts = [pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, name="sharded", chunk_rows=4,
+                               shard=Shard(index, 2)).output) for index in range(2)]
+    assert sum(part.num_rows for part in parts) == whole.num_rows and all(part.num_rows for part in parts)
+    for column in ("ref_logprobs", "policy_logprobs"):
+        assert sum((part.column(column).to_pylist() for part in parts), []) == whole.column(column).to_pylist()

@@ -177,7 +177,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                       else reference.ReferenceModel.load(models.policy_spec, compile=config.compile)
                       if models.policy_spec is not None else None)
             summary.load_seconds = time.perf_counter() - load_started
-            _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk)
+            _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop,
+                        log, on_chunk)
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
             merged = work.path / "cache.parquet"
