@@ -5,6 +5,7 @@ is PEFT's own `merge_and_unload()` of the same folder, run in fp64 beside the ba
 """
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,9 @@ def save_adapter(base: Path, directory: Path, rank: int = 4, targets=ATTENTION +
     model = AutoModelForCausalLM.from_pretrained(base)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, modules_to_save=modules_to_save,
                         use_dora=dora, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
+        peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
@@ -57,7 +60,9 @@ def save_adapter(base: Path, directory: Path, rank: int = 4, targets=ATTENTION +
 
 def merged(base: Path, adapter: Path):
     """PEFT's own merge of the adapter into the base: the policy the oracle runs."""
-    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
 
 
 def run(tmp_path, inputs, model, policy, name="out.parquet", log=lambda message: None, **kwargs):
@@ -225,8 +230,6 @@ def test_the_mismatch_section_works_with_an_adapter_policy(tmp_path):
 def test_an_adapter_saved_by_trls_own_trainer(tmp_path):
     # TRL's SFTTrainer with peft_config, one optimizer step from PEFT's zero B, saved by its save_model: the folder a
     # LoRA run's checkpoint is (adapter, config, tokenizer), taken as it is.
-    import warnings
-
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
