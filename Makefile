@@ -174,6 +174,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_pairs.py
 	$(BIN)/python benchmarks/bench_tool_mask.py
 	$(BIN)/python benchmarks/bench_policy.py
+	$(BIN)/python benchmarks/bench_lora.py
 	$(BIN)/python benchmarks/bench_score.py
 	$(BIN)/python benchmarks/bench_memory.py
 

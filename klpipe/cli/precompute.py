@@ -30,9 +30,10 @@ def precompute_command(
         help="Rollout files (parquet, JSON Lines), `save_to_disk` directories, or directories of files; local "
              "paths or URIs (`s3://bucket/prefix/`, `s3://bucket/day-*.parquet`).",
         envvar="KLPIPE_INPUTS", show_default=False)],
-    model: Annotated[str, typer.Option(
-        "--model", "-m", help="Reference model: a hub id or a local directory (never fetched from the network).",
-        envvar="KLPIPE_MODEL", rich_help_panel=MODEL_PANEL, show_default=False)],
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Reference model: a hub id or a local directory (never fetched from the network), or a "
+                              "PEFT adapter folder over its base. Default with an adapter --policy: its base.",
+        envvar="KLPIPE_MODEL", rich_help_panel=MODEL_PANEL, show_default=False)] = PRECOMPUTE["model"],
     output: Annotated[str | None, typer.Option(
         "--output", "-o", help="Cache to write, a local path or a URI (s3://...). "
         "Default: INPUT.cached.parquet beside a single input.", metavar="PATH",
@@ -50,9 +51,11 @@ def precompute_command(
         help="Rollout sampling temperature; logits are divided by it before the softmax.",
         envvar="KLPIPE_TEMPERATURE", rich_help_panel=MODEL_PANEL)] = PRECOMPUTE["temperature"],
     policy: Annotated[str | None, typer.Option(
-        "--policy", help="A policy model (hub id or local directory) whose logprobs of the same tokens are written "
-                         "as policy_logprobs, in the same pass as the reference's: for rollouts without sampler "
-                         "logprobs. It must share the reference's tokenizer.",
+        "--policy", help="The policy whose logprobs of the same tokens are written as policy_logprobs, in the same "
+                         "pass as the reference's: for rollouts without sampler logprobs. A LoRA run's PEFT adapter "
+                         "folder (adapter_config.json + adapter_model.safetensors: TRL, Unsloth, verl, OpenRLHF), run "
+                         "on the reference's own weights with the adapter on, or a full model (hub id or local "
+                         "directory). It must share the reference's tokenizer.",
         envvar="KLPIPE_POLICY", rich_help_panel=POLICY_PANEL, show_default=False)] = PRECOMPUTE["policy"],
     policy_revision: Annotated[str | None, typer.Option(
         help="Hub revision of the policy model.",
@@ -180,6 +183,8 @@ def precompute_command(
         klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42/ --ray auto
 
         AWS_PROFILE=rl klpipe precompute -m ./ref s3://rollouts/day42/ -o s3://caches/day42.cached.parquet
+
+        klpipe precompute -m Qwen/Qwen3-4B --policy ./grpo-lora/checkpoint-400 dump.jsonl
 
         klpipe precompute -m ./ref --policy ./ckpt-400 dump.jsonl --column prompt=input --column response=output
 

@@ -10,6 +10,7 @@ continuation.py  what each kind of cache layer continues a prefix from (the tabl
 context_cache.py the cache a tree pass reads: each node's kept state, gathered or read in place (cascade.py)
 cascade.py    attention over a row's path where it lies, for the tree's full-attention layers
 probes.py     load-time check of the chunked head against the model's own logits
+lora.py       LoRA/DoRA adapters over the model's own weights, one active per side (the policy's, the reference's)
 compiled.py   torch.compile of the decoder layers' norms and MLPs (--compile), held to the model's own forward
 transfer.py   host ↔ device copies: pinned and non-blocking on CUDA
 runtime.py    what the stage records and sizes from torch: the device's memory, the library versions

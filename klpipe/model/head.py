@@ -92,8 +92,7 @@ class LMHead:
         head = model.get_output_embeddings()
         if head is None or not hasattr(head, "weight"):
             raise ModelError(f"{type(model).__name__} has no linear LM head klpipe can apply in chunks")
-        self.weight = head.weight  # (V, H)
-        self.bias = getattr(head, "bias", None)
+        self.module = head  # its weight read at each call: an adapter's modules_to_save swaps it per side (lora.py)
         # Parameters of a head whose forward does more than its weight and bias (Dory's learned per-token logit
         # scale): this head does not apply them, so the load-time check gives such a model its own (probes.py).
         self.unapplied = sorted({name for name, _ in head.named_parameters()} - {"weight", "bias"})
@@ -110,6 +109,14 @@ class LMHead:
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
         # (benchmarks/bench_head.py, README "Benchmarks"); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight  # (V, H)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.module, "bias", None)
 
     @staticmethod
     def rows_for(vocab_size: int, device: str, logits_budget: int | None) -> int:

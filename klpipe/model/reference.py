@@ -12,7 +12,8 @@ import inspect
 import numpy as np
 import torch
 
-from klpipe.model import cascade, compiled, loading, packing, probes, wide
+from klpipe.errors import ModelError
+from klpipe.model import cascade, compiled, loading, lora, packing, probes, wide
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -69,6 +70,8 @@ class ReferenceModel:
         if dtype == torch.float64:  # fp64 all the way through, not only the weights (the head: its setter)
             wide.install(self.model)
             wide.install(self.body)
+        # LoRA adapters over these weights (lora.py), one active per side; None: the weights alone.
+        self.adapters: lora.Adapters | None = None
 
     @property
     def head(self):
@@ -83,16 +86,55 @@ class ReferenceModel:
             wide.install(head, "logprobs")
 
     @classmethod
-    def load(cls, spec: ModelSpec, compile: str = "off") -> ReferenceModel:
+    def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None
+             ) -> ReferenceModel:
         """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
-        layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees."""
+        layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
+
+        `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
+        the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
+        forward with it active."""
         model, device, dtype = loading.load_model(spec)
+        if adapters:
+            attached = lora.Adapters(model, default)
+            for name, path, config in adapters:
+                attached.add(name, path, config)
+            attached.activate(default)
+            head = model.get_output_embeddings()
+            adapted_head = [a.path for a in attached.adapters.values()
+                            if any(model.get_submodule(p) is head for p in a.updates)]
+            if adapted_head:  # the chunked head reads the head's weight, not its forward: the update would be lost
+                raise ModelError(f"{adapted_head[0]}: LoRA on the LM head, which klpipe does not apply (merge it with "
+                                 "PEFT's merge_and_unload, or train the head as modules_to_save)")
         reference = cls(model, device, dtype)
+        reference.adapters = attached if adapters else None
         with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
             reference.check_head()
         reference.slow_kernels = tuple(missing)
+        reference.check_sides()
         reference.use_compile(compile)
         return reference
+
+    def side(self, name: str | None):
+        """Within: forwards run with adapter `name` active (None: the weights alone); outside, the default side."""
+        from contextlib import nullcontext
+
+        return self.adapters.use(name) if self.adapters is not None else nullcontext()
+
+    def check_sides(self) -> None:
+        """Each adapter's side, held to the model's own forward with it active: klpipe's rows run whole (its chunked
+        head, its packing) must give that forward's logprobs, as the default side's did in check_head."""
+        if self.adapters is None or self.own_forward is not None:
+            return
+        for name, adapter in self.adapters.adapters.items():
+            if name == self.adapters.default:
+                continue
+            ids = self.oracle.ids
+            with self.side(name):  # the oracle's forward with klpipe's attention taken out, as check_head's was
+                found = probes.gap(self, probes.Oracle(ids, self.own_logprobs([(ids[:1], ids[1:])])[0]))
+            if found > self.probe_tolerance:
+                raise ModelError(f"{adapter.path}: klpipe's logprobs with the adapter on differ from the model's own "
+                                 f"forward by {found:.3g}")
 
     def use_compile(self, mode: str, compiler=None) -> None:
         """Compile the decoder layers' norms and MLPs (compiled.py) where `mode` asks on this device, and keep them
@@ -104,6 +146,9 @@ class ReferenceModel:
             return
         name = type(self.model).__name__
         targets = compiled.targets(self.body)
+        if self.adapters is not None:  # an adapted module runs per side (a hook, swapped tensors): left eager
+            adapted = {self.model.get_submodule(path) for path in self.adapters.module_paths}
+            targets = [(n, m) for n, m in targets if not any(sub in adapted for sub in m.modules())]
         devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
         why_not = (f"its rows run by its own forward ({self.own_forward})" if self.own_forward is not None
                    else "it is spread over several devices" if len(devices) > 1  # accelerate's hooks move tensors

@@ -38,7 +38,8 @@ class PrecomputeConfig:
     """One precompute run: the rollouts, the reference model, batching, and where the cache goes."""
 
     inputs: list[Location]  # parquet / JSON Lines files, save_to_disk dirs, or directories of files; or URIs (s3://...)
-    model: str  # hub id or local directory
+    # hub id or local directory, or a PEFT adapter folder over a base; None: the base an adapter --policy records
+    model: str | None = None
     output: Location | None = None  # the cache (a directory when sharded), local or a URI; None: default_output(inputs)
     revision: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
@@ -52,7 +53,7 @@ class PrecomputeConfig:
     trust_remote_code: bool = False
     # A second model whose logprobs of the same tokens go into policy_logprobs, in the same pass: for
     # rollouts that carry none (verl dumps, offline trajectories, a checkpoint's drift on an eval set).
-    policy: str | None = None  # hub id or local directory
+    policy: str | None = None  # hub id or local directory, or a PEFT adapter folder (a LoRA run's checkpoint)
     policy_revision: str | None = None
     policy_device: str | None = None  # None: the reference's device
     overwrite_policy_logprobs: bool = False  # replace an input's policy_logprobs column with the policy's
@@ -92,6 +93,16 @@ class PrecomputeConfig:
         import hashlib
 
         return hashlib.sha256(self.chat_template.encode()).hexdigest()
+
+    def _adapter_base(self) -> str:
+        """Without --model, the reference is the base an adapter --policy records (TRL's reference in a LoRA run)."""
+        from klpipe.precompute import adapters
+
+        base = adapters.recorded_base(self.policy) if adapters.is_adapter(self.policy) else None
+        if base is None:
+            raise InputError("--model is required" + ("" if self.policy is None else
+                                                     f" (--policy {self.policy} is no adapter recording its base)"))
+        return base
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -137,6 +148,8 @@ class PrecomputeConfig:
                                               ("--policy-device", self.policy_device),
                                               ("--overwrite-policy-logprobs", self.overwrite_policy_logprobs)) if value]
             raise InputError(f"{' and '.join(given)} need --policy MODEL")
+        if self.model is None:
+            self.model = self._adapter_base()
         for option, name in (("--model", self.model), ("--policy", self.policy)):
             if name is not None and is_remote(location(name)):
                 raise InputError(f"{option} {name}: models are read from a local directory or the hub, not from a "

@@ -34,6 +34,8 @@ from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
+from klpipe.precompute.models import check_tokenizers, policy_revision, revision
+from klpipe.precompute.models import resolve as resolve_models
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
@@ -130,18 +132,13 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     check_output(output)  # a missing bucket fails now, not at the upload after hours of compute
     if shard and destination.is_file():
         raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
-    spec = reference.ModelSpec(
-        name=config.model, revision=config.revision, dtype=config.dtype,
-        device=config.device, trust_remote_code=config.trust_remote_code,
-    )
+    models = resolve_models(config)  # the weights to load, the adapters over them, a policy of its own
+    spec = models.spec
     model_config = reference.load_config(spec)
     tokenizer = _with_template(reference.load_tokenizer(spec), config)
-    policy_spec = _policy_spec(config)
-    policy_config = None
-    if policy_spec is not None:
-        policy_config = reference.load_config(policy_spec)
-        _check_policy_matches(config, spec, model_config, tokenizer, policy_spec, policy_config, rollouts)
-    provenance = _provenance(config, spec, model_config, tokenizer, rollouts, rows, policy_spec, policy_config)
+    policy_config = reference.load_config(models.policy_spec) if models.policy_spec is not None else None
+    _check_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
+    provenance = _provenance(config, models, model_config, tokenizer, rollouts, rows, policy_config)
     summary = PrecomputeSummary(output=output)
 
     if groups_out and output.exists() and not config.overwrite:
@@ -175,12 +172,16 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             # input should fail in seconds, not after hours of compute.
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
-            model = reference.ReferenceModel.load(spec, compile=config.compile)
-            # Both resident: each chunk's rows run through one, then the other, on one plan.
-            policy = (reference.ReferenceModel.load(policy_spec, compile=config.compile) if policy_spec is not None
-                      else None)
+            model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
+                                                  default=models.reference_side)
+            # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
+            # the same model with its adapter on: one copy of the base weights.
+            policy = (model if models.policy_side is not None
+                      else reference.ReferenceModel.load(models.policy_spec, compile=config.compile)
+                      if models.policy_spec is not None else None)
             summary.load_seconds = time.perf_counter() - load_started
-            _run_chunks(model, policy, rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk)
+            _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop,
+                        log, on_chunk)
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
             merged = work.path / "cache.parquet"
@@ -232,49 +233,35 @@ def _require_model_extra() -> None:
                          "pip install 'klpipe[precompute]' (on a GPU machine, your CUDA build of torch first)")
 
 
-def _policy_spec(config: PrecomputeConfig):
-    """The --policy model, loaded with the reference's safety rules and dtype; None without --policy."""
-    if config.policy is None:
-        return None
+def _check_tokenizers(config: PrecomputeConfig, models, model_config, policy_config, tokenizer, rollouts) -> None:
+    """The policy, and any adapter folder's own tokenizer, must read the reference's tokens as the same tokens."""
     from klpipe import model as reference
 
-    return reference.ModelSpec(name=config.policy, revision=config.policy_revision, dtype=config.dtype,
-                               device=config.policy_device or config.device, trust_remote_code=config.trust_remote_code)
-
-
-def _check_policy_matches(config: PrecomputeConfig, spec, model_config, tokenizer, policy_spec, policy_config,
-                          rollouts) -> None:
-    """The policy must read the reference's tokens as the same tokens: the same vocabulary and tokenizer."""
-    from klpipe import model as reference
-
-    vocab, policy_vocab = reference.vocab_and_context(model_config)[0], reference.vocab_and_context(policy_config)[0]
-    if vocab != policy_vocab:
-        raise ModelError(f"--policy {config.policy}: its vocabulary has {policy_vocab} tokens and the reference's "
-                         f"({config.model}) {vocab}; the two models must share a tokenizer")
     chat = rollouts.mode == CHAT
     options = _chat_options(config, rollouts)
+
+    def fingerprint_of(spec):
+        return reference.tokenizer_fingerprint(_with_template(reference.load_tokenizer(spec), config),
+                                               chat_template=chat, chat_options=options)
+
     ours = reference.tokenizer_fingerprint(tokenizer, chat_template=chat, chat_options=options)
-    theirs = reference.tokenizer_fingerprint(_with_template(reference.load_tokenizer(policy_spec), config),
-                                             chat_template=chat,
-                                             chat_options=options)
-    if ours != theirs:
-        what = "tokenizer or chat template" if chat else "tokenizer"
-        raise ModelError(f"--policy {config.policy}: its {what} differs from the reference's ({config.model}); the "
-                         "two models must share a tokenizer, or the policy's logprobs would be of other tokens")
+    check_tokenizers(config, models, model_config, policy_config, ours, fingerprint_of,
+                     "tokenizer or chat template" if chat else "tokenizer")
 
 
-def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollouts, rows, policy_spec=None,
+def _provenance(config: PrecomputeConfig, models, model_config, tokenizer, rollouts, rows,
                 policy_config=None) -> cache.Provenance:
     """How this run's cache is made: what a rerun must match to skip or resume it."""
     from klpipe import model as reference  # torch lives behind this import
     from klpipe.model.runtime import library_versions
 
+    spec = models.spec
     device, _ = reference.resolve_device(spec.device)
     dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU
     shard = config.shard
     return cache.Provenance(
         model=config.model,
-        revision=reference.weights_fingerprint(spec, model_config),
+        revision=revision(models, model_config),
         tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT,
                                                   chat_options=_chat_options(config, rollouts)),
         dtype=str(dtype).removeprefix("torch."),
@@ -294,8 +281,8 @@ def _provenance(config: PrecomputeConfig, spec, model_config, tokenizer, rollout
         chat_template=config.chat_template_digest() if rollouts.mode == CHAT else None,
         rollout_format=config.rollout_format if rollouts.mode == CHAT else "trl",
         policy_model=config.policy,
-        policy_revision=reference.weights_fingerprint(policy_spec, policy_config) if policy_spec is not None else None,
-        policy_dtype=str(dtype).removeprefix("torch.") if policy_spec is not None else None,
+        policy_revision=policy_revision(models, model_config, policy_config),
+        policy_dtype=str(dtype).removeprefix("torch.") if config.policy is not None else None,
         sampler_source=_sampler_source(config, rollouts),
     )
 
@@ -397,24 +384,30 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
         stop.check()
 
 
-def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
+def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log,
                 on_chunk=None) -> None:
-    """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one."""
+    """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one.
+
+    `policy` is `model` itself where it is an adapter over the same weights (`policy_side`, its adapter's name): one
+    plan, run once with the adapter off (or the reference's on) and once with the policy's on, its tree probed on
+    both sides."""
     max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
-    for note in model.notes + (policy.notes if policy is not None else []):  # what the load-time check dropped
+    own = policy if policy is not None and policy is not model else None  # a policy with weights of its own
+    for note in model.notes + (own.notes if own is not None else []):  # what the load-time check dropped
         log(note)
-    for line in (model.compile_note, policy.compile_note if policy is not None else None):
+    for line in (model.compile_note, own.compile_note if own is not None else None):
         if line is not None:
             log(line)
-    sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log)
+    sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log,
+                      sides=(policy_side,) if policy is model else ())
     if model.kernel_note:
         log(model.kernel_note)
-    if policy is not None:
+    if own is not None:
         # The two run one after the other, so each may hold the whole cache budget in turn.
-        policy_sharing = Sharing(policy, config.prefix_sharing, work.provenance.max_cache_mib, log)
-        if policy.kernel_note and policy.kernel_note != model.kernel_note:
-            log(policy.kernel_note)
+        policy_sharing = Sharing(own, config.prefix_sharing, work.provenance.max_cache_mib, log)
+        if own.kernel_note and own.kernel_note != model.kernel_note:
+            log(own.kernel_note)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
@@ -459,11 +452,14 @@ def _run_chunks(model, policy, rollouts, tokenize: ChunkTokenizer, work: WorkDir
                 plan_stats(plan, summary.forward, packs_passes(model))
                 logprobs = run_plan(model, plan, pairs, config.temperature, check)
                 policy_logprobs = None
-                if policy is not None:
+                if policy is model:  # the same weights, the policy's adapter on: the same plan, its own caches
+                    with model.side(policy_side):
+                        policy_logprobs = run_plan(model, plan, pairs, config.temperature, check)
+                elif own is not None:
                     # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
                     policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
-                    policy_logprobs = run_plan(policy, policy_plan, pairs, config.temperature, check)
-                for line in _compile_failures(model) + (_compile_failures(policy) if policy is not None else []):
+                    policy_logprobs = run_plan(own, policy_plan, pairs, config.temperature, check)
+                for line in _compile_failures(model) + (_compile_failures(own) if own is not None else []):
                     log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager now
                 # The last chunk written first, then the check: a stop asked for during that write leaves this
                 # chunk unwritten, as it did when each write was followed by a check on this thread.

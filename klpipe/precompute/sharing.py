@@ -22,8 +22,11 @@ from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan
 class Sharing:
     """`model`'s sharing mode (`asked`, until the probe fails under auto) and its chunk plans."""
 
-    def __init__(self, model, asked: str, max_cache_mib: int, log):
+    def __init__(self, model, asked: str, max_cache_mib: int, log, sides: tuple = ()):
+        """`sides`: the adapters over `model`'s weights (model/lora.py) whose forwards run the same plans: the tree's
+        probe runs with each of them on too."""
         self.model = model
+        self.sides = sides
         self.mode = asked
         self.max_cache_mib = max_cache_mib
         self.log = log
@@ -84,7 +87,12 @@ class Sharing:
 
     def _probe(self) -> None:
         self.probed = True
-        self._refuse(check_tree(self.model))
+        problem = check_tree(self.model)
+        for side in self.sides:
+            if problem is None:
+                with self.model.side(side):
+                    problem = check_tree(self.model)
+        self._refuse(problem)
 
     def _refuse(self, problem: str | None) -> None:
         """Under auto, rows run whole from now on, with one log line; under on, a ModelError. Nothing if no problem."""

@@ -1,0 +1,206 @@
+"""LoRA adapters over the model's own weights, switched per side: one copy of the base weights for both.
+
+TRL computes the reference's logprobs by turning the policy's adapter off on the same model (`disable_adapter()`);
+klpipe does the same, with the side as the switch. Each adapted `nn.Linear` keeps its module and weight and gets a
+forward hook that, while its adapter is the active one, adds PEFT's update to the base output:
+
+    LoRA   y = W x + b + s · B (A x)                                  s = alpha / r (alpha / √r with use_rslora)
+    DoRA   y = W x + b + (f − 1) · W x + f · s · B (A x)              f = m / ‖W + s·B A‖ per output row
+
+which is PEFT's `lora.Linear.forward` in eval (no dropout), the update in the adapter's fp32 as PEFT's
+`autocast_adapter_dtype` keeps it, and f computed once (the base weights are frozen). `modules_to_save` (a trained
+copy of a module, the LM head most often) is the adapter's tensors swapped in as the module's parameters while its
+side is active: parameter objects exchanged, no arithmetic, so switching back gives the base exactly.
+
+The hooks fire wherever the module runs: rows run whole, packed, the prefix tree's passes. The tree's caches live
+for one `run_plan` (model/tree.py), run under one side, so no side ever reads the other's keys and values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from klpipe.errors import ModelError
+
+WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's, in the folder: never its pickled adapter_model.bin
+PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own path to the base model
+LORA_KEYS = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_magnitude_vector(\.weight)?)$")
+
+
+@dataclass
+class LoraUpdate:
+    """One adapter's update of one Linear."""
+
+    down: torch.Tensor  # A: (r, in), fp32
+    up: torch.Tensor  # B: (out, r), fp32
+    scaling: float
+    dora: torch.Tensor | None = None  # f = m / ‖W + s·B A‖ per output row: (out,), fp32; None for LoRA
+
+
+@dataclass
+class Adapter:
+    """One adapter, as its tensors: updates per Linear, and modules_to_save's replacements."""
+
+    name: str
+    path: str
+    updates: dict[str, LoraUpdate] = field(default_factory=dict)  # module path -> update
+    saved: dict[str, dict[str, torch.nn.Parameter]] = field(default_factory=dict)  # module path -> name -> tensor
+
+
+class Adapters:
+    """The adapters over one model, and which is active (None: the base alone, as `disable_adapter()`)."""
+
+    def __init__(self, model: torch.nn.Module, default: str | None = None):
+        self.model = model
+        self.adapters: dict[str, Adapter] = {}
+        self.active: str | None = None
+        self.default = default  # the side forwards run under outside `use` (the reference's)
+        self._base: dict[str, dict[str, torch.nn.Parameter]] = {}  # modules_to_save: the base's own parameters
+        self._hooked: dict[str, torch.utils.hooks.RemovableHandle] = {}
+
+    @property
+    def module_paths(self) -> set[str]:
+        """Every module an adapter changes (compiled.py leaves them eager: a hook or a swap per side)."""
+        return {path for adapter in self.adapters.values() for path in (*adapter.updates, *adapter.saved)}
+
+    def add(self, name: str, path: str, config: dict) -> None:
+        """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
+        until `activate` (or `use`) names it."""
+        adapter = read(name, path, config, self.model)
+        self.adapters[name] = adapter
+        modules = dict(self.model.named_modules())
+        for module_path in adapter.updates:
+            if module_path not in self._hooked:
+                self._hooked[module_path] = modules[module_path].register_forward_hook(self._hook(module_path))
+        for module_path, tensors in adapter.saved.items():
+            base = self._base.setdefault(module_path, {})
+            for key in tensors:
+                base.setdefault(key, getattr(modules[module_path], key))
+
+    def _hook(self, module_path: str):
+        def hook(module, args, output):  # output: (..., out)
+            adapter = self.adapters.get(self.active) if self.active is not None else None
+            update = adapter.updates.get(module_path) if adapter is not None else None
+            if update is None:
+                return output
+            x = args[0].to(update.down.dtype)  # (..., in)
+            delta = (x @ update.down.T) @ update.up.T  # (..., out), in the adapter's fp32
+            delta.mul_(update.scaling)  # in place, as the adds below: the update's temporaries are the policy's peak
+            if update.dora is not None:  # f·s·B A x + (f − 1)·W x, W x the output less its bias
+                base = output.to(delta.dtype) if module.bias is None else output.to(delta.dtype) - module.bias
+                delta = update.dora * delta + (update.dora - 1) * base
+            if output.dtype == delta.dtype:
+                return output.add_(delta)  # a fresh tensor of the Linear's, read by nothing else yet
+            return delta.add_(output).to(output.dtype)  # rounded once, as PEFT's (output + update).to(dtype)
+        return hook
+
+    def activate(self, name: str | None) -> None:
+        """Make `name` the active adapter (None: none), modules_to_save's tensors swapped in or back."""
+        if name is not None and name not in self.adapters:
+            raise KeyError(name)
+        modules = dict(self.model.named_modules())
+        saved = self.adapters[name].saved if name is not None else {}
+        for module_path, base in self._base.items():
+            own = saved.get(module_path, {})
+            for key, parameter in base.items():
+                setattr(modules[module_path], key, own.get(key, parameter))
+        self.active = name
+
+    @contextmanager
+    def use(self, name: str | None):
+        """Forwards within run with adapter `name` active; the default side again after."""
+        self.activate(name)
+        try:
+            yield
+        finally:
+            self.activate(self.default)
+
+
+def read(name: str, path: str, config: dict, model: torch.nn.Module) -> Adapter:
+    """The adapter's tensors, checked against the model: every key a Linear's update or a module's replacement of
+    the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks)."""
+    from safetensors import safe_open
+
+    adapter = Adapter(name, path)
+    modules = dict(model.named_modules())
+    dtype = next(model.parameters()).dtype
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    to_save = tuple(config.get("modules_to_save") or ())
+    file = Path(path).expanduser() / WEIGHTS_FILE
+    try:
+        with safe_open(str(file), framework="pt") as weights:
+            tensors = {key: weights.get_tensor(key) for key in weights.keys()}
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: not readable as weights
+        raise ModelError(f"{file}: cannot read the adapter's weights ({exc})") from None
+    for key, tensor in tensors.items():
+        local = key.removeprefix(PREFIX)
+        match = LORA_KEYS.match(local)
+        if match is not None:
+            parts.setdefault(match["module"], {})[match["part"].split(".")[0]] = tensor
+            continue
+        module_path, _, attribute = local.rpartition(".")
+        if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
+            current = getattr(modules[module_path], attribute, None)
+            if not isinstance(current, torch.nn.Parameter) or current.shape != tensor.shape:
+                raise ModelError(f"{path}: {key} is {tuple(tensor.shape)}, and the base's {module_path}.{attribute} "
+                                 f"{_shape(current)}: an adapter for another base model")
+            replacement = torch.nn.Parameter(tensor.to(dtype=dtype, device=current.device), requires_grad=False)
+            adapter.saved.setdefault(module_path, {})[attribute] = replacement
+            continue
+        raise ModelError(f"{path}: holds {key}, which klpipe does not apply (LoRA on Linear layers and "
+                         "modules_to_save only; merge it with PEFT's merge_and_unload and pass the merged model)")
+    for module_path, found in sorted(parts.items()):
+        adapter.updates[module_path] = _update(path, module_path, found, config, modules.get(module_path))
+    if not adapter.updates and not adapter.saved:
+        raise ModelError(f"{path}: holds no LoRA weights")
+    return adapter
+
+
+def _update(path: str, module_path: str, found: dict, config: dict, module) -> LoraUpdate:
+    if not isinstance(module, torch.nn.Linear):
+        what = "no such module" if module is None else type(module).__name__
+        raise ModelError(f"{path}: adapts {module_path}, which in the base model is {what}: an adapter for another "
+                         "base model (klpipe applies LoRA to Linear layers)")
+    if "lora_A" not in found or "lora_B" not in found:
+        raise ModelError(f"{path}: {module_path} has {' and '.join(sorted(found))} only; an update needs lora_A and "
+                         "lora_B")
+    down, up = found["lora_A"].float(), found["lora_B"].float()  # (r, in), (out, r)
+    rank = down.shape[0]
+    if down.ndim != 2 or up.ndim != 2 or down.shape[1] != module.in_features or up.shape != (module.out_features, rank):
+        raise ModelError(f"{path}: {module_path}'s lora_A is {tuple(down.shape)} and lora_B {tuple(up.shape)}, for a "
+                         f"base layer of {module.in_features} in and {module.out_features} out: an adapter for "
+                         "another base model")
+    alpha = _pattern(config.get("alpha_pattern") or {}, module_path, config.get("lora_alpha", 8))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    device = module.weight.device
+    down, up = down.to(device), up.to(device)
+    dora = None
+    if config.get("use_dora"):
+        magnitude = found.get("lora_magnitude_vector")
+        if magnitude is None or magnitude.shape != (module.out_features,):
+            raise ModelError(f"{path}: {module_path} is a DoRA layer without its magnitude vector of "
+                             f"{module.out_features}")
+        with torch.no_grad():  # ‖W + s·B A‖ per output row, once: (out,)
+            norm = torch.linalg.vector_norm(module.weight.float() + scaling * (up @ down), dim=1)
+        dora = magnitude.float().to(device) / norm
+    elif "lora_magnitude_vector" in found:
+        raise ModelError(f"{path}: {module_path} holds a DoRA magnitude vector and its config says use_dora false")
+    return LoraUpdate(down, up, float(scaling), dora)
+
+
+def _pattern(patterns: dict, module_path: str, default):
+    """PEFT's rank/alpha pattern lookup (peft.utils.other.get_pattern_key): the first key the path ends with."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
+
+
+def _shape(parameter) -> str:
+    return "is missing" if parameter is None else f"is {tuple(parameter.shape)}"

@@ -1,0 +1,286 @@
+"""`--policy ADAPTER` and `--model ADAPTER`: PEFT LoRA folders over one copy of the base weights.
+
+Adapters are made at test time with PEFT itself (non-zero lora_B, so the adapter moves the logprobs), and the oracle
+is PEFT's own `merge_and_unload()` of the same folder, run in fp64 beside the base's fp64 forward.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from klpipe.cache import read_provenance
+from klpipe.errors import ModelError, OutputError
+from klpipe.model import loading
+from klpipe.precompute import PrecomputeConfig, precompute
+from klpipe.score import ScoreConfig, score
+from tests.architectures import save_tiny
+from tests.helpers import (
+    ROLLOUTS,
+    RUN_KLPIPE,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    Fp64Oracle,
+    agent_rollouts,
+    assert_mismatch_figures,
+    run_python,
+    sampled_logprobs,
+)
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+TOLERANCE = 1e-4
+
+
+def save_adapter(base: Path, directory: Path, rank: int = 4, targets=ATTENTION + MLP, modules_to_save=None,
+                 dora: bool = False, seed: int = 0, spread: float = 0.05) -> Path:
+    """A PEFT LoRA adapter over `base`, saved by PEFT, with random non-zero B (and modules_to_save moved too)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, modules_to_save=modules_to_save,
+                        use_dora=dora, task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
+        peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=spread * 4 / rank ** 0.5)
+            elif "modules_to_save" in name or "lora_magnitude_vector" in name:
+                parameter.mul_(1 + spread * torch.randn_like(parameter))
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def merged(base: Path, adapter: Path):
+    """PEFT's own merge of the adapter into the base: the policy the oracle runs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
+
+
+def run(tmp_path, inputs, model, policy, name="out.parquet", log=lambda message: None, **kwargs):
+    config = PrecomputeConfig(inputs=[Path(p) for p in inputs], output=tmp_path / name,
+                              model=None if model is None else str(model),
+                              policy=None if policy is None else str(policy), device="cpu", progress="none", **kwargs)
+    return precompute(config, log=log)
+
+
+def bare_rollouts(tmp_path) -> Path:
+    source = agent_rollouts(tmp_path / "agent.parquet", tasks=2, group=3, turns=2)
+    path = tmp_path / "bare.parquet"
+    pq.write_table(pq.read_table(source).drop_columns(["policy_logprobs"]), path)
+    return path
+
+
+def assert_at_oracle(table, column, model):
+    rows = [(np.array(r["prompt_ids"]), np.array(r["response_ids"])) for r in table.to_pylist()]
+    got = [np.array(v, dtype=np.float32) for v in table.column(column).to_pylist()]
+    ours, own = Fp64Oracle(model).errors(rows, got)
+    assert ours <= own + TOLERANCE, (column, ours, own)
+
+
+def mean_gap(table) -> float:
+    ref, policy = (np.concatenate(table.column(c).to_pylist()) for c in ("ref_logprobs", "policy_logprobs"))
+    return float(np.mean(np.abs(ref - policy)))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return save_tiny("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+# Llama, Qwen3 and Gemma 4; rank 1 and 64; attention alone and attention + MLP; the head as modules_to_save; rows
+# run whole (packed), the prefix tree (its caches per side), and auto. make test runs the first; make test-slow all.
+FAST = "llama-r1-attention-whole"
+CASES = {
+    "llama-r1-attention-whole": (TINY_LLAMA, 1, ATTENTION, None, "off"),
+    "llama-r64-all-tree-head": (TINY_LLAMA, 64, ATTENTION + MLP, ["lm_head"], "on"),
+    "qwen3-r8-all-auto-head": ("qwen3", 8, ATTENTION + MLP, ["lm_head"], "auto"),
+    "gemma4-r4-all-tree-head": (TINY_GEMMA, 4, ATTENTION + MLP, ["lm_head"], "on"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=() if case == FAST else pytest.mark.slow)
+                                  for case in sorted(CASES)])
+def test_both_columns_at_their_oracles_with_one_copy_of_the_base(tmp_path, qwen3, monkeypatch, case):
+    base, rank, targets, to_save, sharing = CASES[case]
+    base = qwen3 if base == "qwen3" else base
+    adapter = save_adapter(base, tmp_path / "adapter", rank=rank, targets=targets, modules_to_save=to_save)
+    loads = []
+    load_model = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda spec: loads.append(spec.name) or load_model(spec))
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], base, adapter, prefix_sharing=sharing,
+                  max_tokens_per_batch=96, chunk_rows=5)
+    assert loads == [str(base)]  # one copy of the base weights: the policy is the same model, its adapter on
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(base).eval())
+    assert_at_oracle(table, "policy_logprobs", merged(base, adapter))
+    assert mean_gap(table) > 0.05  # the adapter moves the logprobs: the policy is not the reference again
+
+
+@pytest.mark.slow
+def test_dora_and_a_reference_adapter_under_the_policys(tmp_path):
+    # --model ADAPTER (an SFT adapter over the base) and --policy a DoRA adapter over the same base: each side with
+    # its own adapter on, each at PEFT's merge of it.
+    sft = save_adapter(TINY_LLAMA, tmp_path / "sft", rank=8, targets=MLP, seed=1)
+    dora = save_adapter(TINY_LLAMA, tmp_path / "dora", rank=4, dora=True, modules_to_save=["lm_head"], seed=2)
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], sft, dora, prefix_sharing="auto", chunk_rows=5)
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", merged(TINY_LLAMA, sft))
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, dora))
+    assert mean_gap(table) > 0.05
+    # The reference's adapter alone, no policy.
+    alone = pq.read_table(run(tmp_path, [bare_rollouts(tmp_path)], sft, None, name="sft.parquet").output)
+    assert alone.column("ref_logprobs").to_pylist() == table.column("ref_logprobs").to_pylist()
+
+
+def test_without_model_the_reference_is_the_base_the_adapter_records(tmp_path):
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(TINY_LLAMA)
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], None, adapter)
+    provenance = read_provenance(summary.output)
+    assert provenance.model == str(TINY_LLAMA) and provenance.policy_model == str(adapter)
+
+
+def test_the_adapters_bytes_are_in_the_policys_fingerprint(tmp_path):
+    rollouts = bare_rollouts(tmp_path)
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    summary = run(tmp_path, [rollouts], TINY_LLAMA, adapter)
+    first = read_provenance(summary.output).policy_revision
+    assert first.startswith(read_provenance(summary.output).revision + " + adapter local:")
+    # The same folder, other weights (a later checkpoint saved over it): the cache is another run's, refused.
+    save_adapter(TINY_LLAMA, adapter, rank=2, seed=5)
+    with pytest.raises(OutputError, match="made by a different run .*policy"):
+        run(tmp_path, [rollouts], TINY_LLAMA, adapter)
+    second = read_provenance(run(tmp_path, [rollouts], TINY_LLAMA, adapter, overwrite=True).output).policy_revision
+    assert second != first
+
+
+def test_an_adapter_for_another_base_is_refused_before_anything_runs(tmp_path, qwen3):
+    rollouts = bare_rollouts(tmp_path)
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    # Recorded on another base than --model: refused by its config, naming both.
+    with pytest.raises(ModelError, match=rf"an adapter trained on {TINY_LLAMA} .*not on {qwen3}"):
+        run(tmp_path, [rollouts], qwen3, adapter)
+    # Shapes that do not fit the base (a Llama with a wider MLP, its record edited to claim the sample Llama): refused
+    # by the tensors, before any row runs.
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    config.intermediate_size = 96
+    wide_base = tmp_path / "wide-base"
+    AutoModelForCausalLM.from_config(config).save_pretrained(wide_base)
+    wide = save_adapter(wide_base, tmp_path / "wide", rank=2)
+    recorded = json.loads((wide / "adapter_config.json").read_text())
+    (wide / "adapter_config.json").write_text(json.dumps({**recorded, "base_model_name_or_path": str(TINY_LLAMA)}))
+    with pytest.raises(ModelError, match=r"down_proj's lora_A is \(2, 96\) and lora_B \(64, 2\), for a base layer "
+                                         r"of 128 in and 64 out: an adapter for another base model"):
+        run(tmp_path, [rollouts], TINY_LLAMA, wide)
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "out.parquet.partial").exists()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("alora_invocation_tokens", [5, 6], "sets alora_invocation_tokens, which klpipe does not apply"),
+    ("fan_in_fan_out", True, "fan_in_fan_out=True"),
+    ("peft_type", "IA3", "a IA3 adapter"),
+    ("auto_mapping", {"base_model_class": "MyModel"}, "ships its own code .*--trust-remote-code"),
+])
+def test_what_klpipe_does_not_apply_is_refused(tmp_path, field, value, words):
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelError, match=words):
+        run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter)
+
+
+@pytest.mark.slow
+def test_an_adapter_runs_where_peft_is_not_installed(tmp_path):
+    # klpipe reads the folder itself: PEFT (110 MiB of RSS imported) is the tests' oracle, never a dependency.
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    rollouts = bare_rollouts(tmp_path)
+    # Uninstalled as the import system sees it: importlib.util.find_spec says None (transformers asks whether PEFT is
+    # available), and an import fails.
+    code = "import sys\nsys.modules['peft'] = None\n" + RUN_KLPIPE
+    result = run_python(code, "precompute", "-m", str(TINY_LLAMA), "--policy", str(adapter), str(rollouts),
+                        "-o", str(tmp_path / "out.parquet"), "--device", "cpu", "--progress", "none")
+    assert result.returncode == 0, result.stderr
+    assert "peft" not in result.stderr.lower()
+    expected = pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, name="here.parquet").output)
+    assert pq.read_table(tmp_path / "out.parquet").column("policy_logprobs").equals(expected.column("policy_logprobs"))
+
+
+@pytest.mark.slow
+def test_the_mismatch_section_works_with_an_adapter_policy(tmp_path):
+    # The rollouts' own policy_logprobs are the sampler's: kept as sampler_logprobs beside the adapter's computed ones.
+    adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj", "v_proj"], spread=0.01)
+    summary = run(tmp_path, [ROLLOUTS], TINY_GEMMA, adapter)
+    scored = score(ScoreConfig(inputs=[summary.output], output=tmp_path / "scored.parquet"))
+    section = scored.report["mismatch"]
+    assert section["trainer_computed_by"] == str(adapter) and section["kl_from"] == "trainer"
+    assert_mismatch_figures(section["run"], sampled_logprobs(summary.output))
+
+
+@pytest.mark.slow
+def test_an_adapter_saved_by_trls_own_trainer(tmp_path):
+    # TRL's SFTTrainer with peft_config, one optimizer step from PEFT's zero B, saved by its save_model: the folder a
+    # LoRA run's checkpoint is (adapter, config, tokenizer), taken as it is.
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notes about their own defaults
+        args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=1, learning_rate=0.05,
+                         per_device_train_batch_size=2, report_to=[], use_cpu=True, bf16=False, logging_steps=1000,
+                         save_strategy="no")
+        rows = [{"prompt": "The sky is", "completion": " blue today."}] * 4
+        trainer = SFTTrainer(model=str(TINY_LLAMA), args=args, train_dataset=Dataset.from_list(rows),
+                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                    task_type="CAUSAL_LM"))
+        trainer.train()
+        trainer.save_model(str(tmp_path / "checkpoint"))
+    adapter = tmp_path / "checkpoint"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "tokenizer.json").is_file()
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], None, adapter, prefix_sharing="on")
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
+    assert mean_gap(table) > 1e-3
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("targets", [ATTENTION, ATTENTION + MLP], ids=["attention", "attention-mlp"])
+def test_compile_with_an_adapter(tmp_path, targets):
+    # --compile on: the MLPs an adapter changes run eager (a hook per side), the others compiled, both sides at their
+    # oracles.
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=4, targets=targets, modules_to_save=["lm_head"])
+    lines = []
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter, compile="on", prefix_sharing="auto",
+                  log=lines.append)
+    compiled = next(line for line in lines if "compiled (torch.compile)" in line)
+    assert ("LlamaMLP" in compiled) == (targets == ATTENTION), compiled
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval())
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
+    assert mean_gap(table) > 0.05
+
+
+@pytest.mark.slow
+def test_shards_of_an_adapter_run_are_the_whole_run_cut(tmp_path):
+    # Two shards (a Slurm array's tasks), each loading the base and the adapter: their parts, in order, are the
+    # unsharded cache's rows, both columns bit for bit.
+    from klpipe.sharding import Shard
+
+    rollouts = bare_rollouts(tmp_path)
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=4, modules_to_save=["lm_head"])
+    whole = pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, chunk_rows=4).output)
+    parts = [pq.read_table(run(tmp_path, [rollouts], TINY_LLAMA, adapter, name="sharded", chunk_rows=4,
+                               shard=Shard(index, 2)).output) for index in range(2)]
+    assert sum(part.num_rows for part in parts) == whole.num_rows and all(part.num_rows for part in parts)
+    for column in ("ref_logprobs", "policy_logprobs"):
+        assert sum((part.column(column).to_pylist() for part in parts), []) == whole.column(column).to_pylist()
