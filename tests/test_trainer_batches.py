@@ -320,8 +320,8 @@ def test_openrlhfs_experience_fields_are_read_whole(tmp_path, tokenizer, oracle)
 def test_openrlhfs_unpadded_layout_is_read_exactly(tmp_path, tokenizer, oracle):
     # OpenRLHF's sample maker of late (experience.py's `action_mask: (B, A)` with A = T - 1): `sequences` is
     # prompt + response unpadded and right-padded in the batch, `action_mask` the full sequence's mask less its first
-    # position (0 over the prompt). Read as a one-token prompt and the rest as the response, the prompt's tokens
-    # masked 0: context, never scored. The sampled tokens' logprobs are the oracle's all the same.
+    # position (0 over the prompt). The masked run before the first action is the prompt: context, never scored, and
+    # not counted as a tool's tokens. The sampled tokens' logprobs are the oracle's all the same.
     rows = trajectories(seed=6, rows=3)
     width = max(len(r["prompt"]) + len(r["response"]) for r in rows) + 2
     experience = {key: [] for key in ("sequences", "attention_mask", "action_mask", "action_log_probs")}
@@ -335,13 +335,16 @@ def test_openrlhfs_unpadded_layout_is_read_exactly(tmp_path, tokenizer, oracle):
         experience["action_log_probs"].append([0.0] * (len(row["prompt"]) - 1) + row["logprobs"] + [0.0] * right)
     path = tmp_path / "experience.parquet"
     pq.write_table(pa.table(experience), path)
-    for row, got in zip(rows, pq.read_table(run(tmp_path, [path]).output).to_pylist(), strict=True):
-        assert got["prompt_ids"] + got["response_ids"] == row["prompt"] + row["response"]
-        sampled = len(got["response_ids"]) - len(row["response"])  # where the sampled response starts
-        expected = oracle_logprobs(oracle, row["prompt"], row["response"])
-        for value, want, keep in zip(got["ref_logprobs"][sampled:], expected, row["mask"], strict=True):
+    summary = run(tmp_path, [path])
+    for row, got in zip(rows, pq.read_table(summary.output).to_pylist(), strict=True):
+        first = row["mask"].index(1)  # a response opening on a tool's tokens: those are context too
+        assert got["prompt_ids"] == row["prompt"] + row["response"][:first]
+        assert got["response_ids"] == row["response"][first:] and got["mask"] == row["mask"][first:]
+        expected = oracle_logprobs(oracle, row["prompt"], row["response"])[first:]
+        for value, want, keep in zip(got["ref_logprobs"], expected, got["mask"], strict=True):
             assert (abs(value - want) <= TOLERANCE) if keep else value is None
-        assert all(value is None for value in got["ref_logprobs"][:sampled])
+        assert got["policy_logprobs"] == pytest.approx(row["logprobs"][first:], abs=1e-6)
+    assert summary.tool_tokens == sum(row["mask"][row["mask"].index(1):].count(0) for row in rows)
 
 
 def test_verls_rollout_dump_is_refused_in_one_line(tmp_path, tokenizer):

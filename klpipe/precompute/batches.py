@@ -98,7 +98,7 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
                            "action_log_probs", "token_level_scores")}
     rows = table.num_rows
     prompts, responses, masks, pads = [], [], [], 0
-    ends = []  # (rows,) each row's response length: where its per-token columns are cut
+    cuts = []  # (rows,) each row's response as (first, end) positions: where its per-token columns are cut
     for i in range(rows):
         for key, values in columns.items():
             if values[i] is None:
@@ -146,10 +146,14 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
                 raise InputError(f"{row_name(i)}: {mask_name} is 1 at a pad (response position "
                                  f"{end + int(np.flatnonzero(mask[end:])[0])}, after the last attended token)")
             mask = mask[:end].astype(np.int8)
-        prompts.append(prompt_region[start:].tolist())
-        responses.append(response_region[:end].tolist())
-        masks.append(mask.tolist())
-        ends.append(end)
+        # OpenRLHF's later layout has action_mask over the whole sequence less its first token, 0 over the prompt:
+        # the masked run before the first action is context the policy never sampled, so it joins the prompt (the
+        # same tokens fed, the same logprobs; the summary no longer counts the prompt as a tool's tokens).
+        lead = int(np.argmax(mask)) if kind == OPENRLHF and mask.any() else 0
+        prompts.append(prompt_region[start:].tolist() + response_region[:lead].tolist())
+        responses.append(response_region[lead:end].tolist())
+        masks.append(mask[lead:].tolist())
+        cuts.append((lead, end))
         pads += start + len(response_region) - end
     added = {cache.PROMPT_IDS: pa.array(prompts, pa.list_(pa.int32())),
              cache.RESPONSE_IDS: pa.array(responses, pa.list_(pa.int32())),
@@ -157,7 +161,8 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
     logprobs, sampler = _logprob_sources(kind, table.column_names)
     for role, source in ((cache.POLICY_LOGPROBS, logprobs), (cache.SAMPLER_LOGPROBS, sampler)):
         if source is not None:
-            added[role] = pa.array([_cut(columns[source][i], ends[i], source, row_name(i)) for i in range(rows)], LOGPROBS_TYPE)
+            added[role] = pa.array([_cut(columns[source][i], *cuts[i], source, row_name(i)) for i in range(rows)],
+                                    LOGPROBS_TYPE)
     reward = _reward_source(kind, table.schema)
     if reward == "token_level_scores":
         added[cache.REWARD] = pa.array([float(np.sum(columns[reward][i], dtype=np.float64)) for i in range(rows)],
@@ -169,11 +174,11 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
     return table, pads
 
 
-def _cut(values: list, end: int, source: str, name: str) -> list:
-    """A padded per-token column cut to the response's `end` attended tokens."""
+def _cut(values: list, first: int, end: int, source: str, name: str) -> list:
+    """A padded per-token column cut to the response's attended tokens from `first` (an OpenRLHF prompt's run)."""
     if len(values) < end:
         raise InputError(f"{name}: {source} has {len(values)} values, fewer than the response's {end} tokens")
-    return values[:end]
+    return values[first:end]
 
 
 def _logprob_sources(kind: str, names: list[str]) -> tuple[str | None, str | None]:
