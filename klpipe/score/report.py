@@ -42,7 +42,7 @@ class RunTotals:
 
     rows: int = 0
     tokens: int = 0  # response tokens scored: the policy's own (mask 1) where the caches have a mask
-    masked_tokens: int = 0  # response tokens the mask left out: tools' results
+    masked_tokens: int = 0  # response tokens the mask left out: tools' results, and pads kept after a response
     rows_without_tokens: int = 0  # rows with no token to score (an empty response, or masked whole): KL 0
     row_kls: list[np.ndarray] = field(default_factory=list)  # (rows,) per batch: percentiles, histogram
     reward_sums: list[float] = field(default_factory=list)
@@ -210,7 +210,7 @@ def render_table(report: dict, console) -> None:
         f"({summary['kl/adaptation_count']} adaptations in all); "
         f"reward {summary['reward_mean_before']:.4f} → {summary['reward_mean_after']:.4f}; "
         f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows"
-        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out (tool results)"
+        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out (mask 0: tool results, pads)"
            + (f", {summary['rows_without_tokens']:,} rows with none (KL 0)" if summary['rows_without_tokens'] else "")
            if summary.get("masked_tokens") else ""),
         markup=False,
