@@ -39,12 +39,12 @@ TOLERANCE = 1e-4
 
 
 def save_adapter(base: Path, directory: Path, rank: int = 4, targets=ATTENTION + MLP, modules_to_save=None,
-                 dora: bool = False, seed: int = 0, spread: float = 0.05) -> Path:
+                 dora: bool = False, seed: int = 0, spread: float = 0.05, **options) -> Path:
     """A PEFT LoRA adapter over `base`, saved by PEFT, with random non-zero B (and modules_to_save moved too)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, modules_to_save=modules_to_save,
-                        use_dora=dora, task_type="CAUSAL_LM")
+                        use_dora=dora, task_type="CAUSAL_LM", **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
         peft_model = get_peft_model(model, config)
@@ -123,6 +123,18 @@ def test_both_columns_at_their_oracles_with_one_copy_of_the_base(tmp_path, qwen3
     assert_at_oracle(table, "ref_logprobs", AutoModelForCausalLM.from_pretrained(base).eval())
     assert_at_oracle(table, "policy_logprobs", merged(base, adapter))
     assert mean_gap(table) > 0.05  # the adapter moves the logprobs: the policy is not the reference again
+
+
+def test_rslora_and_per_module_rank_and_alpha(tmp_path):
+    # rsLoRA scales by alpha / sqrt(r), and rank_pattern / alpha_pattern give some modules their own r and alpha:
+    # each a scale that, read wrong, moves the policy's logprobs silently. Held to PEFT's merge of the same folder.
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=4, use_rslora=True,
+                           rank_pattern={"q_proj": 2, "down_proj": 8}, alpha_pattern={"v_proj": 3, "up_proj": 32})
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["use_rslora"] and config["rank_pattern"] and config["alpha_pattern"]  # what the case is about
+    table = pq.read_table(run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter, chunk_rows=5).output)
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
+    assert mean_gap(table) > 0.05
 
 
 @pytest.mark.slow
