@@ -72,6 +72,7 @@ class ReferenceModel:
             wide.install(self.body)
         # LoRA adapters over these weights (lora.py), one active per side; None: the weights alone.
         self.adapters: lora.Adapters | None = None
+        self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
 
     @property
     def head(self):
@@ -86,14 +87,18 @@ class ReferenceModel:
             wide.install(head, "logprobs")
 
     @classmethod
-    def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None
-             ) -> ReferenceModel:
+    def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
+             streamed: bool = False) -> ReferenceModel:
         """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
         layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
 
         `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
         the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
-        forward with it active."""
+        forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py)."""
+        if streamed:
+            from klpipe.model import streaming
+
+            return streaming.reference(cls, spec, compile, adapters)
         model, device, dtype = loading.load_model(spec)
         if adapters:
             attached = lora.Adapters(model, default)
@@ -382,3 +387,4 @@ def attention_cost(body) -> float:
     queries = sum(m.out_features for name, m in body.named_modules()
                   if name.endswith("q_proj") and isinstance(m, torch.nn.Linear))
     return 4.0 * queries / (2.0 * linear) if linear else 0.0
+

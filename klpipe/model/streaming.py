@@ -1,0 +1,283 @@
+"""A reference model larger than the memory the job may use: its weights stream, one decoder layer at a time.
+
+An offline precompute knows every row of a chunk before the first layer runs, so each layer's weights need to
+be read once per chunk, not once per forward (accelerate's offload) or once per row (AirLLM). This module runs a
+chunk's passes layer-major, as FlexGen does:
+
+    layer 0 ─ pass 1, pass 2, …, pass n      (layer 1 read in the background meanwhile)
+    layer 1 ─ pass 1, pass 2, …, pass n      (layer 0 freed, layer 2 read)
+    …
+    then each pass's final norm and head, as in memory
+
+**Where the weights stay** (weight_store.py). The model is built on the meta device from its config, as
+`from_pretrained` builds it, and transformers' own loader puts into it, at load, everything outside the decoder
+layers (the embeddings, Gemma's per-layer embeddings, the final norm, the head): resident for the run. Each layer's
+tensors stay in the safetensors files, opened memory-mapped (`safe_open`): no copy of the whole model is ever in
+RAM, and what the page cache keeps of the files the kernel may drop (a memory cgroup counts the page cache, but
+reclaims it before it kills). Layer k is read into its own modules by the same loader (same renamings, same fused
+MoE experts, same fp32-kept parameters) and freed by putting its meta parameters back.
+
+**How a forward runs.** Nothing of the model's forward is copied: a pre-forward hook on each of the body's decoder
+layers (the ModuleList holding most parameters, `layers` in every family) makes sure that layer is loaded. Each
+pass is the model's own forward (klpipe's rows run whole: `ReferenceModel.score_batch`, packed or padded), run in
+a thread of its own; only one runs at a time (a baton passed through semaphores, so torch's threads are never
+shared), and each gives the baton back at every layer's hook. The scheduler then resumes the passes waiting at the
+lowest layer, each until its next layer, so every pass goes through layer k before any goes through k + 1. Whatever
+a forward keeps between layers stays in its own frame: the hidden states, RoPE's cos/sin, Gemma 4's per-layer
+inputs and its KV-shared layers' keys and values (a dict the body hands from layer to layer), a hybrid layer's
+conv and recurrent states. That is why no family needs code of its own here:
+
+    MoE experts          fused at load by transformers' converters; a layer is all its experts (the router runs
+                         inside it); a layer over the budget alone is refused by the budget, below
+    KV-shared layers     read the keys of an earlier layer from the forward's own dict, kept per pass
+    per-layer embeddings resident (Gemma 4 E2B's table is most of its weights: streaming it is the next step)
+    hybrid layers        their states live in the pass's own forward; rows run whole start from zero states
+    shared blocks        a module several depths call (Zamba) would be freed under another depth: refused
+    out-of-order calls   a pass that asks for an earlier layer again gets it read again: slower, never wrong
+
+A forward outside a chunk (the load-time probes, the oracle) streams the same way on its own: each layer loaded at
+its hook, the next read in the background, the one before freed.
+
+**Double buffering.** While the passes run layer k, layer k + 1 is read on a background thread; at most two layers
+are loaded at once. On CUDA the same shape holds with a copy stream and pinned staging buffers (not built yet: CPU
+only for now, refused on a GPU).
+
+**Hidden states between layers.** Each pass holds its own activations while it waits; a chunk's rows are cut into
+groups whose kept activations fit the budget (`group_tokens`), and each group reads the weights once. On a device
+they would spill to host memory between layers (with the GPU path).
+
+**The prefix tree** (not streamed yet: `auto` runs rows whole on a streamed model, `on` is refused). Its passes fit
+the same baton: within a layer, the tree's passes run in tree order, so a parent's keys and values are needed only
+for that layer, by its children's passes, and can be dropped when the layer ends; the tree's cache would then hold
+one layer's keys and values per kept node, not every layer's.
+
+**The budget** (precompute/memory.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
+cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
+the process's own footprint and an estimate of the activations of one pass of `--max-tokens-per-batch` tokens, the
+weights either fit (the in-memory path) or stream; a budget too small for the resident part, two layers and the
+activations is refused before anything runs, naming the smallest budget that would work.
+
+Not streamed yet, each refused in one line: the prefix tree (`--prefix-sharing on`), `--compile on`, LoRA adapters,
+`--policy`, `--dtype float64`, `--trust-remote-code`, a GPU.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from klpipe.errors import ModelError
+from klpipe.model.weight_store import WeightStore
+
+
+class _Abandoned(BaseException):
+    """Raised inside a waiting pass when its group stops (another pass failed, or a stop was asked for)."""
+
+
+class _Pass:
+    def __init__(self, call):
+        self.call = call
+        self.at = -1  # the layer it waits at; -1: not started
+        self.done = False
+        self.result = None
+        self.error: BaseException | None = None
+        self.go = threading.Semaphore(0)
+
+
+class LayerMajor:
+    """The store's decoder layers, loaded at their hooks; `run` takes several passes through them layer-major."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
+        self._ahead: tuple[int, object] | None = None  # (layer, its read's future)
+        self._current = threading.local()  # the _Pass a thread runs, in a group
+        self._back = threading.Semaphore(0)
+        self._abandon = False
+        self.layer_reads = 0  # layers read since load
+        self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
+
+    def _make_hook(self, k: int):
+        def hook(module, args):
+            step = getattr(self._current, "step", None)
+            if step is None:  # a forward on its own: this layer now, the next in the background
+                self.ensure(k)
+                return
+            step.at = k
+            self._back.release()  # the baton back to the scheduler
+            step.go.acquire()
+            if self._abandon:
+                raise _Abandoned()
+        return hook
+
+    def ensure(self, k: int) -> None:
+        """Layer k loaded (from the read ahead, or now), every other freed, layer k + 1 read in the background."""
+        store = self.store
+        if self._ahead is not None:
+            layer, future = self._ahead
+            future.result()  # its error, if any, is this read's
+            self._ahead = None
+            if layer != k:
+                store.release(layer)
+        if not store.loaded(k):
+            store.load(k)
+            self.layer_reads += 1
+        for other in range(len(store.layers)):
+            if other != k and store.loaded(other):
+                store.release(other)
+        if k + 1 < len(store.layers) and not store.loaded(k + 1):
+            self._ahead = (k + 1, self._reader.submit(self._read, k + 1))
+
+    def _read(self, k: int) -> None:
+        self.store.load(k)
+        self.layer_reads += 1
+
+    def release_all(self) -> None:
+        """Every layer freed (after a forward on its own, or a group): nothing held between chunks."""
+        if self._ahead is not None:
+            self._ahead[1].result()
+            self._ahead = None
+        for k in range(len(self.store.layers)):
+            if self.store.loaded(k):
+                self.store.release(k)
+
+    def run(self, calls: list, between=lambda: None) -> list:
+        """Each of `calls` (no arguments; each runs forwards of the model) in a thread of its own, layer-major:
+        every call's forward through layer k before any call's through k + 1. Their results, in order.
+
+        `between` runs after each layer (a stop asked for raises there, and the group stops)."""
+        steps = [_Pass(call) for call in calls]
+        inference = torch.is_inference_mode_enabled()
+        threads = [threading.Thread(target=self._thread, args=(step, contextvars.copy_context(), inference),
+                                    name=f"klpipe-pass-{i}", daemon=True) for i, step in enumerate(steps)]
+        self._abandon = False
+        for thread in threads:
+            thread.start()
+        try:
+            for step in steps:  # each to its first layer (embeddings and what comes before it)
+                self._resume(step)
+            self._raise(steps)
+            while not all(step.done for step in steps):
+                k = min(step.at for step in steps if not step.done)
+                self.ensure(k)
+                for step in steps:
+                    if not step.done and step.at == k:
+                        self._resume(step)
+                self._raise(steps)
+                between()
+        except BaseException:
+            self._abandon = True
+            for step in steps:
+                if not step.done:
+                    self._resume(step)
+            raise
+        finally:
+            for thread in threads:
+                thread.join()
+            self.release_all()
+        return [step.result for step in steps]
+
+    def _resume(self, step: _Pass) -> None:
+        """Hand `step` the baton and wait until it stops at its next layer or ends."""
+        step.go.release()
+        self._back.acquire()
+
+    def _raise(self, steps) -> None:
+        for step in steps:
+            if step.error is not None and not isinstance(step.error, _Abandoned):
+                raise step.error
+
+    def _thread(self, step: _Pass, context, inference: bool) -> None:
+        step.go.acquire()  # the first turn
+        self._current.step = step
+        try:
+            if self._abandon:
+                raise _Abandoned()
+            with torch.inference_mode(inference):
+                step.result = context.run(step.call)
+        except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
+            step.error = exc
+        finally:
+            step.done = True
+            self._back.release()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._reader.shutdown(wait=True)
+        self.store.close()
+
+
+def load(spec):
+    """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
+    What loading.load_model does for the model in memory, checked the same way; refuses what does not stream yet."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from klpipe.model import loading
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    device, device_map = loading.resolve_device(spec.device)
+    dtype = loading.resolve_dtype(spec.dtype, device)
+    refused = ("a GPU" if device != "cpu" or device_map is not None
+               else "--dtype float64" if dtype == torch.float64
+               else "--trust-remote-code" if spec.trust_remote_code else None)
+    if refused is not None:
+        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
+                         f"with {refused} yet")
+    directory = weights_directory(spec)
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        plan = loading.text_only(config)
+        causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
+        model = _meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
+    store = WeightStore(model, directory, dtype, plan.key_mapping if plan is not None else None,
+                        frozenset(plan.skipped) if plan is not None else frozenset())
+    return model, device, dtype, LayerMajor(store)
+
+
+def _meta_model(causal_class, config, dtype):
+    from klpipe.model.weight_store import meta_model
+
+    return meta_model(causal_class, config, dtype)
+
+
+def weights_directory(spec):
+    """The local directory of `spec`'s safetensors files: its own path, or the hub's snapshot of it."""
+    from pathlib import Path
+
+    from klpipe.model import loading
+
+    if loading.is_local(spec.name):
+        return Path(spec.name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.name, revision=spec.revision,
+                                      allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # noqa: BLE001 - the hub's errors: one line
+        raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
+
+
+def reference(cls, spec, compile: str, adapters: tuple):
+    """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
+    the chunked head, packing), before any row."""
+    from klpipe.model import loading
+
+    refused = "LoRA adapters" if adapters else "--compile on" if compile == "on" else None
+    if refused is not None:
+        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
+                         f"with {refused} yet")
+    model, device, dtype, streamer = load(spec)
+    model_ = cls(model, device, dtype)
+    model_.streamer = streamer
+    with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
+        model_.check_head()
+    model_.slow_kernels = tuple(missing)
+    return model_

@@ -1,0 +1,189 @@
+"""A model whose decoder layers' weights stay in their safetensors files, one layer materialised at a time.
+
+The model is built as transformers' `from_pretrained` builds it, on the meta device (its init contexts: the dtype,
+no weights initialised, no tying yet), and loaded by transformers' own `convert_and_load_state_dict_in_model`, the
+function `from_pretrained` loads every checkpoint with: the same key renamings (a multimodal checkpoint's text part,
+legacy names), the same conversions (MoE experts stored one by one, fused into one 3-D tensor at load), the same
+dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is handed, and when:
+
+    at load      every key outside the decoder layers (embeddings, Gemma's per-layer embeddings, the final norm,
+                 the head): resident for the run; then the non-persistent buffers (RoPE's frequencies) made and
+                 initialised, and the tied weights tied, as from_pretrained finishes a model
+    per layer    layer k's keys, read from the memory-mapped files (`safe_open` slices: nothing is read before
+                 the layer is asked for), converted into the layer's parameters; `release(k)` puts the meta
+                 parameters back, so the layer's tensors are freed
+
+Which checkpoint key belongs to which layer is decided by the same renaming, once, at load. Nothing else of the
+model changes: its modules, its forward and its attention are transformers' own (streaming.py runs them).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from klpipe.errors import ModelError
+
+
+@dataclass
+class Sizes:
+    """What the streamed model holds, in bytes at the run's dtype (the budget's inputs: precompute/memory.py)."""
+
+    weights: int  # every parameter
+    resident: int  # those outside the decoder layers, kept for the run
+    layers: list[int] = field(default_factory=list)  # each decoder layer's
+
+    @property
+    def largest_layer(self) -> int:
+        return max(self.layers, default=0)
+
+
+def decoder_layers(body) -> tuple[str, torch.nn.ModuleList]:
+    """(its name in the body, the ModuleList) of the body's decoder layers: the ModuleList child holding the most
+    parameters (`layers` in every family klpipe runs)."""
+    lists = [(name, child) for name, child in body.named_children() if isinstance(child, torch.nn.ModuleList)]
+    if not lists:
+        raise ModelError(f"{type(body).__name__}: no list of decoder layers to stream")
+    return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+
+
+def meta_model(causal_class, config, dtype: torch.dtype):
+    """`causal_class` built from `config` as from_pretrained builds it (its init contexts: meta device, `dtype`),
+    no weight allocated."""
+    from transformers.utils.generic import ContextManagers
+
+    config = copy.deepcopy(config)
+    with ContextManagers(causal_class.get_init_context(dtype, False, False, None)):
+        model = causal_class(config)
+    return model
+
+
+class WeightStore:
+    """The checkpoint's tensors, opened memory-mapped, loaded into a meta-built model part by part."""
+
+    def __init__(self, model, directory: Path, dtype: torch.dtype, key_mapping: dict | None = None,
+                 skipped: frozenset = frozenset()):
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        from klpipe.model.loading import decoder_body, module_path
+
+        self.model = model
+        self.dtype = dtype
+        body = decoder_body(model)
+        name, self.layers = decoder_layers(body)
+        prefix = module_path(model, body)
+        self.layers_path = f"{prefix}.{name}" if prefix else name
+        mapping = get_model_conversion_mapping(model, key_mapping, None)
+        self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
+                                               weight_mapping=mapping, device_map={"": "cpu"})
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"{directory}: no safetensors weights to stream")
+        self._files = [safe_open(str(path), framework="pt") for path in files]  # memory-mapped; closed with the store
+        slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys() if key not in skipped}
+        # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
+        # renaming applies only after its guard key).
+        meta = model.state_dict()
+        renamings = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
+        layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
+        self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint slices
+        for key in sorted(slices, key=dot_natural_key):
+            renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            found = layer_key.match(renamed)
+            self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = slices[key]
+        # The meta parameters and buffers each layer gets back on release: (module, name, is a buffer, tensor).
+        self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()
+                       for n, t in [*module._parameters.items(), *module._buffers.items()]
+                       if t is not None and t.is_meta] for layer in self.layers]
+        self._lock = threading.Lock()  # a layer loads in the background while another computes
+        self.reads = 0  # bytes read from the checkpoint since load
+        self._load(None)
+        self._finish()
+        self.sizes = self._sizes()
+
+    def _load(self, part: int | None) -> None:
+        """Part `part`'s checkpoint tensors into the model (transformers' own loader), refusing what does not fit."""
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+
+        slices = self.parts.get(part, {})
+        info, _ = convert_and_load_state_dict_in_model(self.model, dict(slices), self.load_config)
+        wrong = sorted(info.unexpected_keys | info.mismatched_keys)
+        if wrong or info.conversion_errors:
+            shown = ", ".join(wrong[:3]) or next(iter(info.conversion_errors))
+            raise ModelError(f"{type(self.model).__name__}: the checkpoint does not match the model class ({shown}); "
+                             "refusing to run with random weights")
+        if part is not None:
+            missing = [f"{self.layers_path}.{part}.{n}" for module, n, _, t in self._meta[part]
+                       if _current(module, n).is_meta]
+            if missing:
+                raise ModelError(f"{type(self.model).__name__}: {len(missing)} missing keys loading layer {part} "
+                                 f"({', '.join(missing[:3])}); refusing to run with random weights")
+            self.layers[part].requires_grad_(False)
+        self.reads += sum(_nbytes(s) for s in slices.values())
+
+    def _finish(self) -> None:
+        """What from_pretrained does once the weights are in: the non-persistent buffers made and initialised (RoPE's
+        frequencies, computed from the config), the tied weights tied. The layers' parameters stay on meta, where
+        initialising them costs nothing."""
+        model = self.model
+        model._move_missing_keys_from_meta_to_device(set(), None, None, None)
+        model._initialize_missing_keys(False)
+        model.tie_weights(recompute_mapping=False)
+        model.eval()
+        model.requires_grad_(False)
+        resident = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                    if t.is_meta and not n.startswith(self.layers_path + ".")]
+        if resident:
+            raise ModelError(f"{type(model).__name__}: {len(resident)} missing keys loading it streamed "
+                             f"({', '.join(resident[:3])}); refusing to run with random weights")
+        shared = {id(t) for module, _, _, t in self._meta[0]} & {id(t) for m in self._meta[1:] for _, _, _, t in m}
+        if shared:  # a block whose weights several depths share (Zamba's) would be released under another depth
+            raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
+
+    def _sizes(self) -> Sizes:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        layers = [sum(t.numel() * (t.element_size() if t.dtype != self.dtype else size) for _, _, _, t in meta)
+                  for meta in self._meta]
+        resident = sum(t.numel() * t.element_size() for t in {id(t): t for t in
+                                                             [*self.model.parameters(), *self.model.buffers()]
+                                                             if not t.is_meta}.values())
+        return Sizes(weights=resident + sum(layers), resident=resident, layers=layers)
+
+    def load(self, k: int) -> None:
+        """Layer k's tensors into the model, read from the files now."""
+        with self._lock:
+            self._load(k)
+
+    def loaded(self, k: int) -> bool:
+        return bool(self._meta[k]) and not _current(self._meta[k][0][0], self._meta[k][0][1]).is_meta
+
+    def release(self, k: int) -> None:
+        """Layer k's meta tensors back: its loaded ones are freed once no pass holds them."""
+        with self._lock:
+            for module, name, is_buffer, tensor in self._meta[k]:
+                (module._buffers if is_buffer else module._parameters)[name] = tensor
+
+    def close(self) -> None:
+        for handle in self._files:
+            handle.__exit__(None, None, None)
+        self._files = []
+
+
+def _current(module, name: str):
+    return module._buffers[name] if name in module._buffers else module._parameters[name]
+
+
+def _nbytes(tensor_slice) -> int:
+    import math
+
+    sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    return math.prod(tensor_slice.get_shape()) * sizes.get(tensor_slice.get_dtype(), 4)
