@@ -73,6 +73,7 @@ class ReferenceModel:
         # LoRA adapters over these weights (lora.py), one active per side; None: the weights alone.
         self.adapters: lora.Adapters | None = None
         self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
+        self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
 
     @property
     def head(self):
@@ -320,8 +321,8 @@ class ReferenceModel:
             try:
                 return self.score_packed(rows, inputs, wanted, temperature, results)
             except packing.NotPacked as exc:
-                if self.padded_why == packing.CHECKING:
-                    raise  # the load-time check decides, and says why
+                if self.padded_why == packing.CHECKING or self.streamer is not None:
+                    raise  # the load-time check decides, and says why; a streamed chunk's passes switch together
                 self.drop_packing(str(exc))
         # Right padding: with causal attention no real token can see a pad, so no attention mask
         # is needed and position ids stay 0..n-1, exactly as in an unpadded single-row pass.

@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -99,6 +100,12 @@ class LayerMajor:
         self._abandon = False
         self.layer_reads = 0  # layers read since load
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
+        self._hooks.append(store.layers[-1].register_forward_hook(self._after_last))
+
+    def _after_last(self, module, args, output) -> None:
+        """A forward on its own is over once its last layer is: nothing stays loaded (a group frees at its end)."""
+        if getattr(self._current, "step", None) is None:
+            self.release_all()
 
     def _make_hook(self, k: int):
         def hook(module, args):
@@ -211,13 +218,14 @@ class LayerMajor:
         self.store.close()
 
 
-def load(spec):
-    """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
-    What loading.load_model does for the model in memory, checked the same way; refuses what does not stream yet."""
+def _build(spec):
+    """(meta-built model, its weights' directory, the text-only plan or None, input device, dtype) of `spec`, as
+    loading.load_model would load it; refuses what does not stream yet."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from klpipe.model import loading
+    from klpipe.model.weight_store import meta_model
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -234,18 +242,64 @@ def load(spec):
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
         plan = loading.text_only(config)
         causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
-        model = _meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
+        model = meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
+    return model, directory, plan, device, dtype
+
+
+def load(spec):
+    """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
+    What loading.load_model does for the model in memory, checked the same way."""
+    model, directory, plan, device, dtype = _build(spec)
     store = WeightStore(model, directory, dtype, plan.key_mapping if plan is not None else None,
                         frozenset(plan.skipped) if plan is not None else frozenset())
     return model, device, dtype, LayerMajor(store)
 
 
-def _meta_model(causal_class, config, dtype):
-    from klpipe.model.weight_store import meta_model
+# The LM head's fp32 blocks on CPU (head.py: 1,024 x 4,096 fp32), its running sums and a gathered copy of the hidden
+# states, and what torch's allocator keeps around: a fixed allowance per run.
+FIXED_ACTIVATIONS = 64 << 20
 
-    return meta_model(causal_class, config, dtype)
+
+def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, tokens: int, element: int) -> int:
+    """An estimate, on the safe side, of what one pass of `tokens` tokens holds at its widest: the residual stream
+    and a layer's output, queries, keys, values and attention output (8 x hidden), the MLP's gate, up and
+    activation (3 x intermediate), Gemma's per-layer inputs for every layer, plus the head's fixed blocks."""
+    return tokens * element * (8 * hidden + 3 * intermediate + per_layer_input) + FIXED_ACTIVATIONS
+
+
+@dataclass
+class Measure:
+    """What the budget compares (precompute/memory.py), in bytes at the run's dtype, read off the meta-built model."""
+
+    weights: int
+    resident: int  # outside the decoder layers
+    largest_layer: int
+    activations: int  # one pass of `tokens` tokens, at its widest (memory.activation_bytes)
+    kept_per_token: int  # what a pass waiting between layers holds per token: the residual stream and its kin
+
+
+def measure(spec, tokens: int) -> Measure:
+    """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device)."""
+    from klpipe.model import loading
+    from klpipe.model.weight_store import decoder_layers
+
+    model, _, _, _, dtype = _build(spec)
+    _, layers = decoder_layers(loading.decoder_body(model))
+    in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    weights = sum(t.numel() * t.element_size() for t in unique.values())
+    resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_layers)
+    largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+                   for layer in layers), default=0)
+    config = loading.text_config(model.config)
+    hidden = int(config.hidden_size)
+    per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0) * int(config.num_hidden_layers)
+    element = torch.empty((), dtype=dtype).element_size()
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    return Measure(weights, resident, largest, activation_bytes(hidden, intermediate, per_layer, tokens, element),
+                   element * (4 * hidden + per_layer))
 
 
 def weights_directory(spec):

@@ -158,11 +158,45 @@ def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], 
                               check_stop)
         for i, values in zip(plan.tree_rows.tolist(), logprobs):
             results[i] = values
+    if getattr(model, "streamer", None) is not None:
+        return _run_streamed(model, plan, rows, temperature, check_stop, results)
     for batch in plan.batches:
         scored = model.score_batch([rows[i] for i in batch], temperature, [plan.needed[i] for i in batch])
         for i, values in zip(batch.tolist(), scored):
             results[i] = values
         check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
+    return results
+
+
+def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, results: list) -> list:
+    """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
+    every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
+    at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
+    if plan.tree is not None:
+        raise ValueError("the prefix tree does not stream yet: a streamed model runs rows whole")
+    from klpipe.model.packing import NotPacked  # torch lives behind this import (a streamed model has loaded it)
+
+    limit = getattr(model, "stream_tokens", None) or 1 << 62
+    groups, tokens = [[]], 0
+    for batch in plan.batches:
+        fed = sum(len(plan.fed[i]) for i in batch.tolist())
+        if groups[-1] and tokens + fed > limit:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(batch)
+        tokens += fed
+    for group in groups:
+        calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,
+                                                       [plan.needed[i] for i in batch]) for batch in group]
+        try:
+            scored = model.streamer.run(calls, check_stop)
+        except NotPacked as exc:
+            model.drop_packing(str(exc))  # every pass of the group again, padded: none is left half packed
+            scored = model.streamer.run(calls, check_stop)
+        for batch, values in zip(group, scored):
+            for i, row_values in zip(batch.tolist(), values):
+                results[i] = row_values
+        check_stop()
     return results
 
 
