@@ -79,6 +79,11 @@ def precompute_command(
         help="Keys and values the prefix tree keeps alive at once, MiB. Default: 2048 on CPU, a quarter of "
              "the GPU's memory on CUDA.",
         envvar="KLPIPE_MAX_CACHE_MIB", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["max_cache_mib"],
+    max_memory: Annotated[str | None, typer.Option(
+        help="The memory this run may use (32G, 1.5GiB, 500M): a reference whose weights do not fit streams its "
+             "layers from their files, one at a time. Default: the process's memory cgroup's limit, else the "
+             "machine's available memory.", metavar="SIZE",
+        envvar="KLPIPE_MAX_MEMORY", rich_help_panel=BATCH_PANEL, show_default=False)] = PRECOMPUTE["max_memory"],
     chunk_rows: Annotated[int, typer.Option(
         help="Rows per checkpoint; also the window in which rows are sorted by length.",
         envvar="KLPIPE_CHUNK_ROWS", rich_help_panel=BATCH_PANEL)] = PRECOMPUTE["chunk_rows"],
@@ -204,7 +209,7 @@ def precompute_command(
         policy=policy, policy_revision=policy_revision, policy_device=policy_device,
         overwrite_policy_logprobs=overwrite_policy_logprobs,
         temperature=temperature, max_tokens_per_batch=max_tokens_per_batch, max_cache_mib=max_cache_mib,
-        chunk_rows=chunk_rows,
+        max_memory=max_memory, chunk_rows=chunk_rows,
         prefix_sharing=prefix_sharing, compile=compile, work_dir=work_dir,
         trust_remote_code=trust_remote_code, overwrite=overwrite, progress=progress, log_interval=log_interval,
         shard=shard, columns=parse_columns(column), tools=read_tools(tools),

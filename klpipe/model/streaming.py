@@ -51,7 +51,7 @@ the same baton: within a layer, the tree's passes run in tree order, so a parent
 for that layer, by its children's passes, and can be dropped when the layer ends; the tree's cache would then hold
 one layer's keys and values per kept node, not every layer's.
 
-**The budget** (precompute/memory.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
+**The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
 the process's own footprint and an estimate of the activations of one pass of `--max-tokens-per-batch` tokens, the
 weights either fit (the in-memory path) or stream; a budget too small for the resident part, two layers and the
@@ -271,7 +271,7 @@ def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, token
 
 @dataclass
 class Measure:
-    """What the budget compares (precompute/memory.py), in bytes at the run's dtype, read off the meta-built model."""
+    """What the budget compares (precompute/budget.py), in bytes at the run's dtype, read off the meta-built model."""
 
     weights: int
     resident: int  # outside the decoder layers

@@ -32,7 +32,7 @@ from klpipe.errors import ModelError
 
 @dataclass
 class Sizes:
-    """What the streamed model holds, in bytes at the run's dtype (the budget's inputs: precompute/memory.py)."""
+    """What the streamed model holds, in bytes at the run's dtype (the budget's inputs: precompute/budget.py)."""
 
     weights: int  # every parameter
     resident: int  # those outside the decoder layers, kept for the run
@@ -150,9 +150,7 @@ class WeightStore:
             raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
 
     def _sizes(self) -> Sizes:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        layers = [sum(t.numel() * (t.element_size() if t.dtype != self.dtype else size) for _, _, _, t in meta)
-                  for meta in self._meta]
+        layers = [sum(t.numel() * t.element_size() for _, _, _, t in meta) for meta in self._meta]  # meta: as loaded
         resident = sum(t.numel() * t.element_size() for t in {id(t): t for t in
                                                              [*self.model.parameters(), *self.model.buffers()]
                                                              if not t.is_meta}.values())

@@ -47,6 +47,9 @@ class PrecomputeConfig:
     temperature: float = 1.0  # the rollout sampling temperature: logits / T before the softmax
     max_tokens_per_batch: int | None = None  # padded tokens per forward pass; None: by device
     max_cache_mib: int | None = None  # keys and values the prefix tree keeps alive at once; None: by device
+    # The memory this run may use (a size: 32G, 1.5GiB): weights that do not fit it stream layer by layer
+    # (model/streaming.py); None: the process's memory cgroup's limit, else the machine's available memory.
+    max_memory: str | None = None
     chunk_rows: int = 2048  # rows per checkpoint, also the window rows are length-sorted and grouped in
     prefix_sharing: str = "auto"  # auto | on | off: each prefix the chunk's rows share runs once (SHARING_MODES)
     compile: str = "auto"  # auto | on | off: torch.compile of the layers' norms and MLPs (COMPILE_MODES)
@@ -113,6 +116,10 @@ class PrecomputeConfig:
             raise InputError("--max-tokens-per-batch must be at least 1")
         if self.max_cache_mib is not None and self.max_cache_mib < 0:
             raise InputError("--max-cache-mib must not be negative")
+        if self.max_memory is not None:
+            from klpipe.precompute.budget import parse_size
+
+            parse_size(self.max_memory)
         from klpipe.precompute.chat import ROLLOUT_FORMATS
 
         formats = (*ROLLOUT_FORMATS, "atropos")  # atropos: JSON Lines of Atropos groups (precompute/atropos.py)

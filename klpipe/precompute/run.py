@@ -33,6 +33,7 @@ from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
+from klpipe.precompute import budget
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.models import check_tokenizers, policy_revision, revision
 from klpipe.precompute.models import resolve as resolve_models
@@ -149,6 +150,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
         WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir,
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
+    # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
+    stream_tokens = budget.decide(config, models, provenance.max_tokens_per_batch, log)  # None: in memory
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -173,7 +176,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
             model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
-                                                  default=models.reference_side)
+                                                  default=models.reference_side, streamed=stream_tokens is not None)
+            model.stream_tokens = stream_tokens
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
             policy = (model if models.policy_side is not None
@@ -399,7 +403,8 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
     for line in (model.compile_note, own.compile_note if own is not None else None):
         if line is not None:
             log(line)
-    sharing = Sharing(model, config.prefix_sharing, work.provenance.max_cache_mib, log,
+    sharing = Sharing(model, "off" if model.streamer is not None else config.prefix_sharing,  # no tree streams yet
+                      work.provenance.max_cache_mib, log,
                       sides=(policy_side,) if policy is model else ())
     if model.kernel_note:
         log(model.kernel_note)

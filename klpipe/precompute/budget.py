@@ -1,0 +1,158 @@
+"""The memory a run may use, and whether the reference's weights fit it or stream layer by layer (model/streaming.py).
+
+No torch: the budget is read from the command line or the machine, the model's sizes come from the model package.
+
+    budget      --max-memory SIZE (KLPIPE_MAX_MEMORY), else the process's own memory cgroup (v1
+                memory.limit_in_bytes, v2 memory.max, the lowest along its path: Slurm's cgroup plugin, a
+                container), else what the machine has available (MemAvailable) plus what this process holds
+    in memory   footprint + growth + weights + activations <= budget
+    streamed    footprint + growth + resident + 2 x the largest layer + activations <= budget (two layers: the
+                one that computes and the one read behind it); below that the run is refused before anything loads
+
+`footprint` is the process as it stands before the weights load (the interpreter, torch, transformers, the
+tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
+estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streaming.py's `measure`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from klpipe.errors import InputError
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+UNLIMITED = 1 << 60  # a v1 cgroup without a limit reports 2^63 rounded down to a page
+# What the process grows by after the decision, whatever the model: the rows read and tokenized a chunk ahead, the
+# reader and writer threads, torch's first kernels (measured: about 90 MiB on the sample rollouts).
+GROWTH = 128 << 20
+
+
+
+def parse_size(text: str, option: str = "--max-memory") -> int:
+    """Bytes of a size such as `32G`, `32GiB`, `1.5GB`, `500M`, `123456` (K, M, G, T are powers of 1,024)."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), flags=re.IGNORECASE)
+    if found is None or (found.group(2) == "" and str(text).strip().lower().endswith("ib")):
+        raise InputError(f"{option} must be a size such as 32G, 1.5GiB or 500M, not {text!r}")
+    size = int(float(found.group(1)) * UNITS[found.group(2).lower()])
+    if size <= 0:
+        raise InputError(f"{option} must be positive, not {text!r}")
+    return size
+
+
+def cgroup_limit(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory limit of this process's cgroup and its ancestors (the lowest), v1 or v2; None where none is set."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "" and number == "0":  # v2: one unified hierarchy
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                value = (base.joinpath(*parts[:depth]) / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < UNLIMITED:
+                limits.append(int(value))
+    return min(limits) if limits else None
+
+
+def available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable, in bytes, or None where the kernel does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set now."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Budget:
+    bytes: int
+    source: str  # where it came from and its size, in words, for the log and the refusal
+
+
+def find(max_memory: str | None) -> Budget | None:
+    """The memory this run may use: --max-memory, else the cgroup's limit, else available + held; None: unknown."""
+    if max_memory is not None:
+        return Budget(parse_size(max_memory), f"--max-memory {max_memory}")
+    limit = cgroup_limit()
+    if limit is not None:
+        return Budget(limit, f"the memory cgroup's limit ({fmt(limit)})")
+    free = available()
+    if free is None:
+        return None
+    return Budget(free + resident_bytes(), f"the machine's available memory ({fmt(free + resident_bytes())})")
+
+
+def fmt(size: int) -> str:
+    """A size as the option takes it: 1.5 GiB → `1.5G`, rounded up."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale:
+            return f"{-(-size * 10 // scale) / 10:g}{unit}"
+    return str(size)
+
+
+def streams(budget: Budget | None, footprint: int, weights: int, resident: int, largest_layer: int,
+            activations: int) -> bool:
+    """Whether the weights stream (they do not fit `budget`); refuses a budget too small even for streaming, naming
+    the smallest that would run."""
+    if budget is None or footprint + GROWTH + weights + activations <= budget.bytes:
+        return False
+    smallest = footprint + GROWTH + resident + 2 * largest_layer + activations
+    if smallest > budget.bytes:
+        raise InputError(f"{budget.source} is too small for this model even streamed one layer "
+                         f"at a time: it needs at least {fmt(smallest)} (this process {fmt(footprint + GROWTH)}, the embeddings "
+                         f"and head {fmt(resident)}, two layers {fmt(2 * largest_layer)}, one pass's activations "
+                         f"{fmt(activations)})")
+    return True
+
+
+def decide(config, models, max_tokens: int, log) -> int | None:
+    """None where the reference's weights fit this run's budget (the in-memory path); else the fed tokens a
+    layer-major group of passes may hold (model/streaming.py), after one line saying so. Refuses, before anything
+    loads, a budget too small for streaming and what does not stream yet."""
+    from klpipe.model import resolve_device, streaming  # torch lives behind this import
+
+    device = resolve_device(models.spec.device)[0]
+    if config.max_memory is None and device != "cpu":
+        return None  # a GPU's budget is its own memory: streaming to a GPU is not built yet
+    limit = find(config.max_memory)
+    sizes = streaming.measure(models.spec, max_tokens)
+    footprint = resident_bytes()
+    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations):
+        return None
+    refused = ("--policy" if config.policy is not None else "--prefix-sharing on" if config.prefix_sharing == "on"
+               else "a LoRA adapter --model" if models.adapters else None)
+    if refused is not None:
+        raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source} "
+                         f"({fmt(limit.bytes)}), and streaming them does not run with {refused} yet")
+    spare = limit.bytes - footprint - GROWTH - sizes.resident - 2 * sizes.largest_layer - sizes.activations
+    tokens = max(spare // max(sizes.kept_per_token, 1), max_tokens)
+    log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
+        f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
+        + (" (rows run whole: the prefix tree does not stream yet)" if config.prefix_sharing == "auto" else ""))
+    return tokens

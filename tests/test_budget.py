@@ -1,0 +1,180 @@
+"""The memory budget (klpipe/precompute/budget.py): --max-memory, the process's cgroup (v1 and v2), the decision
+to stream, and a budget too small even for streaming refused before anything runs, naming the smallest that works.
+
+The process's own footprint is fixed by monkeypatch where a figure is asserted: it is the one input that moves
+from run to run. The model's sizes come from the model loaded in memory, not from the code under test.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from klpipe import cache
+from klpipe.errors import InputError
+from klpipe.precompute import budget
+from klpipe.precompute.config import PrecomputeConfig
+from klpipe.precompute.models import resolve
+from klpipe.precompute.run import precompute
+from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
+
+MIB = 1 << 20
+FOOTPRINT = 300 * MIB  # the process, as the tests fix it
+
+
+@pytest.mark.parametrize("text, size", [
+    ("32G", 32 << 30), ("32GiB", 32 << 30), ("32gb", 32 << 30), ("1.5G", 3 << 29), ("500M", 500 << 20),
+    ("500MiB", 500 << 20), ("123456", 123456), ("2T", 2 << 40), ("64k", 64 << 10), (" 8 G ", 8 << 30)])
+def test_sizes_read_as_the_option_takes_them(text, size):
+    assert budget.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "0", "0G", "-1G", "1.5X", "12ib", "G"])
+def test_a_size_that_is_not_one_is_refused(text):
+    with pytest.raises(InputError) as caught:
+        budget.parse_size(text)
+    assert str(caught.value).startswith("--max-memory must be ")
+
+
+def test_the_config_refuses_a_bad_max_memory():
+    with pytest.raises(InputError) as caught:
+        PrecomputeConfig(inputs=[ROLLOUTS], model=str(TINY_LLAMA), max_memory="plenty")
+    assert str(caught.value) == "--max-memory must be a size such as 32G, 1.5GiB or 500M, not 'plenty'"
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_a_v1_cgroup_limit_is_the_lowest_along_the_process_path(tmp_path):
+    proc = tmp_path / "cgroup"
+    write(proc, "12:cpuset:/\n11:memory:/slurm/uid_0/job_7\n0::/\n")
+    root = tmp_path / "sys"
+    write(root / "memory/memory.limit_in_bytes", "9223372036854771712\n")  # the root: no limit
+    write(root / "memory/slurm/memory.limit_in_bytes", str(8 << 30))
+    write(root / "memory/slurm/uid_0/job_7/memory.limit_in_bytes", str(3 << 30))
+    assert budget.cgroup_limit(proc, root) == 3 << 30
+    write(root / "memory/slurm/memory.limit_in_bytes", str(2 << 30))  # a parent lower than the job's own
+    assert budget.cgroup_limit(proc, root) == 2 << 30
+
+
+def test_a_v2_cgroup_limit_is_read_from_memory_max(tmp_path):
+    proc = tmp_path / "cgroup"
+    write(proc, "0::/system.slice/job.scope\n")
+    root = tmp_path / "sys"
+    write(root / "system.slice/job.scope/memory.max", "max\n")
+    assert budget.cgroup_limit(proc, root) is None
+    write(root / "system.slice/memory.max", "1610612736\n")
+    assert budget.cgroup_limit(proc, root) == 1610612736
+    assert budget.cgroup_limit(tmp_path / "missing", root) is None
+
+
+def test_an_explicit_budget_wins_over_the_cgroup(monkeypatch):
+    monkeypatch.setattr(budget, "cgroup_limit", lambda: 1 << 30)
+    assert budget.find("3G").bytes == 3 << 30 and budget.find("3G").source == "--max-memory 3G"
+    found = budget.find(None)
+    assert found.bytes == 1 << 30 and found.source == "the memory cgroup's limit (1G)"
+
+
+def test_weights_that_fit_stay_in_memory_and_others_stream():
+    # footprint + growth + weights + activations against the budget; streaming needs two layers, not all.
+    limit = budget.Budget(1000 * MIB, "--max-memory 1000M")
+    growth = budget.GROWTH
+    fits = 1000 * MIB - growth - 100 * MIB - 50 * MIB
+    assert not budget.streams(limit, 100 * MIB, fits, 10 * MIB, MIB, 50 * MIB)
+    assert budget.streams(limit, 100 * MIB, fits + 1, 10 * MIB, MIB, 50 * MIB)
+    assert not budget.streams(None, 100 * MIB, 1 << 50, 10 * MIB, MIB, 50 * MIB)  # no budget known: as before
+
+
+def test_a_budget_too_small_for_one_layer_says_the_smallest_that_works():
+    limit = budget.Budget(600 * MIB, "--max-memory 600M")
+    # 400 MiB of process (+128 growth), 20 MiB resident, two layers of 40 MiB, 100 MiB of activations: 728 MiB.
+    with pytest.raises(InputError) as caught:
+        budget.streams(limit, 400 * MIB - budget.GROWTH + 128 * MIB, 10 << 30, 20 * MIB, 40 * MIB, 100 * MIB)
+    assert str(caught.value) == ("--max-memory 600M is too small for this model even streamed one layer at a time: it "
+                                 "needs at least 728M (this process 528M, the embeddings and head 20M, two layers "
+                                 "80M, one pass's activations 100M)")
+
+
+def sizes_in_memory(path) -> tuple[int, int, int]:
+    """(weights, outside the layers, largest layer) of the model as transformers loads it in memory."""
+    from klpipe.model import ModelSpec, ReferenceModel
+
+    model = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu")).model
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    layers = model.model.layers
+    in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    resident = sum(t.numel() * t.element_size() for key, t in tensors.items() if key not in in_layers)
+    largest = max(sum(t.numel() * t.element_size() for t in layer.state_dict().values()) for layer in layers)
+    return weights, resident, largest
+
+
+def activations(path, tokens: int) -> int:
+    """streaming.activation_bytes by hand, from the config: fp32, 8 x hidden + 3 x intermediate + the per-layer
+    inputs of every layer, per token, and the head's 64 MiB."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config.get("text_config", config)
+    per_layer = (text.get("hidden_size_per_layer_input") or 0) * text["num_hidden_layers"]
+    return tokens * 4 * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + per_layer) + 64 * MIB
+
+
+def config_for(tmp_path, name="out.parquet", **options) -> PrecomputeConfig:
+    return PrecomputeConfig(inputs=[ROLLOUTS], output=tmp_path / name, model=str(TINY_GEMMA), device="cpu",
+                            progress="none", max_tokens_per_batch=256, **options)
+
+
+def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    smallest = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
+    config = config_for(tmp_path, max_memory=str(smallest - 1))
+    with pytest.raises(InputError) as caught:
+        precompute(config, log=lambda line: None)
+    assert f"it needs at least {budget.fmt(smallest)} " in str(caught.value)
+    assert not list(tmp_path.iterdir())  # nothing written: no output, no work directory
+    # One byte more streams (the weights do not fit it); the model's weights more stay in memory.
+    assert budget.decide(config_for(tmp_path, max_memory=str(smallest)), resolve(config), 256, lambda line: None)
+    in_memory = smallest - resident - 2 * largest + weights
+    assert budget.decide(config_for(tmp_path, max_memory=str(in_memory)), resolve(config), 256,
+                         lambda line: None) is None
+
+
+def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    streams = str(FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256))
+    config = config_for(tmp_path, max_memory=streams, prefix_sharing="on")
+    with pytest.raises(InputError) as caught:
+        budget.decide(config, resolve(config), 256, lambda line: None)
+    assert str(caught.value).endswith("and streaming them does not run with --prefix-sharing on yet")
+
+
+def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch):
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
+    assert streams < FOOTPRINT + budget.GROWTH + weights + activations(TINY_GEMMA, 256)
+    lines = []
+    streamed = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(streams)), log=lines.append)
+    assert any("its decoder layers stream from their files" in line for line in lines), lines
+    in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing="off"), log=lambda line: None)
+    got = pq.read_table(streamed.output).column(cache.REF_LOGPROBS).to_pylist()
+    expected = pq.read_table(in_memory.output).column(cache.REF_LOGPROBS).to_pylist()
+    assert len(got) == len(expected) == pq.read_metadata(ROLLOUTS).num_rows
+    gap = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a)
+    assert gap <= 1e-5
+
+
+def test_the_command_line_refuses_a_budget_too_small_in_one_line(tmp_path):
+    result = run_cli("precompute", str(ROLLOUTS), "--model", str(TINY_LLAMA), "--output", str(tmp_path / "o.parquet"),
+                     "--max-memory", "1M", "--progress", "none")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: --max-memory 1M is too small for this model even streamed"), \
+        result.stderr
+    assert not list(tmp_path.iterdir())
