@@ -219,9 +219,9 @@ class LayerMajor:
 
 
 def _build(spec):
-    """(meta-built model, its weights' directory, the text-only plan or None, input device, dtype) of `spec`, as
-    loading.load_model would load it; refuses what does not stream yet."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """(meta-built model, the text-only plan or None, input device, dtype) of `spec`, as loading.load_model would
+    load it, from its config alone (no weight read or fetched)."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from klpipe.model import loading
@@ -231,28 +231,27 @@ def _build(spec):
     hf_logging.set_verbosity_error()
     device, device_map = loading.resolve_device(spec.device)
     dtype = loading.resolve_dtype(spec.dtype, device)
-    refused = ("a GPU" if device != "cpu" or device_map is not None
-               else "--dtype float64" if dtype == torch.float64
-               else "--trust-remote-code" if spec.trust_remote_code else None)
-    if refused is not None:
-        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
-                         f"with {refused} yet")
-    directory = weights_directory(spec)
-    try:
-        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-        plan = loading.text_only(config)
-        causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
-        model = meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
-    return model, directory, plan, device, dtype
+    config = loading.load_config(spec)
+    plan = loading.text_only(config)
+    causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
+    model = meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
+    return model, plan, device if device_map is None else "several devices", dtype
 
 
 def load(spec):
     """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
-    What loading.load_model does for the model in memory, checked the same way."""
-    model, directory, plan, device, dtype = _build(spec)
-    store = WeightStore(model, directory, dtype, plan.key_mapping if plan is not None else None,
+    What loading.load_model does for the model in memory, checked the same way; refuses what does not stream yet."""
+    refused = "--trust-remote-code" if spec.trust_remote_code else None
+    if refused is None:
+        try:
+            model, plan, device, dtype = _build(spec)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
+        refused = "a GPU" if device != "cpu" else "--dtype float64" if dtype == torch.float64 else None
+    if refused is not None:
+        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
+                         f"with {refused} yet")
+    store = WeightStore(model, weights_directory(spec), dtype, plan.key_mapping if plan is not None else None,
                         frozenset(plan.skipped) if plan is not None else frozenset())
     return model, device, dtype, LayerMajor(store)
 
@@ -276,17 +275,23 @@ class Measure:
     weights: int
     resident: int  # outside the decoder layers
     largest_layer: int
-    activations: int  # one pass of `tokens` tokens, at its widest (memory.activation_bytes)
+    activations: int  # one pass of `tokens` tokens, at its widest (activation_bytes)
     kept_per_token: int  # what a pass waiting between layers holds per token: the residual stream and its kin
 
 
-def measure(spec, tokens: int) -> Measure:
-    """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device)."""
+def measure(spec, tokens: int) -> Measure | None:
+    """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
+    config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
     from klpipe.model import loading
     from klpipe.model.weight_store import decoder_layers
 
-    model, _, _, _, dtype = _build(spec)
-    _, layers = decoder_layers(loading.decoder_body(model))
+    if spec.trust_remote_code:
+        return None
+    try:
+        model, _, _, dtype = _build(spec)
+        _, layers = decoder_layers(loading.decoder_body(model))
+    except (KeyError, ModelError):  # a class AutoModelForCausalLM does not map, a body without a list of layers
+        return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     weights = sum(t.numel() * t.element_size() for t in unique.values())

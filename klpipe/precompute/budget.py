@@ -143,7 +143,7 @@ def decide(config, models, max_tokens: int, log) -> int | None:
     limit = find(config.max_memory)
     sizes = streaming.measure(models.spec, max_tokens)
     footprint = resident_bytes()
-    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations):
+    if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations):
         return None
     refused = ("--policy" if config.policy is not None else "--prefix-sharing on" if config.prefix_sharing == "on"
                else "a LoRA adapter --model" if models.adapters else None)
