@@ -146,3 +146,131 @@ def test_a_stop_between_layers_abandons_the_group(llama):
     with pytest.raises(Stop):
         llama.streamer.run([lambda: llama.score_batch([row])] * 2, between=stop)
     assert not any(t.name.startswith("klpipe-pass-") for t in threading.enumerate())
+
+
+# -- in a memory cgroup ------------------------------------------------------------------------------------------
+
+CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transformers take about half of it
+LAYERS = 44  # 44 layers of 61 MB (hidden 1,024, MLP 4,096, fp32): a 2.7 GB model, 2.6 times the limit
+
+
+def big_llama(directory):
+    """A Llama of LAYERS layers of 67 MB each, written as safetensors straight from numpy (four random layers,
+    cycled: drawing 670M random numbers would take longer than the run), with the sample tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.architectures import COMMON, TOKENIZER_FILES
+
+    config = LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8,
+                            "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": LAYERS})
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    rng = np.random.default_rng(0)
+    variants = {}
+
+    def tensor(key, shape):
+        if len(shape) == 1:  # norms
+            return np.ones(shape, dtype=np.float32)
+        name = key.split(".", 3)[-1] if ".layers." in key else key
+        variant = (int(key.split(".")[2]) % 4 if ".layers." in key else 0, name)
+        if variant not in variants:
+            scale = 2.0 / np.sqrt(shape[1])  # twice the usual init: logprobs spread over nats
+            variants[variant] = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+        return variants[variant]
+    directory.mkdir(parents=True)
+    save_file({key: tensor(key, shape) for key, shape in shapes.items()}, str(directory / "model.safetensors"))
+    drop_from_page_cache(directory / "model.safetensors")
+    config.save_pretrained(directory)
+    for file in TOKENIZER_FILES:
+        shutil.copy(TINY_LLAMA / file, directory / file)
+    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == LAYERS
+    return directory
+
+
+def drop_from_page_cache(path) -> None:
+    """`path`'s pages out of the page cache (written to disk first): a process that reads it then is charged for
+    them in its own memory cgroup, as it would be reading a model nobody has read since boot."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def memory_cgroup(name: str, limit: int):
+    """A v1 memory cgroup inside this process's own (v2: memory.max), limited to `limit` bytes: (its directory, the
+    file a child writes its pid to, the file its peak usage is read from), or None where none can be made."""
+    from pathlib import Path
+
+    own = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.split(":")[1] == "memory"), None)
+    if own is not None and Path("/sys/fs/cgroup/memory").is_dir():
+        parent = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
+        limit_file, peak_file = "memory.limit_in_bytes", "memory.max_usage_in_bytes"
+    elif Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+        own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        parent = Path("/sys/fs/cgroup") / own.lstrip("/")
+        limit_file, peak_file = "memory.max", "memory.peak"
+    else:
+        return None
+    group = parent / name
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit))
+    except OSError:
+        return None
+    return group, group / "cgroup.procs", group / peak_file
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from klpipe import cache
+    from tests.helpers import ROLLOUTS, with_checkout
+
+    model = big_llama(tmp_path / "big")
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(ROLLOUTS).slice(0, 8), rows)
+    assert (model / "model.safetensors").stat().st_size > 2.5 * CGROUP_LIMIT
+    env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    common = ["precompute", str(rows), "--model", str(model), "--progress", "none", "--max-tokens-per-batch", "256",
+              "--prefix-sharing", "off"]
+    made = memory_cgroup(f"klpipe-test-{os.getpid()}", CGROUP_LIMIT)
+    if made is None:
+        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1 or v2)")
+    group, procs, peak = made
+    try:
+        # The unchanged command: the budget is the cgroup's limit, read by the process itself.
+        streamed = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m klpipe "$@"', sys.executable, *common,
+             "--output", str(tmp_path / "streamed.parquet")], capture_output=True, text=True, env=env, timeout=1200)
+        used = int(peak.read_text())
+    finally:
+        group.rmdir()
+    assert streamed.returncode == 0, streamed.stderr
+    assert "its decoder layers stream from their files" in streamed.stderr and "memory cgroup's limit" in \
+        streamed.stderr, streamed.stderr
+    assert used <= CGROUP_LIMIT
+    in_memory = subprocess.run([sys.executable, "-m", "klpipe", *common, "--output", str(tmp_path / "memory.parquet")],
+                               capture_output=True, text=True, env=env, timeout=1200)
+    assert in_memory.returncode == 0 and "stream" not in in_memory.stderr, in_memory.stderr
+    got = pq.read_table(tmp_path / "streamed.parquet").column(cache.REF_LOGPROBS).to_pylist()
+    expected = pq.read_table(tmp_path / "memory.parquet").column(cache.REF_LOGPROBS).to_pylist()
+    assert len(got) == len(expected) == 8
+    values = np.concatenate([np.array(v) for v in expected if v])
+    assert values.max() - values.min() > 2  # logprobs spread: a wrong computation cannot hide near log(1/V)
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a) <= SAME
