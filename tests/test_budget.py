@@ -112,15 +112,15 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
     return weights, resident, largest
 
 
-def activations(path, tokens: int) -> int:
-    """streaming.activation_bytes by hand, from the config: fp32, 8 x hidden + 3 x intermediate + the per-layer
+def activations(path, tokens: int, element: int = 4) -> int:
+    """streaming.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate + the per-layer
     inputs of every layer, per token, and the head's 64 MiB."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config", config)
     per_layer = (text.get("hidden_size_per_layer_input") or 0) * text["num_hidden_layers"]
-    return tokens * 4 * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + per_layer) + 64 * MIB
+    return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + per_layer) + 64 * MIB
 
 
 def config_for(tmp_path, name="out.parquet", **options) -> PrecomputeConfig:
@@ -144,14 +144,20 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
                          lambda line: None) is None
 
 
-def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("option, value, words", [
+    ("prefix_sharing", "on", "--prefix-sharing on"), ("compile", "on", "--compile on"),
+    ("dtype", "float64", "--dtype float64"), ("policy", str(TINY_GEMMA), "--policy")])
+def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, option, value, words):
     monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
-    streams = str(FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256))
-    config = config_for(tmp_path, max_memory=streams, prefix_sharing="on")
+    element = 8 if value == "float64" else 4
+    streams = str(FOOTPRINT + budget.GROWTH + (resident + 2 * largest) * element // 4
+                  + activations(TINY_GEMMA, 256, element))
+    config = config_for(tmp_path, max_memory=streams, **{option: value})
     with pytest.raises(InputError) as caught:
         budget.decide(config, resolve(config), 256, lambda line: None)
-    assert str(caught.value).endswith("and streaming them does not run with --prefix-sharing on yet")
+    assert str(caught.value).endswith(f"and streaming them does not run with {words} yet")
+    assert "\n" not in str(caught.value)
 
 
 def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch):

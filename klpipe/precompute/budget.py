@@ -141,15 +141,17 @@ def decide(config, models, max_tokens: int, log) -> int | None:
     if config.max_memory is None and device != "cpu":
         return None  # a GPU's budget is its own memory: streaming to a GPU is not built yet
     limit = find(config.max_memory)
-    sizes = streaming.measure(models.spec, max_tokens)
+    sizes = streaming.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     footprint = resident_bytes()
-    if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations):
+    if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
+                                    sizes.activations):
         return None
     refused = ("--policy" if config.policy is not None else "--prefix-sharing on" if config.prefix_sharing == "on"
-               else "a LoRA adapter --model" if models.adapters else None)
+               else "a LoRA adapter --model" if models.adapters else "--compile on" if config.compile == "on"
+               else "--dtype float64" if config.dtype == "float64" else "a GPU" if device != "cpu" else None)
     if refused is not None:
-        raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source} "
-                         f"({fmt(limit.bytes)}), and streaming them does not run with {refused} yet")
+        raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
+                         f"them does not run with {refused} yet")
     spare = limit.bytes - footprint - GROWTH - sizes.resident - 2 * sizes.largest_layer - sizes.activations
     tokens = max(spare // max(sizes.kept_per_token, 1), max_tokens)
     log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
