@@ -168,6 +168,13 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     lines = []
     streamed = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(streams)), log=lines.append)
     assert any("its decoder layers stream from their files" in line for line in lines), lines
+    # Each group read every layer's tensors once, as the checkpoint stores them; nothing else.
+    from safetensors import safe_open
+
+    with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
+        layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)
+    assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
+    assert streamed.streamed["bytes_read"] == streamed.streamed["groups"] * layer_bytes
     in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing="off"), log=lambda line: None)
     got = pq.read_table(streamed.output).column(cache.REF_LOGPROBS).to_pylist()
     expected = pq.read_table(in_memory.output).column(cache.REF_LOGPROBS).to_pylist()

@@ -247,8 +247,19 @@ def _print_summary(summary) -> None:
         f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
         f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s){_left_out(summary)}, "
         f"padding efficiency {summary.padding_efficiency:.1%}, {_fed(summary.forward)}, peak memory {memory}"
-        + (f"; resumed {resumed}" if summary.resumed_chunks else "")
+        + (f"; resumed {resumed}" if summary.resumed_chunks else "") + _streamed(summary)
     )
+
+
+def _streamed(summary) -> str:
+    """Where the weights streamed: what was read, how often, and how much of the read the compute hid."""
+    streamed = getattr(summary, "streamed", None)
+    if not streamed or not streamed["groups"]:
+        return ""
+    per_group = streamed["bytes_read"] / streamed["groups"] / 2**20
+    return (f"; weights streamed: {streamed['bytes_read'] / 2**20:,.0f} MiB read in {streamed['groups']} "
+            f"layer-major group(s), {per_group:,.0f} MiB each, {streamed['hidden']:.0%} of the read hidden under "
+            "compute")
 
 
 def _left_out(summary) -> str:

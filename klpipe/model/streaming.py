@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -99,6 +100,9 @@ class LayerMajor:
         self._back = threading.Semaphore(0)
         self._abandon = False
         self.layer_reads = 0  # layers read since load
+        self.groups = 0  # groups run layer-major since load
+        self.read_seconds = 0.0  # spent reading layers, in the background or not
+        self.waited_seconds = 0.0  # of which the forwards waited for: the read not hidden under compute
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
         self._hooks.append(store.layers[-1].register_forward_hook(self._after_last))
 
@@ -123,6 +127,7 @@ class LayerMajor:
     def ensure(self, k: int) -> None:
         """Layer k loaded (from the read ahead, or now), every other freed, layer k + 1 read in the background."""
         store = self.store
+        started = time.perf_counter()
         if self._ahead is not None:
             layer, future = self._ahead
             future.result()  # its error, if any, is this read's
@@ -130,17 +135,32 @@ class LayerMajor:
             if layer != k:
                 store.release(layer)
         if not store.loaded(k):
-            store.load(k)
-            self.layer_reads += 1
+            self._read(k)
+        self.waited_seconds += time.perf_counter() - started
         for other in range(len(store.layers)):
             if other != k and store.loaded(other):
                 store.release(other)
-        if k + 1 < len(store.layers) and not store.loaded(k + 1):
-            self._ahead = (k + 1, self._reader.submit(self._read, k + 1))
+        self._read_ahead(k + 1)
+
+    def _read_ahead(self, k: int) -> None:
+        """Layer k read in the background, if there is one and it is not loaded or being read already."""
+        if k < len(self.store.layers) and self._ahead is None and not self.store.loaded(k):
+            self._ahead = (k, self._reader.submit(self._read, k))
 
     def _read(self, k: int) -> None:
+        started = time.perf_counter()
         self.store.load(k)
         self.layer_reads += 1
+        self.read_seconds += time.perf_counter() - started
+
+    def statistics(self) -> dict:
+        """What streaming cost since load: bytes read, groups run, the share of the read hidden under compute."""
+        hidden = 1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0
+        return {"bytes_read": self.store.reads, "groups": self.groups, "hidden": max(hidden, 0.0)}
+
+    def reset_statistics(self) -> None:
+        """From now on (the load-time probes' reads left out of the run's figures)."""
+        self.store.reads, self.groups, self.read_seconds, self.waited_seconds = 0, 0, 0.0, 0.0
 
     def release_all(self) -> None:
         """Every layer freed (after a forward on its own, or a group): nothing held between chunks."""
@@ -157,12 +177,14 @@ class LayerMajor:
 
         `between` runs after each layer (a stop asked for raises there, and the group stops)."""
         steps = [_Pass(call) for call in calls]
+        self.groups += 1
         inference = torch.is_inference_mode_enabled()
         threads = [threading.Thread(target=self._thread, args=(step, contextvars.copy_context(), inference),
                                     name=f"klpipe-pass-{i}", daemon=True) for i, step in enumerate(steps)]
         self._abandon = False
         for thread in threads:
             thread.start()
+        self._read_ahead(0)  # while the passes embed their rows
         try:
             for step in steps:  # each to its first layer (embeddings and what comes before it)
                 self._resume(step)

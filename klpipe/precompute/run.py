@@ -73,6 +73,7 @@ class PrecomputeSummary:
     resumed_rows: int = 0  # their rows, in the output but not counted in `rows`
     skipped: bool = False  # output already complete: nothing to do
     peak_memory: dict = field(default_factory=dict)
+    streamed: dict | None = None  # where the weights streamed: bytes read, groups, share hidden (model/streaming.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -184,8 +185,11 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                       else reference.ReferenceModel.load(models.policy_spec, compile=config.compile)
                       if models.policy_spec is not None else None)
             summary.load_seconds = time.perf_counter() - load_started
+            if model.streamer is not None:
+                model.streamer.reset_statistics()  # the run's reads, not the load-time probes'
             _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop,
                         log, on_chunk)
+            summary.streamed = model.streamer.statistics() if model.streamer is not None else None
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
             merged = work.path / "cache.parquet"
