@@ -70,7 +70,7 @@ test-matrix: install
 # a tolerance derived from bf16's rounding (tests/test_bf16.py). make test runs two families of it; this the whole
 # matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/test_cascade.py).
 test-bf16: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py tests/test_streaming.py
 
 # fp64 all the way through (--dtype float64, klpipe/model/wide.py): every family of tests/architectures.py and of the
 # registry matrix, off, auto and on, within 1e-9 of an fp64 forward of the same weights, where rounding is ~1e-14: a

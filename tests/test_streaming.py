@@ -97,6 +97,19 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
+@pytest.mark.bf16
+@pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA], ids=["tiny-llama", "tiny-gemma4"])
+def test_bfloat16_streams_to_the_bfloat16_run_in_memory(path):
+    spec = ModelSpec(str(path), dtype="bfloat16", device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    assert {p.dtype for p in streamed.model.parameters() if not p.is_meta} == {p.dtype for p in
+                                                                             in_memory.model.parameters()}
+    rows = chunk(in_memory.vocab_size, seed=2)
+    plan = plan_chunk(in_memory, rows, 96, "off")
+    expected, got = run_plan(in_memory, plan, rows, 1.0), run_plan(streamed, plan, rows, 1.0)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
 @pytest.fixture(scope="module")
 def llama():
     return ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"), streamed=True)
