@@ -57,7 +57,7 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py
+	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py tests/test_streaming.py
 
 # Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on
 # against an fp64 forward, and as tests/matrix.json records it. One thread: models this small spend two threads'

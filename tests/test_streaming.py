@@ -16,7 +16,7 @@ import pytest
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import plan_chunk, run_plan
 from tests import helpers
-from tests.architectures import save_tiny
+from tests.architectures import ARCHITECTURES, save_tiny
 from tests.helpers import TINY_GEMMA, TINY_GEMMA_MM, TINY_LLAMA, Fp64Oracle
 
 SAME = 1e-5  # streamed against in memory, same dtype and plan
@@ -26,7 +26,11 @@ MODELS = ["tiny-llama", "tiny-gemma4", "tiny-gemma4-mm", "qwen3_moe", "qwen3_nex
 SAMPLES = {"tiny-llama": TINY_LLAMA, "tiny-gemma4": TINY_GEMMA, "tiny-gemma4-mm": TINY_GEMMA_MM}
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# The rest of the architecture matrix, in make test-arch.
+REST = [pytest.param(name, marks=pytest.mark.arch) for name in sorted(ARCHITECTURES) if name not in MODELS]
+
+
+@pytest.fixture(scope="module", params=MODELS + REST)
 def pair(request, tmp_path_factory):
     """(name, the model in memory, the same model streamed, the fp64 oracle)."""
     name = request.param

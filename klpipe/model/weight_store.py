@@ -100,14 +100,19 @@ class WeightStore:
             renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
             found = layer_key.match(renamed)
             self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = slices[key]
-        # The meta parameters and buffers each layer gets back on release: (module, name, is a buffer, tensor).
+        self._lock = threading.Lock()  # a layer loads in the background while another computes
+        self.reads = 0  # bytes read from the checkpoint since load
+        self._meta: list[list] = [[] for _ in self.layers]
+        self._load(None)
+        self._finish()
+        # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
+        # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
         self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()
                        for n, t in [*module._parameters.items(), *module._buffers.items()]
                        if t is not None and t.is_meta] for layer in self.layers]
-        self._lock = threading.Lock()  # a layer loads in the background while another computes
-        self.reads = 0  # bytes read from the checkpoint since load
-        self._load(None)
-        self._finish()
+        held = [key for meta in self._meta for key in {id(t) for _, _, _, t in meta}]
+        if len(held) != len(set(held)):  # a block whose weights several depths share (Zamba's) would be released under another depth
+            raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
         self.sizes = self._sizes()
 
     def _load(self, part: int | None) -> None:
@@ -145,9 +150,6 @@ class WeightStore:
         if resident:
             raise ModelError(f"{type(model).__name__}: {len(resident)} missing keys loading it streamed "
                              f"({', '.join(resident[:3])}); refusing to run with random weights")
-        shared = {id(t) for module, _, _, t in self._meta[0]} & {id(t) for m in self._meta[1:] for _, _, _, t in m}
-        if shared:  # a block whose weights several depths share (Zamba's) would be released under another depth
-            raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
 
     def _sizes(self) -> Sizes:
         layers = [sum(t.numel() * t.element_size() for _, _, _, t in meta) for meta in self._meta]  # meta: as loaded
