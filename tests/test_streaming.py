@@ -101,6 +101,33 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
+def test_a_call_packed_rows_cannot_take_mid_group_reruns_the_whole_group_padded(monkeypatch):
+    from klpipe.model import packing
+
+    spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    rows = chunk(in_memory.vocab_size, seed=3)
+    plan = plan_chunk(streamed, rows, 96, "off")
+    assert streamed.packed and len(plan.batches) > 2
+    calls = []
+
+    def refuse_the_third(*args, **kwargs):  # the first two passes packed through layer 0, then a call is refused
+        calls.append(1)
+        if len(calls) == 3:
+            raise packing.NotPacked("LlamaAttention passes softcap to its attention")
+        return attend(*args, **kwargs)
+    attend = packing.attend
+    monkeypatch.setattr(packing, "attend", refuse_the_third)
+    got = run_plan(streamed, plan, rows, 1.0)
+    assert not streamed.packed and len(calls) == 3  # padded from then on: no packed call after the refusal
+    in_memory.drop_packing("the same batches, padded")
+    expected = [None] * len(rows)
+    for batch in plan.batches:
+        for i, values in zip(batch.tolist(), in_memory.score_batch([rows[i] for i in batch])):
+            expected[i] = values
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
 @pytest.mark.bf16
 @pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA], ids=["tiny-llama", "tiny-gemma4"])
 def test_bfloat16_streams_to_the_bfloat16_run_in_memory(path):

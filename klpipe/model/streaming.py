@@ -188,14 +188,12 @@ class LayerMajor:
         try:
             for step in steps:  # each to its first layer (embeddings and what comes before it)
                 self._resume(step)
-            self._raise(steps)
             while not all(step.done for step in steps):
                 k = min(step.at for step in steps if not step.done)
                 self.ensure(k)
                 for step in steps:
                     if not step.done and step.at == k:
                         self._resume(step)
-                self._raise(steps)
                 between()
         except BaseException:
             self._abandon = True
@@ -210,14 +208,12 @@ class LayerMajor:
         return [step.result for step in steps]
 
     def _resume(self, step: _Pass) -> None:
-        """Hand `step` the baton and wait until it stops at its next layer or ends."""
+        """Hand `step` the baton and wait until it stops at its next layer or ends; its error, if it failed, raised
+        here, so that no other pass runs on after it."""
         step.go.release()
         self._back.acquire()
-
-    def _raise(self, steps) -> None:
-        for step in steps:
-            if step.error is not None and not isinstance(step.error, _Abandoned):
-                raise step.error
+        if step.error is not None and not self._abandon and not isinstance(step.error, _Abandoned):
+            raise step.error
 
     def _thread(self, step: _Pass, context, inference: bool) -> None:
         step.go.acquire()  # the first turn
