@@ -57,13 +57,15 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py tests/test_streaming.py
+	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py
+	$(BIN)/python -m pytest -q -m arch -k "not registry" tests/test_streaming.py
 
 # Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on
 # against an fp64 forward, and as tests/matrix.json records it. One thread: models this small spend two threads'
 # time waiting on each other (ten times slower on a busy machine).
 test-matrix: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/test_matrix.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch -k registry tests/test_streaming.py  # each family streamed
 
 # The GPU's numerics on CPU: every family of the registry matrix with an fp64 oracle, in bf16 (weights and
 # activations; the head accumulates in fp32), tree on and off, against an fp64 forward of the same weights, within
