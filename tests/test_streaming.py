@@ -198,8 +198,8 @@ CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transf
 LAYERS = 44  # 44 layers of 61 MB (hidden 1,024, MLP 4,096, fp32): a 2.7 GB model, 2.6 times the limit
 
 
-def big_llama(directory):
-    """A Llama of LAYERS layers of 67 MB each, written as safetensors straight from numpy (four random layers,
+def big_llama(directory, layers: int = LAYERS):
+    """A Llama of `layers` layers of 67 MB each, written as safetensors straight from numpy (four random layers,
     cycled: drawing 670M random numbers would take longer than the run), with the sample tokenizer."""
     import json
     import shutil
@@ -211,7 +211,7 @@ def big_llama(directory):
     from tests.architectures import COMMON, TOKENIZER_FILES
 
     config = LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8,
-                            "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": LAYERS})
+                            "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": layers})
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     rng = np.random.default_rng(0)
@@ -232,7 +232,7 @@ def big_llama(directory):
     config.save_pretrained(directory)
     for file in TOKENIZER_FILES:
         shutil.copy(TINY_LLAMA / file, directory / file)
-    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == LAYERS
+    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == layers
     return directory
 
 
