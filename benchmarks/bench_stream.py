@@ -50,7 +50,8 @@ def rows_file(path: Path, tokens: int, vocab: int = 512) -> int:
     count = max(tokens // 255, 1)
     prompts = [rng.integers(3, vocab, 200).tolist() for _ in range(count)]
     responses = [rng.integers(3, vocab, 56).tolist() for _ in range(count)]
-    pq.write_table(pa.table({"id": [str(i) for i in range(count)], "step": [0] * count, "prompt_ids": prompts, "response_ids": responses,
+    pq.write_table(pa.table({"id": [str(i) for i in range(count)], "step": [0] * count, "prompt_ids": prompts,
+                             "response_ids": responses,
                              "policy_logprobs": [[-1.0] * 56] * count, "reward": [0.0] * count}), path)
     return count * 255
 
@@ -82,7 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=44)
     parser.add_argument("--tokens", type=int, default=4096, help="fed tokens of rows (prompt 200 + response 56 each)")
-    parser.add_argument("--limit", type=int, default=None, help="the cgroup's limit, MiB (default: a third of the model)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="the cgroup's limit, MiB (default: a third of the model)")
     args = parser.parse_args()
     model = WORK / f"llama-{args.layers}"
     if not (model / "model.safetensors").is_file():

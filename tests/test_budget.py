@@ -113,8 +113,8 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 
 
 def activations(path, tokens: int, element: int = 4) -> int:
-    """streaming.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate + the per-layer
-    inputs of every layer, per token, and the head's 64 MiB."""
+    """streaming.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
+    + the per-layer inputs of every layer, per token, and the head's 64 MiB."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
@@ -188,6 +188,6 @@ def test_the_command_line_refuses_a_budget_too_small_in_one_line(tmp_path):
                      "--max-memory", "1M", "--progress", "none")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: --max-memory 1M is too small for this model even streamed"), \
-        result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: --max-memory 1M is too small for this model even streamed"), result.stderr
     assert not list(tmp_path.iterdir())

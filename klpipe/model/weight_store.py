@@ -111,7 +111,8 @@ class WeightStore:
                        for n, t in [*module._parameters.items(), *module._buffers.items()]
                        if t is not None and t.is_meta] for layer in self.layers]
         held = [key for meta in self._meta for key in {id(t) for _, _, _, t in meta}]
-        if len(held) != len(set(held)):  # a block whose weights several depths share (Zamba's) would be released under another depth
+        # A block whose weights several depths share (Zamba's) would be freed under another depth.
+        if len(held) != len(set(held)):
             raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
         self.sizes = self._sizes()
 

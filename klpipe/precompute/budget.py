@@ -124,8 +124,8 @@ def streams(budget: Budget | None, footprint: int, weights: int, resident: int, 
         return False
     smallest = footprint + GROWTH + resident + 2 * largest_layer + activations
     if smallest > budget.bytes:
-        raise InputError(f"{budget.source} is too small for this model even streamed one layer "
-                         f"at a time: it needs at least {fmt(smallest)} (this process {fmt(footprint + GROWTH)}, the embeddings "
+        raise InputError(f"{budget.source} is too small for this model even streamed one layer at a time: it "
+                         f"needs at least {fmt(smallest)} (this process {fmt(footprint + GROWTH)}, the embeddings "
                          f"and head {fmt(resident)}, two layers {fmt(2 * largest_layer)}, one pass's activations "
                          f"{fmt(activations)})")
     return True
