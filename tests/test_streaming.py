@@ -79,6 +79,21 @@ def test_streamed_rows_match_the_model_in_memory_and_the_oracle(pair):
     assert ours <= own + TOLERANCE, f"{name}: {ours:.3g} from fp64 (the fp32 oracle's own error {own:.3g})"
 
 
+def test_a_temperature_and_a_tool_mask_stream_as_in_memory(pair):
+    name, in_memory, streamed, oracle = pair
+    rows = chunk(in_memory.vocab_size, seed=4)
+    rng = np.random.default_rng(4)
+    needed = [rng.random(len(response)) < 0.6 for _, response in rows]  # a tool's tokens: context, never scored
+    plan = plan_chunk(in_memory, rows, 96, "off", needed=needed)
+    expected, got = run_plan(in_memory, plan, rows, 0.7), run_plan(streamed, plan, rows, 0.7)
+    for values, need in zip(got, needed):
+        assert np.isnan(values[~need]).all() and not np.isnan(values[need]).any()
+    assert max(float(np.nanmax(np.abs(a - b))) for a, b in zip(got, expected) if (~np.isnan(a)).any()) <= SAME
+    ours, own = oracle.errors(rows, [np.where(np.isnan(v), e, v).astype(np.float32)
+                                     for v, e in zip(got, oracle.expected(rows, 0.7)[0])], 0.7)
+    assert ours <= own + TOLERANCE
+
+
 def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_once(pair):
     name, in_memory, streamed, _ = pair
     rows = chunk(in_memory.vocab_size, seed=1)
