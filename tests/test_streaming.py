@@ -213,7 +213,7 @@ CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transf
 LAYERS = 44  # 44 layers of 61 MB (hidden 1,024, MLP 4,096, fp32): a 2.7 GB model, 2.6 times the limit
 
 
-def big_llama(directory, layers: int = LAYERS):
+def big_llama(directory, layers: int = LAYERS, hidden: int = 1024, intermediate: int = 4096):
     """A Llama of `layers` layers of 67 MB each, written as safetensors straight from numpy (four random layers,
     cycled: drawing 670M random numbers would take longer than the run), with the sample tokenizer."""
     import json
@@ -225,8 +225,8 @@ def big_llama(directory, layers: int = LAYERS):
 
     from tests.architectures import COMMON, TOKENIZER_FILES
 
-    config = LlamaConfig(**{**COMMON, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8,
-                            "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": layers})
+    config = LlamaConfig(**{**COMMON, "hidden_size": hidden, "intermediate_size": intermediate,
+                            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": layers})
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     rng = np.random.default_rng(0)
@@ -371,3 +371,40 @@ def test_every_family_of_the_registry_streams_to_its_in_memory_result_or_is_refu
     plan = plan_chunk(in_memory, rows, 96, "off")
     expected, got = run_plan(in_memory, plan, rows, 1.0), run_plan(streamed, plan, rows, 1.0)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
+@pytest.mark.slow
+def test_kill_9_then_rerun_resumes_a_streamed_run_to_the_in_memory_result(tmp_path):
+    import re
+
+    import pyarrow.parquet as pq
+
+    from klpipe import cache
+    from klpipe.precompute import PrecomputeConfig, precompute
+    from klpipe.precompute.budget import parse_size
+    from tests.helpers import kill_9_after_chunks, repeated_rollouts, run_cli
+
+    model = big_llama(tmp_path / "llama", layers=8, hidden=256, intermediate=1024)  # 8 layers of 4 MB
+    source = tmp_path / "rollouts.parquet"
+    pq.write_table(repeated_rollouts(10), source, row_group_size=100)
+    out, work = tmp_path / "cached.parquet", tmp_path / "cached.parquet.partial"
+    args = ["precompute", "-m", str(model), str(source), "-o", str(out), "--chunk-rows", "8", "--device", "cpu",
+            "--progress", "none"]
+    refused = run_cli(*args, "--max-memory", "1M")  # says the smallest budget: streams with a little more
+    smallest = re.search(r"needs at least (\S+) ", refused.stderr).group(1)
+    args += ["--max-memory", str(parse_size(smallest) + (12 << 20))]  # under the 31 MB the weights would need
+    finished = kill_9_after_chunks(args, work, "chunk-*.parquet")
+    assert not out.exists() and 3 <= finished < 60, finished
+    rerun = run_cli(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"resuming: {finished} of 60 chunks already done" in rerun.stderr
+    assert "its decoder layers stream from their files" in rerun.stderr and "weights streamed:" in rerun.stderr
+    in_memory = precompute(PrecomputeConfig(inputs=[source], output=tmp_path / "ref" / "cached.parquet",
+                                            model=str(model), device="cpu", chunk_rows=8, progress="none",
+                                            prefix_sharing="off"), log=lambda line: None)
+    got, expected = pq.read_table(out), pq.read_table(in_memory.output)
+    assert got.column("id").to_pylist() == expected.column("id").to_pylist() and got.num_rows == 480
+    gap = max(float(np.max(np.abs(np.array(a) - np.array(b))))
+              for a, b in zip(got.column(cache.REF_LOGPROBS).to_pylist(),
+                              expected.column(cache.REF_LOGPROBS).to_pylist()) if a)
+    assert gap <= SAME
