@@ -226,7 +226,8 @@ def big_llama(directory, layers: int = LAYERS, hidden: int = 1024, intermediate:
     from tests.architectures import COMMON, TOKENIZER_FILES
 
     config = LlamaConfig(**{**COMMON, "hidden_size": hidden, "intermediate_size": intermediate,
-                            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": layers})
+                            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                            "num_hidden_layers": layers})
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     rng = np.random.default_rng(0)
