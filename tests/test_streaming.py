@@ -143,6 +143,42 @@ def test_a_call_packed_rows_cannot_take_mid_group_reruns_the_whole_group_padded(
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
+def test_a_repositorys_other_copy_of_the_weights_is_never_read(tmp_path):
+    # Mistral's repositories ship consolidated.safetensors beside the shards, the same weights under other names:
+    # from_pretrained reads the shards alone, and so must the store (it refused the other names as unexpected).
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "llama"
+    shutil.copytree(TINY_LLAMA, directory)
+    save_file({"tok_embeddings.weight": torch.ones(4, 4)}, str(directory / "consolidated.safetensors"))
+    spec = ModelSpec(str(directory), dtype="float32", device="cpu")
+    streamed, in_memory = ReferenceModel.load(spec, streamed=True), ReferenceModel.load(spec)
+    rows = chunk(in_memory.vocab_size)[:8]
+    got, expected = streamed.streamer.run([lambda: streamed.score_batch(rows)])[0], in_memory.score_batch(rows)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
+def test_a_quantized_checkpoint_is_refused_streamed(tmp_path):
+    # Its tensors mean something only through a quantizer (fp8 with block scales here): read as plain numbers they
+    # would be wrong numbers.
+    import json
+    import shutil
+
+    from klpipe.errors import ModelError
+
+    directory = tmp_path / "llama"
+    shutil.copytree(TINY_LLAMA, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError) as caught:
+        ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"), streamed=True)
+    assert str(caught.value).endswith("streaming them does not run with a quantized checkpoint yet")
+
+
 @pytest.mark.bf16
 @pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA], ids=["tiny-llama", "tiny-gemma4"])
 def test_bfloat16_streams_to_the_bfloat16_run_in_memory(path):

@@ -58,7 +58,8 @@ weights either fit (the in-memory path) or stream; a budget too small for the re
 activations is refused before anything runs, naming the smallest budget that would work.
 
 Not streamed yet, each refused in one line: the prefix tree (`--prefix-sharing on`), `--compile on`, LoRA adapters,
-`--policy`, `--dtype float64`, `--trust-remote-code`, a GPU.
+`--policy`, `--dtype float64`, `--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only
+through transformers' quantizer), layers that are not one list of decoder layers or that share weights.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def load(spec):
             model, plan, device, dtype = _build(spec)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
-        refused = "a GPU" if device != "cpu" else "--dtype float64" if dtype == torch.float64 else None
+        refused = ("a GPU" if device != "cpu" else "--dtype float64" if dtype == torch.float64
+                   else "a quantized checkpoint" if quantized(model.config) else None)
     if refused is not None:
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
                          f"with {refused} yet")
@@ -284,6 +286,14 @@ def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, token
     and a layer's output, queries, keys, values and attention output (8 x hidden), the MLP's gate, up and
     activation (3 x intermediate), Gemma's per-layer inputs for every layer, plus the head's fixed blocks."""
     return tokens * element * (8 * hidden + 3 * intermediate + per_layer_input) + FIXED_ACTIVATIONS
+
+
+def quantized(config) -> bool:
+    """A checkpoint whose tensors need a quantizer to mean anything (fp8 with scales, bitsandbytes, GPTQ): the
+    store's plain loader would read them as numbers, wrong ones."""
+    from klpipe.model import loading
+
+    return any(getattr(c, "quantization_config", None) for c in (config, loading.text_config(config)))
 
 
 @dataclass
@@ -309,6 +319,8 @@ def measure(spec, tokens: int) -> Measure | None:
         model, _, _, dtype = _build(spec)
         _, layers = decoder_layers(loading.decoder_body(model))
     except (KeyError, ModelError):  # a class AutoModelForCausalLM does not map, a body without a list of layers
+        return None
+    if quantized(model.config):  # its sizes are the quantizer's: it loads as before
         return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
@@ -337,7 +349,7 @@ def weights_directory(spec):
 
     try:
         return Path(snapshot_download(spec.name, revision=spec.revision,
-                                      allow_patterns=["*.json", "*.safetensors"]))
+                                      allow_patterns=["*.json", "model*.safetensors"]))
     except Exception as exc:  # noqa: BLE001 - the hub's errors: one line
         raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
 

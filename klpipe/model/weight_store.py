@@ -84,9 +84,7 @@ class WeightStore:
         mapping = get_model_conversion_mapping(model, key_mapping, None)
         self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
                                                weight_mapping=mapping, device_map={"": "cpu"})
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise ModelError(f"{directory}: no safetensors weights to stream")
+        files = weight_files(directory)
         self._files = [safe_open(str(path), framework="pt") for path in files]  # memory-mapped; closed with the store
         slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys() if key not in skipped}
         # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
@@ -177,6 +175,19 @@ class WeightStore:
         for handle in self._files:
             handle.__exit__(None, None, None)
         self._files = []
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files as from_pretrained picks them: the index's shards, else model.safetensors;
+    never a repository's other copies (Mistral's consolidated.safetensors holds the same weights under other names)."""
+    import json
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    raise ModelError(f"{directory}: no model.safetensors (or its index) to stream")
 
 
 def _current(module, name: str):
