@@ -84,6 +84,10 @@ def test_a_temperature_and_a_tool_mask_stream_as_in_memory(pair):
     rows = chunk(in_memory.vocab_size, seed=4)
     rng = np.random.default_rng(4)
     needed = [rng.random(len(response)) < 0.6 for _, response in rows]  # a tool's tokens: context, never scored
+    # Each response ends with a token of the policy's own: a masked tail makes klpipe feed a row shorter than its
+    # own forward sees, which moves a LongRoPE model (Phi-3) across its limit in memory and streamed alike.
+    for need in needed:
+        need[-1:] = True
     plan = plan_chunk(in_memory, rows, 96, "off", needed=needed)
     expected, got = run_plan(in_memory, plan, rows, 0.7), run_plan(streamed, plan, rows, 0.7)
     for values, need in zip(got, needed):
@@ -159,6 +163,48 @@ def test_a_repositorys_other_copy_of_the_weights_is_never_read(tmp_path):
     rows = chunk(in_memory.vocab_size)[:8]
     got, expected = streamed.streamer.run([lambda: streamed.score_batch(rows)])[0], in_memory.score_batch(rows)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
+def test_a_legacy_key_from_pretrained_leaves_is_left_streamed_too(tmp_path):
+    # Older checkpoints kept RoPE's inv_freq in every layer; from_pretrained leaves those keys unread, by its rules.
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "llama"
+    shutil.copytree(TINY_LLAMA, directory)
+    weights = load_file(str(directory / "model.safetensors"))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    spec = ModelSpec(str(directory), dtype="float32", device="cpu")
+    streamed, in_memory = ReferenceModel.load(spec, streamed=True), ReferenceModel.load(spec)
+    rows = chunk(in_memory.vocab_size)[:8]
+    got, expected = streamed.streamer.run([lambda: streamed.score_batch(rows)])[0], in_memory.score_batch(rows)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
+@pytest.mark.parametrize("change, words", [("drop", "1 missing keys loading it streamed (model.layers.1.mlp.up_proj"),
+                                           ("add", "1 unexpected keys loading it streamed (model.layers.1.mlp.extra")])
+def test_a_checkpoint_that_does_not_fit_its_class_is_refused_before_any_forward(tmp_path, change, words):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from klpipe.errors import ModelError
+
+    directory = tmp_path / "llama"
+    shutil.copytree(TINY_LLAMA, directory)
+    weights = load_file(str(directory / "model.safetensors"))
+    if change == "drop":
+        del weights["model.layers.1.mlp.up_proj.weight"]
+    else:
+        weights["model.layers.1.mlp.extra.weight"] = torch.ones(4)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError) as caught:
+        ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"), streamed=True)
+    assert f"LlamaForCausalLM: {words}" in str(caught.value) and "probe" not in str(caught.value)
 
 
 def test_a_quantized_checkpoint_is_refused_streamed(tmp_path):

@@ -13,8 +13,11 @@ dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is hand
                  the layer is asked for), converted into the layer's parameters; `release(k)` puts the meta
                  parameters back, so the layer's tensors are freed
 
-Which checkpoint key belongs to which layer is decided by the same renaming, once, at load. Nothing else of the
-model changes: its modules, its forward and its attention are transformers' own (streaming.py runs them).
+Which checkpoint key belongs to which layer is decided by the same renaming, once, at load, and a checkpoint that
+does not fit its class (keys missing or unexpected, by from_pretrained's own rules) is refused then, before any
+tensor is read. Only the files from_pretrained reads are opened (the index's shards, else model.safetensors).
+Nothing else of the model changes: its modules, its forward and its attention are transformers' own (streaming.py
+runs them).
 """
 
 from __future__ import annotations
@@ -94,10 +97,26 @@ class WeightStore:
         converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
         layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
         self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint slices
+        targets = set()  # every model key some checkpoint key loads (a split's every part)
+        unexpected = set()
+        by_pattern = {source: c for c in converters for source in c.source_patterns}
         for key in sorted(slices, key=dot_natural_key):
-            renamed, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            renamed, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            if renamed not in meta and key in meta:  # as the loader does: a key already the model's stays it
+                renamed, source = rename_source_key(key, [], [], model.base_model_prefix, meta)
             found = layer_key.match(renamed)
             self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = slices[key]
+            patterns = by_pattern[source].target_patterns if source is not None else [None]
+            parts = {renamed.replace(patterns[0], p) if p else renamed for p in patterns}
+            targets |= parts & meta.keys()
+            unexpected |= parts - meta.keys()
+        # A tensor several names share is loaded under any one of them; a tied one (Zamba's shared block, a tied
+        # head) is tied once loaded, as from_pretrained ties it.
+        tensors = {key: id(t) for key, t in model.state_dict(keep_vars=True).items()}
+        loaded = {tensors[key] for key in targets}
+        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+        self._check_keys(unexpected, {k for k in meta if k.startswith(self.layers_path + ".")
+                                      and tensors[k] not in loaded and k not in tied})
         self._lock = threading.Lock()  # a layer loads in the background while another computes
         self.reads = 0  # bytes read from the checkpoint since load
         self._meta: list[list] = [[] for _ in self.layers]
@@ -114,12 +133,27 @@ class WeightStore:
             raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
         self.sizes = self._sizes()
 
+    def _check_keys(self, unexpected: set, missing: set) -> None:
+        """The checkpoint's keys against the model's, before any tensor is read: what from_pretrained would refuse
+        (by its own rules: legacy RoPE keys left unread), refused now rather than at a layer's first forward."""
+        from types import SimpleNamespace
+
+        info = SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
+        self.model._adjust_missing_and_unexpected_keys(info)
+        for label, keys in (("missing", info.missing_keys), ("unexpected", info.unexpected_keys)):
+            if keys:
+                shown = ", ".join(sorted(keys)[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+                raise ModelError(f"{type(self.model).__name__}: {len(keys)} {label} keys loading it streamed "
+                                 f"({shown}); the checkpoint does not match the model class, refusing to run with "
+                                 "random weights")
+
     def _load(self, part: int | None) -> None:
         """Part `part`'s checkpoint tensors into the model (transformers' own loader), refusing what does not fit."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         slices = self.parts.get(part, {})
         info, _ = convert_and_load_state_dict_in_model(self.model, dict(slices), self.load_config)
+        self.model._adjust_missing_and_unexpected_keys(info)  # the keys from_pretrained knows to leave (legacy RoPE)
         wrong = sorted(info.unexpected_keys | info.mismatched_keys)
         if wrong or info.conversion_errors:
             shown = ", ".join(wrong[:3]) or next(iter(info.conversion_errors))
