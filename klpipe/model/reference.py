@@ -388,4 +388,3 @@ def attention_cost(body) -> float:
     queries = sum(m.out_features for name, m in body.named_modules()
                   if name.endswith("q_proj") and isinstance(m, torch.nn.Linear))
     return 4.0 * queries / (2.0 * linear) if linear else 0.0
-

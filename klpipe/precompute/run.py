@@ -31,9 +31,9 @@ from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files.discover import output_beside, refuse_overwriting_inputs
 from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
+from klpipe.precompute import budget
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute import budget
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.models import check_tokenizers, policy_revision, revision
 from klpipe.precompute.models import resolve as resolve_models
