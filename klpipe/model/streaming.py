@@ -30,7 +30,7 @@ conv and recurrent states. That is why no family needs code of its own here:
     MoE experts          fused at load by transformers' converters; a layer is all its experts (the router runs
                          inside it); a layer over the budget alone is refused by the budget, below
     KV-shared layers     read the keys of an earlier layer from the forward's own dict, kept per pass
-    per-layer embeddings resident (Gemma 4 E2B's table is most of its weights: streaming it is the next step)
+    per-layer embeddings resident (Gemma 4 E2B's table is 2.3B of its parameters: streaming it is a next step)
     hybrid layers        their states live in the pass's own forward; rows run whole start from zero states
     shared blocks        a module several depths call (Zamba) would be freed under another depth: refused
     out-of-order calls   a pass that asks for an earlier layer again gets it read again: slower, never wrong
@@ -42,20 +42,26 @@ its hook, the next read in the background, the one before freed.
 are loaded at once. On CUDA the same shape holds with a copy stream and pinned staging buffers (not built yet: CPU
 only for now, refused on a GPU).
 
-**Hidden states between layers.** Each pass holds its own activations while it waits; a chunk's rows are cut into
-groups whose kept activations fit the budget (`group_tokens`), and each group reads the weights once. On a device
-they would spill to host memory between layers (with the GPU path).
+**Hidden states between layers.** Each pass holds its own activations while it waits; a chunk's batches are cut
+into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), and each group
+reads the weights once. On a device they would spill to host memory between layers (with the GPU path).
 
 **The prefix tree** (not streamed yet: `auto` runs rows whole on a streamed model, `on` is refused). Its passes fit
-the same baton: within a layer, the tree's passes run in tree order, so a parent's keys and values are needed only
-for that layer, by its children's passes, and can be dropped when the layer ends; the tree's cache would then hold
-one layer's keys and values per kept node, not every layer's.
+the same baton: within a layer, the tree's passes run in tree order, so a parent's keys and values at that layer
+are written before its children read them, and can be dropped once its last child has run the layer; the tree's
+cache (context_cache.py) then holds one layer's keys and values per kept node, not every layer's. What changes is
+its bookkeeping, which today frees a node after a pass has run every layer: it must free per layer instead.
 
 **The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
 the process's own footprint and an estimate of the activations of one pass of `--max-tokens-per-batch` tokens, the
 weights either fit (the in-memory path) or stream; a budget too small for the resident part, two layers and the
 activations is refused before anything runs, naming the smallest budget that would work.
+
+**Known costs** (the next steps): the load-time probes run their forwards one after another, each streaming every
+layer (9 reads of the weights at load); one thread per pass of a group (an OpenMP team each where torch uses
+one); on CPU the background read takes CPU time from the compute; a model a little over the budget still reads
+every layer, where the spare memory could keep some resident.
 
 Not streamed yet, each refused in one line: the prefix tree (`--prefix-sharing on`), `--compile on`, LoRA adapters,
 `--policy`, `--dtype float64`, `--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only
