@@ -83,13 +83,14 @@ test-fp64: install
 
 # precompute --compile on for real (tests/test_compiled.py): inductor compiles the layers' norms and MLPs through
 # gcc, on tiny Llama, Qwen3 and Gemma 4, fp32 and bf16, tree on and off, against the oracle; a compile that fails
-# (no C++ compiler) falls back with one line. About 4 minutes on 2 CPU cores, most of it compiling. Inductor's CPU
-# kernels need g++ and the interpreter's headers: Debian's installed first when missing (needs root, as in CI).
+# (no C++ compiler) falls back with one line; a LoRA adapter policy, compiled (tests/test_lora.py). About 5 minutes
+# on 2 CPU cores, most of it compiling. Inductor's CPU kernels need g++ and the interpreter's headers: Debian's
+# installed first when missing (needs root, as in CI).
 test-compile: install
 	@command -v g++ >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }
 	@$(BIN)/python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev; }
-	$(BIN)/python -m pytest -q -m compile --durations=5 tests/test_compiled.py
+	$(BIN)/python -m pytest -q -m compile --durations=5 tests/test_compiled.py tests/test_lora.py
 
 # benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
 # never costs a GPU's minutes. benchmarks/gpu_run.sh runs it for real on a lent GPU.

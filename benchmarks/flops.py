@@ -156,7 +156,7 @@ def tree(prompts, responses, chunk_rows: int = 2048, sharing: str = "auto",
     segments = []
     for rows in _chunks(prompts, responses, chunk_rows):
         needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
-        fed = logprobs._fed(rows, needed)
+        fed = logprobs._fed(rows, needed, None)  # a RoPE whose frequencies do not follow the row length
         wanted = np.flatnonzero([len(r) > 0 for _, r in rows])
         if sharing == "off":
             segments += [Segment(0, len(fed[i])) for i in wanted]

@@ -53,7 +53,7 @@ def plan(path: Path):
     model = SimpleNamespace(prefill_skips_layers=False, rope_length_limit=None, keeps_state=False,
                             state_tokens_per_node=0)
     needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
-    fed = logprobs._fed(rows, needed)
+    fed = logprobs._fed(rows, needed, model.rope_length_limit)
     chosen, _ = logprobs._worth_a_tree(model, rows, fed, needed, np.flatnonzero([len(r) > 0 for _, r in rows]), "auto")
     tree, passes, _ = logprobs._plan_tree(model, rows, fed, needed, chosen, 2048, 1 << 40, attention=5e-4)
     return tree, passes

@@ -6,6 +6,7 @@ the cache's contract from cache.py. Pure numpy: importing this module never pull
     Tree    the radix tree over a chunk's fed token sequences: each node a span of tokens its rows share
     Pass    one forward: the nodes that run side by side, and whose state is done with after it
     Wanted  the positions of each row whose hidden states the chunk needs, and their target tokens
+    fed     what one row feeds the model (both sides use it, so the rule is written once)
 """
 
 from __future__ import annotations
@@ -81,3 +82,18 @@ class Wanted:
     base: np.ndarray  # (rows,) int64 the position that predicts response token 0: the prompt's length − 1
     targets: list[np.ndarray]  # (rows,) the row's response: position base + j predicts targets[j]
     needed: list[np.ndarray] | None = None  # (rows,) bool per response token: the logprobs to compute
+
+
+def fed(prompt: np.ndarray, response: np.ndarray, wanted: np.ndarray, rope_limit: int | None) -> np.ndarray:
+    """What a row feeds the model, `wanted` its response indices to score (ascending): the prompt and the response up
+    to its last scored token, less that token, which is only ever a target; nothing when none is scored.
+
+    But a long RoPE takes its frequencies from the row's length, past `rope_limit` (loading.rope_length_limit): the
+    row's own forward over prompt + response uses the long ones as soon as the whole row is longer, so such a row is
+    fed whole, or cut one token (or a masked tail) short it would get the short ones: a silently wrong logprob.
+    """
+    if not len(wanted):
+        return prompt[:0]
+    if rope_limit is not None and len(prompt) + len(response) > rope_limit:
+        return np.concatenate([prompt, response])
+    return np.concatenate([prompt, response[:int(wanted[-1])]])

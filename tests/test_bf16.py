@@ -89,7 +89,7 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     from transformers import AutoModelForCausalLM
 
     from klpipe.errors import ModelError
-    from klpipe.model import ModelSpec, ReferenceModel
+    from klpipe.model import ModelSpec, ReferenceModel, wide
     from klpipe.precompute.logprobs import ForwardStats, plan_stats, run_plan
     from klpipe.precompute.sharing import Sharing
 
@@ -100,8 +100,11 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     model64 = copy.deepcopy(model64).to(torch.float64)
     if model64._can_set_experts_implementation():
         model64.set_experts_implementation("eager")
-    expected = [oracle_logprobs(model64, p, r) for p, r in rows]
-    measured = spread(model64, rows, expected)
+    # fp64 all the way through (model/wide.py), as Fp64Oracle: the model's own fp32 casts would otherwise round the
+    # "fp64" forward, or stop it where they meet fp64 weights (Inkling 2).
+    with wide.fp64():
+        expected = [oracle_logprobs(model64, p, r) for p, r in rows]
+        measured = spread(model64, rows, expected)
     tolerance = 2 * measured + HEAD
     own_model = AutoModelForCausalLM.from_pretrained(directory, dtype="bfloat16").eval()
     if own_model._can_set_experts_implementation():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
-from tests.helpers import worst_error
+from tests.helpers import oracle_logprobs, worst_error
 
 TOLERANCE = 1e-4
 CONTEXT = 96
@@ -76,3 +76,26 @@ def test_a_long_row_beside_short_ones_would_change_them(model_dir):
         assert gap > 10 * TOLERANCE
     else:
         assert gap < 1e-6
+
+
+@pytest.mark.parametrize("sharing", ["off", "on", "auto"])
+def test_a_row_just_past_the_limit_is_fed_whole(model_dir, sharing):
+    """A row's own forward takes the long RoPE's frequencies from the whole row. One of LIMIT + 1 tokens whose last
+    token is only a target, or a longer one whose masked tail is never scored, would be fed LIMIT tokens or fewer and
+    get the short frequencies: every logprob silently wrong. So such rows are fed whole."""
+    kind, directory = model_dir
+    reference = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 512, 20)
+    rows = [(prompt, rng.integers(0, 512, LIMIT + 1 - 20)),  # LIMIT + 1 tokens: fed LIMIT, less its last
+            (prompt, rng.integers(0, 512, LIMIT + 6 - 20)),  # its last 8 tokens a tool's: fed LIMIT - 3
+            (prompt, rng.integers(0, 512, 5)),  # short, sharing the prompt
+            (rng.integers(0, 512, 8), rng.integers(0, 512, 4))]
+    needed = [np.ones(len(r), dtype=bool) for _, r in rows]
+    needed[1][-8:] = False
+    results = chunk_logprobs(reference, rows, 100_000, 1.0, sharing, ForwardStats(), needed=needed)
+    oracle_model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    for (prompt_ids, response), got, need in zip(rows, results, needed, strict=True):
+        expected = oracle_logprobs(oracle_model, prompt_ids, response)
+        assert np.max(np.abs(got[need] - expected[need])) <= TOLERANCE, (kind, sharing)
+        assert np.isnan(got[~need]).all()

@@ -12,6 +12,7 @@ import inspect
 import numpy as np
 import torch
 
+from klpipe import plan
 from klpipe.errors import ModelError
 from klpipe.model import cascade, compiled, loading, lora, packing, probes, wide
 from klpipe.model.head import LMHead
@@ -310,8 +311,9 @@ class ReferenceModel:
         if self.rows_alone and len(rows) > 1:
             return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed)]
         wanted = [np.flatnonzero(n) for n in needed]  # response indices to score
-        # A response token is only ever a target after the last one scored: feed up to it, less it.
-        inputs = [np.concatenate([p, r[:int(w[-1])]]) if len(w) else p[:0] for (p, r), w in zip(rows, wanted)]
+        # A response token is only ever a target after the last one scored: feed up to it, less it (plan.fed: a long
+        # RoPE's row longer than its limit is fed whole, as its own forward's frequencies are the whole row's).
+        inputs = [plan.fed(p, r, w, self.rope_length_limit) for (p, r), w in zip(rows, wanted)]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
         results = [np.full(len(r), np.nan, dtype=self.result_dtype) for _, r in rows]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from klpipe.plan import ROOT, Pass, Tree, Wanted
+from klpipe.plan import fed as row_fed
 from klpipe.precompute import prefix_tree
 from klpipe.precompute.batching import pack_batches, padding_efficiency, plan_batches
 
@@ -98,9 +99,9 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
     masked = needed is not None
     if needed is None:
         needed = [np.ones(len(response), dtype=bool) for _, response in rows]
-    fed = _fed(rows, needed)
-    wanted = np.flatnonzero([bool(n.any()) for n in needed])
     limit = model.rope_length_limit  # a RoPE whose frequencies change past it, for the whole batch
+    fed = _fed(rows, needed, limit)  # a row longer than it fed whole, so `long` below is its own forward's
+    wanted = np.flatnonzero([bool(n.any()) for n in needed])
     long = np.array([limit is not None and len(fed[i]) > limit for i in wanted], dtype=bool)
     alone = wanted[long]  # past the limit, a row runs whole with rows like it, never sharing a prefix
     candidates = wanted[~long]
@@ -200,14 +201,12 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     return results
 
 
-def _fed(rows: list[tuple[np.ndarray, np.ndarray]], needed: list[np.ndarray]) -> list[np.ndarray]:
-    """What each row feeds the model: its prompt and its response up to the last token whose logprob is needed,
-    less that token, which is only ever a target; nothing for a row that needs none."""
-    fed = []
-    for (prompt, response), need in zip(rows, needed, strict=True):
-        last = np.flatnonzero(need)
-        fed.append(np.concatenate([prompt, response[:int(last[-1])]]) if len(last) else prompt[:0])
-    return fed
+def _fed(rows: list[tuple[np.ndarray, np.ndarray]], needed: list[np.ndarray], rope_limit: int | None
+         ) -> list[np.ndarray]:
+    """What each row feeds the model (plan.fed): its prompt and its response up to the last token whose logprob is
+    needed, less that token; a long RoPE's row longer than its limit whole; nothing for a row that needs none."""
+    return [row_fed(prompt, response, np.flatnonzero(need), rope_limit)
+            for (prompt, response), need in zip(rows, needed, strict=True)]
 
 
 def _first_needed(rows, needed, chosen: np.ndarray) -> np.ndarray:
@@ -371,7 +370,8 @@ def _probe_tree(model) -> str | None:
 
         # Every level kept, and tiny budgets: many passes of mixed contexts (see above).
         needed = [np.ones(len(r), dtype=bool) for _, r in rows]
-        tree, passes, _ = _plan_tree(model, rows, _fed(rows, needed), needed, chosen, max_tokens=prefix // 2 + 24,
+        fed = _fed(rows, needed, model.rope_length_limit)
+        tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen, max_tokens=prefix // 2 + 24,
                                      max_cache_tokens=prefix + 16, attention=0.0, context_cost=0, min_prefix=1)
         for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
             got[i] = values
