@@ -99,6 +99,7 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
     rows = table.num_rows
     prompts, responses, masks, pads = [], [], [], 0
     cuts = []  # (rows,) each row's response as (first, end) positions: where its per-token columns are cut
+    response_masks = columns.get("response_mask") or [None] * rows  # verl's, where the batch has one
     for i in range(rows):
         for key, values in columns.items():
             if values[i] is None:
@@ -106,7 +107,7 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
         attention = np.asarray(columns["attention_mask"][i], dtype=np.int64)
         if kind == VERL:
             prompt_region, response_region = np.asarray(columns["prompts"][i]), np.asarray(columns["responses"][i])
-            mask_name, given = "response_mask", columns.get("response_mask", [None] * rows)[i]
+            mask_name, given = "response_mask", response_masks[i]
         else:
             sequence = np.asarray(columns["sequences"][i])
             mask_name, given = "action_mask", columns["action_mask"][i]
