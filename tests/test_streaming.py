@@ -289,6 +289,31 @@ def test_a_stop_between_layers_abandons_the_group(llama):
     assert not any(t.name.startswith("klpipe-pass-") for t in threading.enumerate())
 
 
+def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
+    """What the process holds between layers, measured by the kernel (RssAnon), within what budget.py counts for a
+    group: two layers, one pass's activations, and what each waiting pass keeps per token. glibc's malloc, left to
+    itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB here, 3x over)."""
+    from klpipe.model import streaming
+
+    directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # a pass's MLP: 48 MiB
+    spec = ModelSpec(str(directory), dtype="float32", device="cpu")
+    model = ReferenceModel.load(spec, streamed=True)
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 512, 400), rng.integers(0, 512, 112)) for _ in range(8)]  # 8 passes of 512 tokens
+    calls = [lambda row=row: model.score_batch([row]) for row in rows]
+    model.streamer.run(calls)  # torch's first kernels and the allocator's first blocks, outside the figure
+
+    def anonymous() -> int:
+        status = open("/proc/self/status").read()
+        return int(status.split("RssAnon:")[1].split()[0]) << 10
+    before, seen = anonymous(), []
+    model.streamer.run(calls, between=lambda: seen.append(anonymous()))
+    sizes = streaming.measure(spec, 512)
+    allowed = 2 * sizes.largest_layer + sizes.activations + sizes.kept_per_token * 8 * 512
+    assert len(seen) == 4 and max(seen) - before <= allowed, (
+        f"held {(max(seen) - before) >> 20} MiB between layers, the budget allows {allowed >> 20} MiB")
+
+
 # -- in a memory cgroup ------------------------------------------------------------------------------------------
 
 CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transformers take about half of it

@@ -79,6 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from klpipe.errors import ModelError
+from klpipe.model import allocator
 from klpipe.model.weight_store import WeightStore
 
 
@@ -101,6 +102,7 @@ class LayerMajor:
 
     def __init__(self, store: WeightStore):
         self.store = store
+        allocator.one_arena()  # before any pass's thread: see allocator.py
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
         self._ahead: tuple[int, object] | None = None  # (layer, its read's future)
         self._current = threading.local()  # the _Pass a thread runs, in a group
@@ -219,6 +221,9 @@ class LayerMajor:
         here, so that no other pass runs on after it."""
         step.go.release()
         self._back.acquire()
+        # What the pass freed (its layer's activations) given back now, before the next pass allocates its own:
+        # otherwise a group's passes together hold a layer's activations several times over (allocator.py).
+        allocator.trim()
         if step.error is not None and not self._abandon and not isinstance(step.error, _Abandoned):
             raise step.error
 
