@@ -291,8 +291,9 @@ def test_a_stop_between_layers_abandons_the_group(llama):
 
 def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
     """What the process holds between layers, measured by the kernel (RssAnon), within what budget.py counts for a
-    group: two layers, one pass's activations, and what each waiting pass keeps per token. glibc's malloc, left to
-    itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB here, 3x over)."""
+    group: two layers, one pass's activations, and what each waiting pass keeps (per token, and its thread's own).
+    glibc's malloc, left to itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB
+    here, against about 320 allowed)."""
     from klpipe.model import streaming
 
     directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # a pass's MLP: 48 MiB
@@ -309,7 +310,7 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
     before, seen = anonymous(), []
     model.streamer.run(calls, between=lambda: seen.append(anonymous()))
     sizes = streaming.measure(spec, 512)
-    allowed = 2 * sizes.largest_layer + sizes.activations + sizes.kept_per_token * 8 * 512
+    allowed = 2 * sizes.largest_layer + sizes.activations + 8 * (sizes.kept_per_token * 512 + streaming.PASS_OVERHEAD)
     assert len(seen) == 4 and max(seen) - before <= allowed, (
         f"held {(max(seen) - before) >> 20} MiB between layers, the budget allows {allowed >> 20} MiB")
 

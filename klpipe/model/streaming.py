@@ -12,10 +12,11 @@ chunk's passes layer-major, as FlexGen does:
 **Where the weights stay** (weight_store.py). The model is built on the meta device from its config, as
 `from_pretrained` builds it, and transformers' own loader puts into it, at load, everything outside the decoder
 layers (the embeddings, Gemma's per-layer embeddings, the final norm, the head): resident for the run. Each layer's
-tensors stay in the safetensors files, opened memory-mapped (`safe_open`): no copy of the whole model is ever in
-RAM, and what the page cache keeps of the files the kernel may drop (a memory cgroup counts the page cache, but
-reclaims it before it kills). Layer k is read into its own modules by the same loader (same renamings, same fused
-MoE experts, same fp32-kept parameters) and freed by putting its meta parameters back.
+tensors stay in the safetensors files, read when the layer is asked for (tensor_files.py: positioned reads, nothing
+mapped): no copy of the whole model is ever in RAM, and what the page cache keeps of the files the kernel may drop
+(a memory cgroup counts the page cache, but reclaims it before it kills). Layer k is read into its own modules by
+the same loader (same renamings, same fused MoE experts, same fp32-kept parameters) and freed by putting its meta
+parameters back.
 
 **How a forward runs.** Nothing of the model's forward is copied: a pre-forward hook on each of the body's decoder
 layers (the ModuleList holding most parameters, `layers` in every family) makes sure that layer is loaded. Each
@@ -149,6 +150,7 @@ class LayerMajor:
         for other in range(len(store.layers)):
             if other != k and store.loaded(other):
                 store.release(other)
+        allocator.trim()  # the layers just freed given back (allocator.py)
         self._read_ahead(k + 1)
 
     def _read_ahead(self, k: int) -> None:
@@ -290,6 +292,12 @@ def load(spec):
 # The LM head's fp32 blocks on CPU (head.py: 1,024 x 4,096 fp32), its running sums and a gathered copy of the hidden
 # states, and what torch's allocator keeps around: a fixed allowance per run.
 FIXED_ACTIVATIONS = 64 << 20
+
+
+# What each pass of a group holds beyond its activations while it runs in a thread of its own: the thread's stack, its
+# OpenMP team and the BLAS library's per-thread packing buffers (measured 11 to 14 MiB per pass on 2 CPU cores, hidden
+# 256 and MLP 8,192, 512 tokens; freed when the thread ends).
+PASS_OVERHEAD = 16 << 20
 
 
 def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, tokens: int, element: int) -> int:

@@ -9,9 +9,9 @@ dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is hand
     at load      every key outside the decoder layers (embeddings, Gemma's per-layer embeddings, the final norm,
                  the head): resident for the run; then the non-persistent buffers (RoPE's frequencies) made and
                  initialised, and the tied weights tied, as from_pretrained finishes a model
-    per layer    layer k's keys, read from the memory-mapped files (`safe_open` slices: nothing is read before
-                 the layer is asked for), converted into the layer's parameters; `release(k)` puts the meta
-                 parameters back, so the layer's tensors are freed
+    per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
+                 read into memory the process owns, nothing mapped), converted into the layer's parameters;
+                 `release(k)` puts the meta parameters back, so the layer's tensors are freed
 
 Which checkpoint key belongs to which layer is decided by the same renaming, once, at load, and a checkpoint that
 does not fit its class (keys missing or unexpected, by from_pretrained's own rules) is refused then, before any
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
+from klpipe.model.tensor_files import TensorFiles
 
 
 @dataclass
@@ -67,11 +68,10 @@ def meta_model(causal_class, config, dtype: torch.dtype):
 
 
 class WeightStore:
-    """The checkpoint's tensors, opened memory-mapped, loaded into a meta-built model part by part."""
+    """The checkpoint's tensors, read where they lie (tensor_files.py), loaded into a meta-built model part by part."""
 
     def __init__(self, model, directory: Path, dtype: torch.dtype, key_mapping: dict | None = None,
                  skipped: frozenset = frozenset()):
-        from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
         from transformers.modeling_utils import LoadStateDictConfig
@@ -87,25 +87,24 @@ class WeightStore:
         mapping = get_model_conversion_mapping(model, key_mapping, None)
         self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
                                                weight_mapping=mapping, device_map={"": "cpu"})
-        files = weight_files(directory)
-        self._files = [safe_open(str(path), framework="pt") for path in files]  # memory-mapped; closed with the store
-        slices = {key: handle.get_slice(key) for handle in self._files for key in handle.keys() if key not in skipped}
+        self._files = TensorFiles(weight_files(directory))  # read a tensor at a time; closed with the store
+        entries = {key: entry for key, entry in self._files.entries.items() if key not in skipped}
         # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
         # renaming applies only after its guard key).
         meta = model.state_dict()
         renamings = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightRenaming)]
         converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
         layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
-        self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint slices
+        self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint tensors (Entry)
         targets = set()  # every model key some checkpoint key loads (a split's every part)
         unexpected = set()
         by_pattern = {source: c for c in converters for source in c.source_patterns}
-        for key in sorted(slices, key=dot_natural_key):
+        for key in sorted(entries, key=dot_natural_key):
             renamed, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
             if renamed not in meta and key in meta:  # as the loader does: a key already the model's stays it
                 renamed, source = rename_source_key(key, [], [], model.base_model_prefix, meta)
             found = layer_key.match(renamed)
-            self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = slices[key]
+            self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = entries[key]
             patterns = by_pattern[source].target_patterns if source is not None else [None]
             parts = {renamed.replace(patterns[0], p) if p else renamed for p in patterns}
             targets |= parts & meta.keys()
@@ -151,8 +150,10 @@ class WeightStore:
         """Part `part`'s checkpoint tensors into the model (transformers' own loader), refusing what does not fit."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
-        slices = self.parts.get(part, {})
-        info, _ = convert_and_load_state_dict_in_model(self.model, dict(slices), self.load_config)
+        entries = self.parts.get(part, {})
+        tensors = {key: self._files.read(key) for key in entries}
+        info, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config)
+        del tensors  # the model's parameters hold what they need (the same buffer, or a converted copy)
         self.model._adjust_missing_and_unexpected_keys(info)  # the keys from_pretrained knows to leave (legacy RoPE)
         wrong = sorted(info.unexpected_keys | info.mismatched_keys)
         if wrong or info.conversion_errors:
@@ -166,7 +167,7 @@ class WeightStore:
                 raise ModelError(f"{type(self.model).__name__}: {len(missing)} missing keys loading layer {part} "
                                  f"({', '.join(missing[:3])}); refusing to run with random weights")
             self.layers[part].requires_grad_(False)
-        self.reads += sum(_nbytes(s) for s in slices.values())
+        self.reads += sum(entry.nbytes for entry in entries.values())
 
     def _finish(self) -> None:
         """What from_pretrained does once the weights are in: the non-persistent buffers made and initialised (RoPE's
@@ -206,9 +207,7 @@ class WeightStore:
                 (module._buffers if is_buffer else module._parameters)[name] = tensor
 
     def close(self) -> None:
-        for handle in self._files:
-            handle.__exit__(None, None, None)
-        self._files = []
+        self._files.close()
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -226,10 +225,3 @@ def weight_files(directory: Path) -> list[Path]:
 
 def _current(module, name: str):
     return module._buffers[name] if name in module._buffers else module._parameters[name]
-
-
-def _nbytes(tensor_slice) -> int:
-    import math
-
-    sizes = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-    return math.prod(tensor_slice.get_shape()) * sizes.get(tensor_slice.get_dtype(), 4)

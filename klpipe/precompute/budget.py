@@ -153,7 +153,9 @@ def decide(config, models, max_tokens: int, log) -> int | None:
         raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
     spare = limit.bytes - footprint - GROWTH - sizes.resident - 2 * sizes.largest_layer - sizes.activations
-    tokens = max(spare // max(sizes.kept_per_token, 1), max_tokens)
+    # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
+    per_token = sizes.kept_per_token + streaming.PASS_OVERHEAD // max(max_tokens, 1)
+    tokens = max(spare // max(per_token, 1), max_tokens)
     log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
         + (" (rows run whole: the prefix tree does not stream yet)" if config.prefix_sharing == "auto" else ""))
