@@ -315,6 +315,21 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
         f"held {(max(seen) - before) >> 20} MiB between layers, the budget allows {allowed >> 20} MiB")
 
 
+def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(tmp_path):
+    from klpipe.cli.precompute import _streamed
+
+    directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # 26 MiB a layer
+    model = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"), streamed=True)
+    model.streamer.reset_statistics()
+    row = (np.arange(3, 6), np.arange(6, 8))  # 4 fed tokens: reading a layer takes far longer than computing it
+    model.streamer.run([lambda: model.score_batch([row])], tokens=4)
+    figures = model.streamer.statistics()
+    assert figures["groups"] == 1 and figures["hidden"] < 0.9 and figures["tokens_per_group"] == 4
+    assert figures["tokens_to_hide"] > 4  # more than the group held: it did not hide the read
+    line = _streamed(type("Summary", (), {"streamed": figures})())
+    assert f"about {figures['tokens_to_hide']:,} would hide the read: a larger --max-memory" in line
+
+
 # -- in a memory cgroup ------------------------------------------------------------------------------------------
 
 CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transformers take about half of it

@@ -257,9 +257,13 @@ def _streamed(summary) -> str:
     if not streamed or not streamed["groups"]:
         return ""
     per_group = streamed["bytes_read"] / streamed["groups"] / 2**20
+    hint = ""
+    if streamed.get("tokens_to_hide"):  # below 90%: what a group would need, and what gives it that
+        hint = (f" (groups held {streamed['tokens_per_group']:,} fed tokens; about {streamed['tokens_to_hide']:,} "
+                "would hide the read: a larger --max-memory, or --chunk-rows where a chunk is the smaller)")
     return (f"; weights streamed: {streamed['bytes_read'] / 2**20:,.0f} MiB read in {streamed['groups']} "
             f"layer-major group(s), {per_group:,.0f} MiB each, {streamed['hidden']:.0%} of the read hidden under "
-            "compute")
+            "compute" + hint)
 
 
 def _left_out(summary) -> str:

@@ -113,6 +113,8 @@ class LayerMajor:
         self.groups = 0  # groups run layer-major since load
         self.read_seconds = 0.0  # spent reading layers, in the background or not
         self.waited_seconds = 0.0  # of which the forwards waited for: the read not hidden under compute
+        self.group_seconds = 0.0  # groups' wall time, waits included
+        self.tokens = 0  # fed tokens the groups held, as their callers said
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
         self._hooks.append(store.layers[-1].register_forward_hook(self._after_last))
 
@@ -165,13 +167,21 @@ class LayerMajor:
         self.read_seconds += time.perf_counter() - started
 
     def statistics(self) -> dict:
-        """What streaming cost since load: bytes read, groups run, the share of the read hidden under compute."""
-        hidden = 1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0
-        return {"bytes_read": self.store.reads, "groups": self.groups, "hidden": max(hidden, 0.0)}
+        """What streaming cost since load: bytes read, groups run, the share of the read hidden under compute, and
+        where less than 90% hid, the fed tokens a group would need to hide it (its tokens scaled by read over compute
+        time: the read is the same whatever the group holds, the compute grows with its tokens)."""
+        hidden = max(1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0, 0.0)
+        figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden}
+        compute = self.group_seconds - self.waited_seconds
+        if hidden < 0.9 and self.tokens and self.groups and compute > 0:
+            figures["tokens_per_group"] = self.tokens // self.groups
+            figures["tokens_to_hide"] = int(self.tokens / self.groups * self.read_seconds / compute) + 1
+        return figures
 
     def reset_statistics(self) -> None:
         """From now on (the load-time probes' reads left out of the run's figures)."""
         self.store.reads, self.groups, self.read_seconds, self.waited_seconds = 0, 0, 0.0, 0.0
+        self.group_seconds, self.tokens = 0.0, 0
 
     def release_all(self) -> None:
         """Every layer freed (after a forward on its own, or a group): nothing held between chunks."""
@@ -182,13 +192,16 @@ class LayerMajor:
             if self.store.loaded(k):
                 self.store.release(k)
 
-    def run(self, calls: list, between=lambda: None) -> list:
+    def run(self, calls: list, between=lambda: None, tokens: int = 0) -> list:
         """Each of `calls` (no arguments; each runs forwards of the model) in a thread of its own, layer-major:
         every call's forward through layer k before any call's through k + 1. Their results, in order.
 
-        `between` runs after each layer (a stop asked for raises there, and the group stops)."""
+        `between` runs after each layer (a stop asked for raises there, and the group stops). `tokens`: the fed
+        tokens the calls hold, for the statistics."""
         steps = [_Pass(call) for call in calls]
         self.groups += 1
+        self.tokens += tokens
+        started = time.perf_counter()
         inference = torch.is_inference_mode_enabled()
         threads = [threading.Thread(target=self._thread, args=(step, contextvars.copy_context(), inference),
                                     name=f"klpipe-pass-{i}", daemon=True) for i, step in enumerate(steps)]
@@ -216,6 +229,7 @@ class LayerMajor:
             for thread in threads:
                 thread.join()
             self.release_all()
+            self.group_seconds += time.perf_counter() - started
         return [step.result for step in steps]
 
     def _resume(self, step: _Pass) -> None:

@@ -189,11 +189,12 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     for group in groups:
         calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,
                                                        [plan.needed[i] for i in batch]) for batch in group]
+        fed = sum(len(plan.fed[i]) for batch in group for i in batch.tolist())
         try:
-            scored = model.streamer.run(calls, check_stop)
+            scored = model.streamer.run(calls, check_stop, fed)
         except NotPacked as exc:
             model.drop_packing(str(exc))  # every pass of the group again, padded: none is left half packed
-            scored = model.streamer.run(calls, check_stop)
+            scored = model.streamer.run(calls, check_stop, fed)
         for batch, values in zip(group, scored):
             for i, row_values in zip(batch.tolist(), values):
                 results[i] = row_values
