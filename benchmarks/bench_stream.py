@@ -126,7 +126,9 @@ def main() -> None:
                       r"(\d+)% of the read hidden", streamed)
     if found:
         print(f"streamed: {found.group(1)} MiB read in {found.group(2)} group(s), {found.group(4)}% of the read hidden "
-              f"under compute; speed {seconds(in_memory) / seconds(streamed):.0%} of in memory")
+              f"under compute; speed {seconds(in_memory) / seconds(streamed):.0%} of in memory scoring, "
+              f"{memory_wall / streamed_wall:.0%} over the whole run (load included: its checks read the weights "
+              "again for each of their forwards)")
 
 
 if __name__ == "__main__":
