@@ -145,7 +145,7 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("option, value, words", [
-    ("prefix_sharing", "on", "--prefix-sharing on"), ("compile", "on", "--compile on"),
+    ("compile", "on", "--compile on"),
     ("dtype", "float64", "--dtype float64"), ("policy", str(TINY_GEMMA), "--policy")])
 def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, option, value, words):
     monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
@@ -160,13 +160,16 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, 
     assert "\n" not in str(caught.value)
 
 
-def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sharing", ["off", "on"])
+def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch, sharing):
     monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     assert streams < FOOTPRINT + budget.GROWTH + weights + activations(TINY_GEMMA, 256)
     lines = []
-    streamed = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(streams)), log=lines.append)
+    # The tree's cache as small as the smallest budget leaves a streamed run (none), in both runs: the same plan.
+    streamed = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(streams), prefix_sharing=sharing,
+                                     max_cache_mib=0), log=lines.append)
     assert any("its decoder layers stream from their files" in line for line in lines), lines
     # Each group read every layer's tensors once, as the checkpoint stores them; nothing else.
     from safetensors import safe_open
@@ -174,8 +177,12 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
         layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)
     assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
-    assert streamed.streamed["bytes_read"] == streamed.streamed["groups"] * layer_bytes
-    in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing="off"), log=lambda line: None)
+    if sharing == "off":  # (on: the tree's probe reads the weights once per forward too, at the first chunk)
+        assert streamed.streamed["bytes_read"] == streamed.streamed["groups"] * layer_bytes
+    else:
+        assert streamed.forward.tree_rows > 0  # the tree ran, streamed
+    in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing=sharing, max_cache_mib=0),
+                           log=lambda line: None)
     got = pq.read_table(streamed.output).column(cache.REF_LOGPROBS).to_pylist()
     expected = pq.read_table(in_memory.output).column(cache.REF_LOGPROBS).to_pylist()
     assert len(got) == len(expected) == pq.read_metadata(ROLLOUTS).num_rows

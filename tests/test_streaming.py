@@ -120,6 +120,34 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
+def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
+    """The tree's passes in waves (model/tree.py `waves`): each wave layer-major, the weights read once per wave,
+    about the tree's depth, not once per pass; the numbers the tree's in memory."""
+    from klpipe.precompute.sharing import Sharing
+
+    name, in_memory, streamed, oracle = pair
+    rows = chunk(in_memory.vocab_size, seed=2)
+    sharing = {model: Sharing(model, "auto", 1 << 10, lambda line: None) for model in (in_memory, streamed)}
+    plan = sharing[in_memory].plan(rows, 96, None)
+    if plan.tree is None:
+        pytest.skip(f"{name} runs rows whole under auto: no tree to stream")
+    streamed_plan = sharing[streamed].plan(rows, 96, None)
+    assert sharing[streamed].mode == sharing[in_memory].mode and streamed_plan.tree is not None
+    expected = run_plan(in_memory, plan, rows, 1.0)
+    reads, groups = streamed.streamer.layer_reads, streamed.streamer.groups
+    got = run_plan(streamed, streamed_plan, rows, 1.0)
+    ran = streamed.streamer.groups - groups
+    depth = max(len(streamed_plan.tree.path(int(n))) for n in streamed_plan.tree.end_node if n >= 0)
+    # Each group read each layer once at most (a pass that keeps only its last position may skip Gemma 4's last
+    # layers); a wave per level of the tree at most, and one group of rows run whole.
+    assert 0 < streamed.streamer.layer_reads - reads <= ran * layer_count(streamed)
+    assert ran <= depth + 1 < len(streamed_plan.passes) + 1
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
+    assert gap <= SAME, f"{name}: the streamed tree differs from the tree in memory by {gap:.3g}"
+    ours, own = oracle.errors(rows, got)
+    assert ours <= own + TOLERANCE, f"{name}: {ours:.3g} from fp64 (the fp32 oracle's own error {own:.3g})"
+
+
 def test_a_call_packed_rows_cannot_take_mid_group_reruns_the_whole_group_padded(monkeypatch):
     from klpipe.model import packing
 

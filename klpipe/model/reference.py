@@ -75,6 +75,7 @@ class ReferenceModel:
         self.adapters: lora.Adapters | None = None
         self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
         self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
+        self.stream_cache_mib: int | None = None  # the prefix tree's cache where it streams (precompute/budget.py)
 
     @property
     def head(self):

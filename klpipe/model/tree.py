@@ -69,6 +69,17 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     kept: dict[int, list[Kept]] = {}  # node -> per layer, the state its own tokens leave
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
     with torch.inference_mode():
+        if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
+            for wave in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
+                reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
+                                                                    parent_of_kept, rows_of, wanted, temperature,
+                                                                    results) for step in wave],
+                                       check_stop, sum(int((tree.end - tree.start)[step.nodes].sum()) for step in wave))
+                for step in wave:
+                    for node in step.release:
+                        kept.pop(node, None)
+                check_stop()
+            return results
         for step in passes:
             _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
                       results)
@@ -76,6 +87,28 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
                 kept.pop(node, None)
             check_stop()
     return results
+
+
+def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None) -> list[list[Pass]]:
+    """The passes, in their order, cut into waves that may each run layer-major (model/streaming.py): a pass whose
+    nodes continue a state kept by a pass of the current wave starts the next one (a node's state is kept when its
+    pass ends, every layer at once), and so does a pass past `limit` fed tokens in the wave. A streamed chunk reads
+    the weights once per wave: about the tree's depth (system prompt, prompts, responses: three), not once per
+    pass. A wave's releases wait for its end: its passes read none of what the others keep."""
+    cut: list[list[Pass]] = []
+    kept_here: set[int] = set()
+    tokens = 0
+    for step in passes:
+        nodes = step.nodes.tolist()
+        fed = int((tree.end - tree.start)[step.nodes].sum())
+        reads = {a for node in nodes for a in tree.path(node)[:-1]}
+        if not cut or reads & kept_here or (limit is not None and cut[-1] and tokens + fed > limit):
+            cut.append([])
+            kept_here, tokens = set(), 0
+        cut[-1].append(step)
+        kept_here |= {node for node in nodes if node in parents}
+        tokens += fed
+    return cut
 
 
 def pass_layout(reference) -> str:

@@ -131,9 +131,18 @@ def streams(budget: Budget | None, footprint: int, weights: int, resident: int, 
     return True
 
 
-def decide(config, models, max_tokens: int, log) -> int | None:
-    """None where the reference's weights fit this run's budget (the in-memory path); else the fed tokens a
-    layer-major group of passes may hold (model/streaming.py), after one line saying so. Refuses, before anything
+@dataclass
+class Streamed:
+    """How a streamed run shares what the budget leaves after the weights' part."""
+
+    tokens: int  # fed tokens a layer-major group of passes may hold
+    cache_mib: int  # the prefix tree's kept keys and values (its --max-cache-mib, less where the budget is short)
+
+
+def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
+    """None where the reference's weights fit this run's budget (the in-memory path); else how a streamed run
+    shares what is left (model/streaming.py), after one line saying so: the prefix tree's cache (`cache_mib` at
+    most, half what is left at most) and the fed tokens a layer-major group may hold. Refuses, before anything
     loads, a budget too small for streaming and what does not stream yet."""
     from klpipe.model import resolve_device, streaming  # torch lives behind this import
 
@@ -146,17 +155,20 @@ def decide(config, models, max_tokens: int, log) -> int | None:
     if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
                                     sizes.activations):
         return None
-    refused = ("--policy" if config.policy is not None else "--prefix-sharing on" if config.prefix_sharing == "on"
+    refused = ("--policy" if config.policy is not None
                else "a LoRA adapter --model" if models.adapters else "--compile on" if config.compile == "on"
                else "--dtype float64" if config.dtype == "float64" else "a GPU" if device != "cpu" else None)
     if refused is not None:
         raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
     spare = limit.bytes - footprint - GROWTH - sizes.resident - 2 * sizes.largest_layer - sizes.activations
+    # The tree's kept keys and values come out of the budget too (rows run whole keep none).
+    cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
+    spare -= cache
     # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
     per_token = sizes.kept_per_token + streaming.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
     log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
-        + (" (rows run whole: the prefix tree does not stream yet)" if config.prefix_sharing == "auto" else ""))
-    return tokens
+        + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))
+    return Streamed(tokens, cache >> 20)

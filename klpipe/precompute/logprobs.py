@@ -173,8 +173,6 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
-    if plan.tree is not None:
-        raise ValueError("the prefix tree does not stream yet: a streamed model runs rows whole")
     from klpipe.model.packing import NotPacked  # torch lives behind this import (a streamed model has loaded it)
 
     limit = getattr(model, "stream_tokens", None) or 1 << 62

@@ -152,7 +152,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
-    stream_tokens = budget.decide(config, models, provenance.max_tokens_per_batch, log)  # None: in memory
+    streamed = budget.decide(config, models, provenance.max_tokens_per_batch, log,  # None: in memory
+                             provenance.max_cache_mib)
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -177,8 +178,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
             model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
-                                                  default=models.reference_side, streamed=stream_tokens is not None)
-            model.stream_tokens = stream_tokens
+                                                  default=models.reference_side, streamed=streamed is not None)
+            model.stream_tokens = streamed.tokens if streamed is not None else None
+            model.stream_cache_mib = streamed.cache_mib if streamed is not None else None
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
             policy = (model if models.policy_side is not None
@@ -407,8 +409,9 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
     for line in (model.compile_note, own.compile_note if own is not None else None):
         if line is not None:
             log(line)
-    sharing = Sharing(model, "off" if model.streamer is not None else config.prefix_sharing,  # no tree streams yet
-                      work.provenance.max_cache_mib, log,
+    # A streamed model's tree keeps what the budget leaves it (budget.decide); the recorded figure otherwise.
+    cache_mib = work.provenance.max_cache_mib if model.stream_cache_mib is None else model.stream_cache_mib
+    sharing = Sharing(model, config.prefix_sharing, cache_mib, log,
                       sides=(policy_side,) if policy is model else ())
     if model.kernel_note:
         log(model.kernel_note)
