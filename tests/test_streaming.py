@@ -523,6 +523,13 @@ def test_every_family_of_the_registry_streams_to_its_in_memory_result_or_is_refu
     plan = plan_chunk(in_memory, rows, 96, "off")
     expected, got = run_plan(in_memory, plan, rows, 1.0), run_plan(streamed, plan, rows, 1.0)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    # The tree too, where the family shares (auto: its probe decides, the same way in both).
+    from klpipe.precompute.sharing import Sharing
+
+    plans = [Sharing(model, "auto", 1 << 10, lambda line: None).plan(rows, 96, None) for model in (in_memory, streamed)]
+    assert (plans[0].tree is None) == (plans[1].tree is None)
+    expected, got = run_plan(in_memory, plans[0], rows, 1.0), run_plan(streamed, plans[1], rows, 1.0)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
 @pytest.mark.slow

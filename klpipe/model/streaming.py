@@ -47,11 +47,13 @@ only for now, refused on a GPU).
 into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), and each group
 reads the weights once. On a device they would spill to host memory between layers (with the GPU path).
 
-**The prefix tree** (not streamed yet: `auto` runs rows whole on a streamed model, `on` is refused). Its passes fit
-the same baton: within a layer, the tree's passes run in tree order, so a parent's keys and values at that layer
-are written before its children read them, and can be dropped once its last child has run the layer; the tree's
-cache (context_cache.py) then holds one layer's keys and values per kept node, not every layer's. What changes is
-its bookkeeping, which today frees a node after a pass has run every layer: it must free per layer instead.
+**The prefix tree** (tree.py `waves`). A tree's pass reads the states its nodes' ancestors kept, and a node's state
+is kept when its pass ends, every layer at once. So the passes, in their planned order, are cut into waves: a pass
+that continues a state kept in the current wave starts the next one. Each wave runs layer-major like a group of
+rows run whole, so a chunk reads the weights once per wave: about the tree's depth (a system prompt, the prompts,
+the responses: three), not once per pass. The tree's cache keeps every layer's keys and values of a kept node, as
+in memory, out of the budget (precompute/budget.py). Keeping one layer's only, a wave per chunk, would need the
+cache to take a node's state layer by layer as its pass goes: a next step.
 
 **The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
@@ -59,14 +61,18 @@ the process's own footprint and an estimate of the activations of one pass of `-
 weights either fit (the in-memory path) or stream; a budget too small for the resident part, two layers and the
 activations is refused before anything runs, naming the smallest budget that would work.
 
-**Known costs** (the next steps): the load-time probes run their forwards one after another, each streaming every
-layer (9 reads of the weights at load); one thread per pass of a group (an OpenMP team each where torch uses
-one); on CPU the background read takes CPU time from the compute; a model a little over the budget still reads
-every layer, where the spare memory could keep some resident.
+**Memory between layers** (allocator.py): each pass's thread frees its layer's activations; glibc's malloc would
+keep them in the thread's arena, so the passes share one arena and it is trimmed after each pass's turn. What a
+thread holds of its own (its stack, OpenMP team, BLAS buffers: 11 to 14 MiB measured) the budget counts per pass.
 
-Not streamed yet, each refused in one line: the prefix tree (`--prefix-sharing on`), `--compile on`, LoRA adapters,
-`--policy`, `--dtype float64`, `--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only
-through transformers' quantizer), layers that are not one list of decoder layers or that share weights.
+**Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
+layer (about 9 reads of the weights at load, one more per forward of the tree's probe at the first chunk that
+shares); on CPU the background read takes some CPU time from the compute; a model a little over the budget still
+reads every layer, where the spare memory could keep some resident.
+
+Not streamed yet, each refused in one line: `--compile on`, LoRA adapters, `--policy`, `--dtype float64`,
+`--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only through transformers'
+quantizer), layers that are not one list of decoder layers or that share weights.
 """
 
 from __future__ import annotations

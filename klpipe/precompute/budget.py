@@ -12,6 +12,10 @@ No torch: the budget is read from the command line or the machine, the model's s
 `footprint` is the process as it stands before the weights load (the interpreter, torch, transformers, the
 tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
 estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streaming.py's `measure`).
+
+What a streamed run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`;
+none with `--prefix-sharing off`), and the rest to the fed tokens a layer-major group holds while its passes wait
+between layers (per token the residual stream and its kin, per pass its thread's own buffers).
 """
 
 from __future__ import annotations
