@@ -113,7 +113,7 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 
 
 def activations(path, tokens: int, element: int = 4) -> int:
-    """streaming.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
+    """streamed.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
     + the per-layer inputs of every layer, per token, and the head's 64 MiB."""
     import json
 

@@ -322,7 +322,7 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
     group: two layers, one pass's activations, and what each waiting pass keeps (per token, and its thread's own).
     glibc's malloc, left to itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB
     here, against about 320 allowed)."""
-    from klpipe.model import streaming
+    from klpipe.model import streamed
 
     directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # a pass's MLP: 48 MiB
     spec = ModelSpec(str(directory), dtype="float32", device="cpu")
@@ -337,8 +337,8 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
         return int(status.split("RssAnon:")[1].split()[0]) << 10
     before, seen = anonymous(), []
     model.streamer.run(calls, between=lambda: seen.append(anonymous()))
-    sizes = streaming.measure(spec, 512)
-    allowed = 2 * sizes.largest_layer + sizes.activations + 8 * (sizes.kept_per_token * 512 + streaming.PASS_OVERHEAD)
+    sizes = streamed.measure(spec, 512)
+    allowed = 2 * sizes.largest_layer + sizes.activations + 8 * (sizes.kept_per_token * 512 + streamed.PASS_OVERHEAD)
     assert len(seen) == 4 and max(seen) - before <= allowed, (
         f"held {(max(seen) - before) >> 20} MiB between layers, the budget allows {allowed >> 20} MiB")
 

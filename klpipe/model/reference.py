@@ -99,9 +99,9 @@ class ReferenceModel:
         the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
         forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py)."""
         if streamed:
-            from klpipe.model import streaming
+            from klpipe.model import streamed as streamed_model
 
-            return streaming.reference(cls, spec, compile, adapters)
+            return streamed_model.reference(cls, spec, compile, adapters)
         model, device, dtype = loading.load_model(spec)
         if adapters:
             attached = lora.Adapters(model, default)

@@ -11,7 +11,7 @@ No torch: the budget is read from the command line or the machine, the model's s
 
 `footprint` is the process as it stands before the weights load (the interpreter, torch, transformers, the
 tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
-estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streaming.py's `measure`).
+estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streamed.py's `measure`).
 
 What a streamed run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`;
 none with `--prefix-sharing off`), and the rest to the fed tokens a layer-major group holds while its passes wait
@@ -148,13 +148,13 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     shares what is left (model/streaming.py), after one line saying so: the prefix tree's cache (`cache_mib` at
     most, half what is left at most) and the fed tokens a layer-major group may hold. Refuses, before anything
     loads, a budget too small for streaming and what does not stream yet."""
-    from klpipe.model import resolve_device, streaming  # torch lives behind this import
+    from klpipe.model import resolve_device, streamed  # torch lives behind this import
 
     device = resolve_device(models.spec.device)[0]
     if config.max_memory is None and device != "cpu":
         return None  # a GPU's budget is its own memory: streaming to a GPU is not built yet
     limit = find(config.max_memory)
-    sizes = streaming.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
+    sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     footprint = resident_bytes()
     if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
                                     sizes.activations):
@@ -170,7 +170,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
     spare -= cache
     # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
-    per_token = sizes.kept_per_token + streaming.PASS_OVERHEAD // max(max_tokens, 1)
+    per_token = sizes.kept_per_token + streamed.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
     log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"

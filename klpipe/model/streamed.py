@@ -1,0 +1,157 @@
+"""A streamed reference built and sized: its model on the meta device, its decoder layers left in their files
+(weight_store.py) and run layer-major (streaming.py), and what it holds, for the budget (precompute/budget.py).
+
+Nothing here reads a weight before it is asked for: `measure` builds the model from its config alone, so the
+budget is decided before anything loads; `reference` loads it streamed and checks it as one in memory is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from klpipe.errors import ModelError
+from klpipe.model.streaming import LayerMajor
+from klpipe.model.weight_store import WeightStore
+
+
+def _build(spec):
+    """(meta-built model, the text-only plan or None, input device, dtype) of `spec`, as loading.load_model would
+    load it, from its config alone (no weight read or fetched)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from klpipe.model import loading
+    from klpipe.model.weight_store import meta_model
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    device, device_map = loading.resolve_device(spec.device)
+    dtype = loading.resolve_dtype(spec.dtype, device)
+    config = loading.load_config(spec)
+    plan = loading.text_only(config)
+    causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
+    model = meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
+    return model, plan, device if device_map is None else "several devices", dtype
+
+
+def load(spec):
+    """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
+    What loading.load_model does for the model in memory, checked the same way; refuses what does not stream yet."""
+    refused = "--trust-remote-code" if spec.trust_remote_code else None
+    if refused is None:
+        try:
+            model, plan, device, dtype = _build(spec)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
+        refused = ("a GPU" if device != "cpu" else "--dtype float64" if dtype == torch.float64
+                   else "a quantized checkpoint" if quantized(model.config) else None)
+    if refused is not None:
+        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
+                         f"with {refused} yet")
+    store = WeightStore(model, weights_directory(spec), dtype, plan.key_mapping if plan is not None else None,
+                        frozenset(plan.skipped) if plan is not None else frozenset())
+    return model, device, dtype, LayerMajor(store)
+
+
+# The LM head's fp32 blocks on CPU (head.py: 1,024 x 4,096 fp32), its running sums and a gathered copy of the hidden
+# states, and what torch's allocator keeps around: a fixed allowance per run.
+FIXED_ACTIVATIONS = 64 << 20
+
+
+# What each pass of a group holds beyond its activations while it runs in a thread of its own: the thread's stack, its
+# OpenMP team and the BLAS library's per-thread packing buffers (measured 11 to 14 MiB per pass on 2 CPU cores, hidden
+# 256 and MLP 8,192, 512 tokens; freed when the thread ends).
+PASS_OVERHEAD = 16 << 20
+
+
+def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, tokens: int, element: int) -> int:
+    """An estimate, on the safe side, of what one pass of `tokens` tokens holds at its widest: the residual stream
+    and a layer's output, queries, keys, values and attention output (8 x hidden), the MLP's gate, up and
+    activation (3 x intermediate), Gemma's per-layer inputs for every layer, plus the head's fixed blocks."""
+    return tokens * element * (8 * hidden + 3 * intermediate + per_layer_input) + FIXED_ACTIVATIONS
+
+
+def quantized(config) -> bool:
+    """A checkpoint whose tensors need a quantizer to mean anything (fp8 with scales, bitsandbytes, GPTQ): the
+    store's plain loader would read them as numbers, wrong ones."""
+    from klpipe.model import loading
+
+    return any(getattr(c, "quantization_config", None) for c in (config, loading.text_config(config)))
+
+
+@dataclass
+class Measure:
+    """What the budget compares (precompute/budget.py), in bytes at the run's dtype, read off the meta-built model."""
+
+    weights: int
+    resident: int  # outside the decoder layers
+    largest_layer: int
+    activations: int  # one pass of `tokens` tokens, at its widest (activation_bytes)
+    kept_per_token: int  # what a pass waiting between layers holds per token: the residual stream and its kin
+
+
+def measure(spec, tokens: int) -> Measure | None:
+    """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
+    config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
+    from klpipe.model import loading
+    from klpipe.model.weight_store import decoder_layers
+
+    if spec.trust_remote_code:
+        return None
+    try:
+        model, _, _, dtype = _build(spec)
+        _, layers = decoder_layers(loading.decoder_body(model))
+    except (KeyError, ModelError):  # a class AutoModelForCausalLM does not map, a body without a list of layers
+        return None
+    if quantized(model.config):  # its sizes are the quantizer's: it loads as before
+        return None
+    in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    weights = sum(t.numel() * t.element_size() for t in unique.values())
+    resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_layers)
+    largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+                   for layer in layers), default=0)
+    config = loading.text_config(model.config)
+    hidden = int(config.hidden_size)
+    per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0) * int(config.num_hidden_layers)
+    element = torch.empty((), dtype=dtype).element_size()
+    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    return Measure(weights, resident, largest, activation_bytes(hidden, intermediate, per_layer, tokens, element),
+                   element * (4 * hidden + per_layer))
+
+
+def weights_directory(spec):
+    """The local directory of `spec`'s safetensors files: its own path, or the hub's snapshot of it."""
+    from pathlib import Path
+
+    from klpipe.model import loading
+
+    if loading.is_local(spec.name):
+        return Path(spec.name).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec.name, revision=spec.revision,
+                                      allow_patterns=["*.json", "model*.safetensors"]))
+    except Exception as exc:  # noqa: BLE001 - the hub's errors: one line
+        raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
+
+
+def reference(cls, spec, compile: str, adapters: tuple):
+    """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
+    the chunked head, packing), before any row."""
+    from klpipe.model import loading
+
+    refused = "LoRA adapters" if adapters else "--compile on" if compile == "on" else None
+    if refused is not None:
+        raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
+                         f"with {refused} yet")
+    model, device, dtype, streamer = load(spec)
+    model_ = cls(model, device, dtype)
+    model_.streamer = streamer
+    with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
+        model_.check_head()
+    model_.slow_kernels = tuple(missing)
+    return model_
