@@ -146,7 +146,7 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("option, value, words", [
     ("compile", "on", "--compile on"),
-    ("dtype", "float64", "--dtype float64"), ("policy", str(TINY_GEMMA), "--policy")])
+    ("dtype", "float64", "--dtype float64")])
 def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, option, value, words):
     monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
@@ -188,6 +188,47 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     assert len(got) == len(expected) == pq.read_metadata(ROLLOUTS).num_rows
     gap = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a)
     assert gap <= 1e-5
+
+
+POLICY = TINY_GEMMA.parent / "tiny-gemma4-policy"  # the policy that sampled the sample rollouts: other weights
+
+
+@pytest.mark.parametrize("policy_streams", [False, True])
+def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_streamed(tmp_path, monkeypatch,
+                                                                                      policy_streams):
+    """The reference streams; the policy (weights of its own) is held in memory where it fits beside the
+    reference's smallest part, else streams too; both columns equal the run in memory."""
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    policy_weights, policy_resident, policy_largest = sizes_in_memory(POLICY)
+    streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
+    limit = streams + policy_resident if policy_streams else streams + policy_weights  # both stream / policy fits
+    lines = []
+    got = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(limit), policy=str(POLICY),
+                                prefix_sharing="off"), log=lines.append)
+    said = next(line for line in lines if "stream from their files" in line)
+    assert ("and so do the policy's" in said) == policy_streams and ("policy held in memory" in said) != policy_streams
+    per_group = sum(t for t in [weights - resident] + ([policy_weights - policy_resident] if policy_streams else []))
+    assert got.streamed["bytes_read"] == got.streamed["groups"] // (2 if policy_streams else 1) * per_group
+    expected = precompute(config_for(tmp_path, "memory.parquet", policy=str(POLICY), prefix_sharing="off"),
+                          log=lambda line: None)
+    for column in (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS):
+        a, b = (pq.read_table(r.output).column(column).to_pylist() for r in (got, expected))
+        assert max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b) if x) <= 1e-5, column
+    a, b = (pq.read_table(r.output).column(cache.POLICY_LOGPROBS).to_pylist() for r in (got, expected))
+    ref = pq.read_table(got.output).column(cache.REF_LOGPROBS).to_pylist()
+    assert max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, ref) if x) > 1e-3  # not mixed
+
+
+def test_a_budget_too_small_for_both_streamed_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
+    with pytest.raises(InputError) as caught:
+        precompute(config_for(tmp_path, max_memory=str(streams), policy=str(POLICY)), log=lambda line: None)
+    assert "too small for the reference and the policy even streamed one layer at a time: it needs at least" in str(
+        caught.value) and "\n" not in str(caught.value)
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_command_line_refuses_a_budget_too_small_in_one_line(tmp_path):

@@ -70,7 +70,10 @@ layer (about 9 reads of the weights at load, one more per forward of the tree's 
 shares); on CPU the background read takes some CPU time from the compute; a model a little over the budget still
 reads every layer, where the spare memory could keep some resident.
 
-Not streamed yet, each refused in one line: `--compile on`, LoRA adapters, `--policy`, `--dtype float64`,
+A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
+too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
+
+Not streamed yet, each refused in one line: `--compile on`, LoRA adapters, `--dtype float64`,
 `--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only through transformers'
 quantizer), layers that are not one list of decoder layers or that share weights.
 """
@@ -266,3 +269,18 @@ class LayerMajor:
             hook.remove()
         self._reader.shutdown(wait=True)
         self.store.close()
+
+
+def figures(streamers: list) -> dict | None:
+    """The streamed models' figures summed (the reference's, and the policy's where it streams too), or None."""
+    if not streamers:
+        return None
+    figures = [s.statistics() for s in streamers]
+    read = sum(s.read_seconds for s in streamers)
+    waited = sum(s.waited_seconds for s in streamers)
+    total = {"bytes_read": sum(f["bytes_read"] for f in figures), "groups": sum(f["groups"] for f in figures),
+             "hidden": max(1.0 - waited / read, 0.0) if read > 0 else 1.0}
+    hint = next((f for f in figures if "tokens_to_hide" in f), None)  # where a model's read did not hide
+    if hint is not None:
+        total.update(tokens_per_group=hint["tokens_per_group"], tokens_to_hide=hint["tokens_to_hide"])
+    return total

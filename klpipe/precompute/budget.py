@@ -121,10 +121,10 @@ def fmt(size: int) -> str:
 
 
 def streams(budget: Budget | None, footprint: int, weights: int, resident: int, largest_layer: int,
-            activations: int) -> bool:
-    """Whether the weights stream (they do not fit `budget`); refuses a budget too small even for streaming, naming
-    the smallest that would run."""
-    if budget is None or footprint + GROWTH + weights + activations <= budget.bytes:
+            activations: int, beside: int = 0) -> bool:
+    """Whether the weights stream (they do not fit `budget`, with `beside` bytes of a policy's weights held beside
+    them); refuses a budget too small even for streaming the reference alone, naming the smallest that would run."""
+    if budget is None or footprint + GROWTH + weights + beside + activations <= budget.bytes:
         return False
     smallest = footprint + GROWTH + resident + 2 * largest_layer + activations
     if smallest > budget.bytes:
@@ -141,6 +141,7 @@ class Streamed:
 
     tokens: int  # fed tokens a layer-major group of passes may hold
     cache_mib: int  # the prefix tree's kept keys and values (its --max-cache-mib, less where the budget is short)
+    policy: bool = False  # whether a --policy with weights of its own streams too (else it is held in memory)
 
 
 def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
@@ -155,24 +156,38 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
         return None  # a GPU's budget is its own memory: streaming to a GPU is not built yet
     limit = find(config.max_memory)
     sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
+    # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
+    policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
     footprint = resident_bytes()
+    beside = policy.weights if policy is not None else 0
     if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
-                                    sizes.activations):
+                                    sizes.activations, beside):
         return None
-    refused = ("--policy" if config.policy is not None
+    refused = ("a LoRA adapter --policy" if models.policy_side is not None
                else "a LoRA adapter --model" if models.adapters else "--compile on" if config.compile == "on"
                else "--dtype float64" if config.dtype == "float64" else "a GPU" if device != "cpu" else None)
     if refused is not None:
         raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
-    spare = limit.bytes - footprint - GROWTH - sizes.resident - 2 * sizes.largest_layer - sizes.activations
+    held = sizes.resident + 2 * sizes.largest_layer + beside
+    policy_streams = policy is not None and footprint + GROWTH + held + sizes.activations > limit.bytes
+    if policy_streams:  # both stream: one runs at a time, so two layers of the larger at once
+        held = sizes.resident + policy.resident + 2 * max(sizes.largest_layer, policy.largest_layer)
+        smallest = footprint + GROWTH + held + max(sizes.activations, policy.activations)
+        if smallest > limit.bytes:
+            raise InputError(f"{limit.source} is too small for the reference and the policy even streamed one layer "
+                             f"at a time: it needs at least {fmt(smallest)}")
+    spare = limit.bytes - footprint - GROWTH - held - sizes.activations
     # The tree's kept keys and values come out of the budget too (rows run whole keep none).
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
     spare -= cache
     # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
     per_token = sizes.kept_per_token + streamed.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
-    log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}) do not fit {limit.source}: its "
+    with_policy = (" with the policy's" if policy is None or not policy_streams else " nor the policy's") \
+        if models.policy_spec is not None else ""
+    log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}){with_policy} do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
+        + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
         + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))
-    return Streamed(tokens, cache >> 20)
+    return Streamed(tokens, cache >> 20, policy_streams)

@@ -184,14 +184,21 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
             policy = (model if models.policy_side is not None
-                      else reference.ReferenceModel.load(models.policy_spec, compile=config.compile)
+                      else reference.ReferenceModel.load(models.policy_spec, compile=config.compile,
+                                                         streamed=streamed is not None and streamed.policy)
                       if models.policy_spec is not None else None)
+            if policy is not None and policy.streamer is not None:
+                policy.stream_tokens, policy.stream_cache_mib = streamed.tokens, streamed.cache_mib
             summary.load_seconds = time.perf_counter() - load_started
-            if model.streamer is not None:
-                model.streamer.reset_statistics()  # the run's reads, not the load-time probes'
+            from klpipe.model import streaming  # torch lives behind this import (loaded by now)
+
+            streamers = [m.streamer for m in {id(m): m for m in (model, policy) if m is not None}.values()
+                         if m.streamer is not None]
+            for streamer in streamers:
+                streamer.reset_statistics()  # the run's reads, not the load-time probes'
             _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop,
                         log, on_chunk)
-            summary.streamed = model.streamer.statistics() if model.streamer is not None else None
+            summary.streamed = streaming.figures(streamers)
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
             merged = work.path / "cache.parquet"
@@ -417,7 +424,8 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
         log(model.kernel_note)
     if own is not None:
         # The two run one after the other, so each may hold the whole cache budget in turn.
-        policy_sharing = Sharing(own, config.prefix_sharing, work.provenance.max_cache_mib, log)
+        policy_sharing = Sharing(own, config.prefix_sharing, work.provenance.max_cache_mib if own.stream_cache_mib
+                                 is None else own.stream_cache_mib, log)
         if own.kernel_note and own.kernel_note != model.kernel_note:
             log(own.kernel_note)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
