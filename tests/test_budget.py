@@ -193,7 +193,7 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
 POLICY = TINY_GEMMA.parent / "tiny-gemma4-policy"  # the policy that sampled the sample rollouts: other weights
 
 
-@pytest.mark.parametrize("policy_streams", [False, True])
+@pytest.mark.parametrize("policy_streams", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_streamed(tmp_path, monkeypatch,
                                                                                       policy_streams):
     """The reference streams; the policy (weights of its own) is held in memory where it fits beside the

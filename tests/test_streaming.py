@@ -120,6 +120,12 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
+# make test: a plain Llama and Gemma 4 (KV-shared layers, the right layout); the rest in make test-arch.
+TREE_QUICK = ["tiny-llama", "tiny-gemma4"]
+
+
+@pytest.mark.parametrize("pair", TREE_QUICK + [pytest.param(name, marks=pytest.mark.arch)
+                                               for name in MODELS if name not in TREE_QUICK] + REST, indirect=True)
 def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
     """The tree's passes in waves (model/tree.py `waves`): each wave layer-major, the weights read once per wave,
     about the tree's depth, not once per pass; the numbers the tree's in memory."""
@@ -317,6 +323,7 @@ def test_a_stop_between_layers_abandons_the_group(llama):
     assert not any(t.name.startswith("klpipe-pass-") for t in threading.enumerate())
 
 
+@pytest.mark.slow
 def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
     """What the process holds between layers, measured by the kernel (RssAnon), within what budget.py counts for a
     group: two layers, one pass's activations, and what each waiting pass keeps (per token, and its thread's own).
