@@ -365,6 +365,57 @@ def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(tmp_path)
     assert f"about {figures['tokens_to_hide']:,} would hide the read: a larger --max-memory" in line
 
 
+def tree_depth(tree) -> int:
+    """The most nodes on a path from the root (tree.path leaves the root out): the tree's levels."""
+    return max(len(tree.path(node)) for node in range(1, tree.num_nodes))
+
+
+def test_a_stop_in_a_later_wave_abandons_the_tree_with_no_layer_loaded_and_the_next_run_is_whole(llama):
+    streamed = llama
+    in_memory = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
+    rows = chunk(in_memory.vocab_size, seed=6)
+    plan = plan_chunk(in_memory, rows, 96, "on")
+    groups, stops = streamed.streamer.groups, []
+
+    def stop():
+        stops.append(streamed.streamer.groups - groups)
+        if stops[-1] == 2:  # in the second wave: its group abandoned between layers, nothing returned
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(streamed, plan, rows, 1.0, check_stop=stop)
+    assert stops[0] == 1 and streamed.streamer.groups - groups == 2
+    assert not any(streamed.streamer.store.loaded(k) for k in range(layer_count(streamed)))
+    got, expected = run_plan(streamed, plan, rows, 1.0), run_plan(in_memory, plan, rows, 1.0)
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
+def test_a_call_the_tree_cannot_take_packed_mid_wave_reruns_the_whole_tree_as_in_memory(monkeypatch):
+    from klpipe.model import packing
+
+    spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    rows = chunk(in_memory.vocab_size, seed=7)
+    plan = plan_chunk(streamed, rows, 96, "on")
+    assert streamed.packed and plan.tree is not None
+    calls = []
+
+    def refuse_the_third(*args, **kwargs):  # the first wave's passes without context packed through layer 0, then
+        calls.append(1)                     # a call refused: inside a pass, mid-wave
+        if len(calls) == 3:
+            raise packing.NotPacked("LlamaAttention passes softcap to its attention")
+        return attend(*args, **kwargs)
+    attend = packing.attend_spans
+    monkeypatch.setattr(packing, "attend_spans", refuse_the_third)
+    expected = run_plan(in_memory, plan, rows, 1.0)  # in memory, the same refusal: the whole tree again, padded
+    assert not in_memory.packed and len(calls) == 3
+    calls.clear()
+    groups = streamed.streamer.groups
+    got = run_plan(streamed, plan, rows, 1.0)
+    assert not streamed.packed and len(calls) == 3  # padded from then on: no packed call after the refusal
+    assert streamed.streamer.groups - groups > tree_depth(plan.tree)  # the waves up to the refusal, then all again
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
 # -- in a memory cgroup ------------------------------------------------------------------------------------------
 
 CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transformers take about half of it

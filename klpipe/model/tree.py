@@ -70,14 +70,13 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
     with torch.inference_mode():
         if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
-            for wave in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
+            for group, release in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
                 reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
                                                                     parent_of_kept, rows_of, wanted, temperature,
-                                                                    results) for step in wave],
-                                       check_stop, sum(int((tree.end - tree.start)[step.nodes].sum()) for step in wave))
-                for step in wave:
-                    for node in step.release:
-                        kept.pop(node, None)
+                                                                    results) for step in group],
+                                       check_stop, sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group))
+                for node in release:
+                    kept.pop(node, None)
                 check_stop()
             return results
         for step in passes:
@@ -89,24 +88,40 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     return results
 
 
-def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None) -> list[list[Pass]]:
-    """The passes, in their order, cut into waves that may each run layer-major (model/streaming.py): a pass whose
-    nodes continue a state kept by a pass of the current wave starts the next one (a node's state is kept when its
-    pass ends, every layer at once), and so does a pass past `limit` fed tokens in the wave. A streamed chunk reads
-    the weights once per wave: about the tree's depth (system prompt, prompts, responses: three), not once per
-    pass. A wave's releases wait for its end: its passes read none of what the others keep."""
-    cut: list[list[Pass]] = []
-    kept_here: set[int] = set()
-    tokens = 0
+def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None) -> list[tuple[list[Pass], list]]:
+    """The passes in waves, each wave's groups run layer-major (model/streaming.py): (group, the nodes to release
+    after it), in order.
+    A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
+    that keeps a node it continues (an ancestor of its nodes), the first if none; within a wave the passes keep
+    their planned order, cut into groups of at most `limit` fed tokens (their activations wait between layers). A
+    streamed chunk so reads the weights once per group of a wave: about the tree's depth (system prompt, prompts,
+    responses: three), not once per pass. A pass's `release` list goes after the latest wave of the passes up to
+    it in the planned order: every pass that reads a node comes before the pass that releases it."""
+    wave_of_kept: dict[int, int] = {}  # node -> the wave that keeps it
+    cut: list[tuple[list[Pass], list[int]]] = []
+    latest = -1
     for step in passes:
         nodes = step.nodes.tolist()
+        wave = 1 + max((wave_of_kept.get(int(a), -1) for node in nodes for a in tree.path(node)[:-1]), default=-1)
+        while len(cut) <= wave:
+            cut.append(([], []))
+        cut[wave][0].append(step)
+        wave_of_kept.update((node, wave) for node in nodes if node in parents)
+        latest = max(latest, wave)
+        cut[latest][1].extend(int(node) for node in step.release)
+    return [(group, release if k == len(groups) - 1 else [])
+            for wave, release in cut for groups in [_by_tokens(tree, wave, limit)] for k, group in enumerate(groups)]
+
+
+def _by_tokens(tree: Tree, wave: list[Pass], limit: int | None) -> list[list[Pass]]:
+    """`wave` cut into groups of at most `limit` fed tokens (a pass over it alone; None: one group)."""
+    cut, tokens = [[]], 0
+    for step in wave:
         fed = int((tree.end - tree.start)[step.nodes].sum())
-        reads = {a for node in nodes for a in tree.path(node)[:-1]}
-        if not cut or reads & kept_here or (limit is not None and cut[-1] and tokens + fed > limit):
+        if limit is not None and cut[-1] and tokens + fed > limit:
             cut.append([])
-            kept_here, tokens = set(), 0
+            tokens = 0
         cut[-1].append(step)
-        kept_here |= {node for node in nodes if node in parents}
         tokens += fed
     return cut
 

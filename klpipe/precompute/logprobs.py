@@ -184,7 +184,7 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
             tokens = 0
         groups[-1].append(batch)
         tokens += fed
-    for group in groups:
+    for group in (group for group in groups if group):  # none where every row went through the tree
         calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,
                                                        [plan.needed[i] for i in batch]) for batch in group]
         fed = sum(len(plan.fed[i]) for batch in group for i in batch.tolist())

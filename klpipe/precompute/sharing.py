@@ -15,6 +15,8 @@ layer table, one token's forward: logprobs.check_layout) is checked before any c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from klpipe.errors import ModelError
 from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan_chunk, plan_key
 
@@ -34,10 +36,12 @@ class Sharing:
         if asked != "off":
             # A model whose own forward computes each row whole shares nothing (a forward that is not causal: a
             # prefix's keys are not what the whole row's would be).
-            self._refuse(check_layout(model) if model.own_forward is None else model.own_forward)
+            with uncounted(model):
+                self._refuse(check_layout(model) if model.own_forward is None else model.own_forward)
         if self.mode != "off":
             # klpipe's attention only where a tree may run, and only where it reproduces the model's own forward.
-            note = model.use_cascade()
+            with uncounted(model):  # its probe's forwards: the load's, though it runs in the chunks' loop
+                note = model.use_cascade()
             if note is not None:
                 log(note)
         if asked == "on":
@@ -47,7 +51,10 @@ class Sharing:
     def cache_tokens(self) -> int:
         """The cache budget in tokens of the model's keys and values. Only the tree keeps any (and asks the
         model what they weigh): rows run whole keep none."""
-        return (self.max_cache_mib << 20) // self.model.kv_bytes_per_token if self.mode != "off" else 1 << 62
+        if self.mode == "off":
+            return 1 << 62
+        with uncounted(self.model):  # measured once per model, by a forward of its own
+            return (self.max_cache_mib << 20) // self.model.kv_bytes_per_token
 
     def plan(self, pairs, max_tokens: int, needed) -> ChunkPlan:
         """The chunk's plan in this mode, the model probed first if the plan runs a tree."""
@@ -87,11 +94,12 @@ class Sharing:
 
     def _probe(self) -> None:
         self.probed = True
-        problem = check_tree(self.model)
-        for side in self.sides:
-            if problem is None:
-                with self.model.side(side):
-                    problem = check_tree(self.model)
+        with uncounted(self.model):
+            problem = check_tree(self.model)
+            for side in self.sides:
+                if problem is None:
+                    with self.model.side(side):
+                        problem = check_tree(self.model)
         self._refuse(problem)
 
     def _refuse(self, problem: str | None) -> None:
@@ -104,3 +112,21 @@ class Sharing:
         self.log(f"prefix sharing off: {name} cannot share prefixes exactly ({problem})")
         self.mode = "off"
         self.model.drop_cascade()  # rows run whole from now on: the model's own attention
+
+
+@contextmanager
+def uncounted(model):
+    """What runs inside (the tree's probes, a cost measured once per model) left out of a streamed model's figures
+    (model/streaming.py's statistics: the run's reads, groups and times), though a probe under auto runs mid-run."""
+    streamer = getattr(model, "streamer", None)
+    if streamer is None:
+        yield
+        return
+    fields = ("groups", "read_seconds", "waited_seconds", "group_seconds", "tokens")
+    saved = streamer.store.reads, [getattr(streamer, name) for name in fields]
+    try:
+        yield
+    finally:
+        streamer.store.reads = saved[0]
+        for name, value in zip(fields, saved[1]):
+            setattr(streamer, name, value)
