@@ -71,10 +71,10 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     with torch.inference_mode():
         if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
             for group, release in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
+                fed = sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group)
                 reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
                                                                     parent_of_kept, rows_of, wanted, temperature,
-                                                                    results) for step in group],
-                                       check_stop, sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group))
+                                                                    results) for step in group], check_stop, fed)
                 for node in release:
                     kept.pop(node, None)
                 check_stop()
