@@ -350,19 +350,26 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path):
         f"held {(max(seen) - before) >> 20} MiB between layers, the budget allows {allowed >> 20} MiB")
 
 
-def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(tmp_path):
+def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(llama):
+    """The hint's arithmetic on the streamer's own clock, set by hand (timings themselves are the benchmark's)."""
     from klpipe.cli.precompute import _streamed
 
-    directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # 26 MiB a layer
-    model = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"), streamed=True)
-    model.streamer.reset_statistics()
-    row = (np.arange(3, 6), np.arange(6, 8))  # 4 fed tokens: reading a layer takes far longer than computing it
-    model.streamer.run([lambda: model.score_batch([row])], tokens=4)
-    figures = model.streamer.statistics()
-    assert figures["groups"] == 1 and figures["hidden"] < 0.9 and figures["tokens_per_group"] == 4
-    assert figures["tokens_to_hide"] > 4  # more than the group held: it did not hide the read
-    line = _streamed(type("Summary", (), {"streamed": figures})())
-    assert f"about {figures['tokens_to_hide']:,} would hide the read: a larger --max-memory" in line
+    streamer = llama.streamer
+    streamer.reset_statistics()
+    try:
+        streamer.groups, streamer.tokens = 2, 2 * 500
+        # Reads took 3 s, of which the passes waited 1.5 s; the groups took 3.5 s, so 2 s computed: a group of 500
+        # tokens would need 500 x 3 / 2 = 750 to hide its read.
+        streamer.read_seconds, streamer.waited_seconds, streamer.group_seconds = 3.0, 1.5, 3.5
+        figures = streamer.statistics()
+        assert figures["hidden"] == 0.5 and figures["tokens_per_group"] == 500 and figures["tokens_to_hide"] == 751
+        line = _streamed(type("Summary", (), {"streamed": figures})())
+        assert "groups held 500 fed tokens; about 751 would hide the read: a larger --max-memory" in line
+        # Reads shorter than the compute: what did not hide is the first layer's read; no hint.
+        streamer.read_seconds, streamer.waited_seconds, streamer.group_seconds = 1.0, 0.5, 3.5
+        assert "tokens_to_hide" not in streamer.statistics()
+    finally:
+        streamer.reset_statistics()
 
 
 def tree_depth(tree) -> int:

@@ -180,7 +180,9 @@ class LayerMajor:
         hidden = max(1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0, 0.0)
         figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden}
         compute = self.group_seconds - self.waited_seconds
-        if hidden < 0.9 and self.tokens and self.groups and compute > 0:
+        # Only where the reads outlast the compute: otherwise what did not hide is the first layer's read, which
+        # nothing can overlap, and more tokens would not help.
+        if hidden < 0.9 and self.tokens and self.groups and 0 < compute < self.read_seconds:
             figures["tokens_per_group"] = self.tokens // self.groups
             figures["tokens_to_hide"] = int(self.tokens / self.groups * self.read_seconds / compute) + 1
         return figures
