@@ -612,8 +612,10 @@ def test_kill_9_then_rerun_resumes_a_streamed_run_to_the_in_memory_result(tmp_pa
     source = tmp_path / "rollouts.parquet"
     pq.write_table(repeated_rollouts(10), source, row_group_size=100)
     out, work = tmp_path / "cached.parquet", tmp_path / "cached.parquet.partial"
+    # Rows whole in both runs, the same plan: the resume is what this test holds (the tree streamed plans with the
+    # cache the budget leaves it, a plan of its own; it is held against the tree in memory above).
     args = ["precompute", "-m", str(model), str(source), "-o", str(out), "--chunk-rows", "8", "--device", "cpu",
-            "--progress", "none"]
+            "--progress", "none", "--prefix-sharing", "off"]
     refused = run_cli(*args, "--max-memory", "1M")  # says the smallest budget: streams with a little more
     smallest = re.search(r"needs at least (\S+) ", refused.stderr).group(1)
     args += ["--max-memory", str(parse_size(smallest) + (12 << 20))]  # under the 31 MB the weights would need
