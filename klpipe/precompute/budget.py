@@ -170,22 +170,23 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
         raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
     held = sizes.resident + 2 * sizes.largest_layer + beside
+    activations = sizes.activations
     policy_streams = policy is not None and footprint + GROWTH + held + sizes.activations > limit.bytes
     if policy_streams:  # both stream: one runs at a time, so two layers of the larger at once
         held = sizes.resident + policy.resident + 2 * max(sizes.largest_layer, policy.largest_layer)
-        smallest = footprint + GROWTH + held + max(sizes.activations, policy.activations)
+        activations = max(sizes.activations, policy.activations)  # the wider pass of the two
+        smallest = footprint + GROWTH + held + activations
         if smallest > limit.bytes:
             raise InputError(f"{limit.source} is too small for the reference and the policy even streamed one layer "
                              f"at a time: it needs at least {fmt(smallest)}")
-    spare = limit.bytes - footprint - GROWTH - held - sizes.activations
+    spare = limit.bytes - footprint - GROWTH - held - activations
     # The tree's kept keys and values come out of the budget too (rows run whole keep none).
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
     spare -= cache
     # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
     per_token = sizes.kept_per_token + streamed.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
-    with_policy = (" with the policy's" if policy is None or not policy_streams else " nor the policy's") \
-        if models.policy_spec is not None else ""
+    with_policy = " with the policy's" if models.policy_spec is not None else ""
     log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}){with_policy} do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
         + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
