@@ -3,7 +3,7 @@
 import pyarrow as pa
 import pytest
 
-from klpipe.cli.app import COLUMN_HELP
+from klpipe.options import COLUMN_HELP
 from klpipe.columns import ROLES, ColumnMap, for_caches, parse_columns
 from klpipe.errors import InputError, ProvenanceError
 from tests.helpers import make_rows, provenance, write_cache

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import sys
@@ -22,11 +21,6 @@ app = typer.Typer(
 )
 
 
-def defaults(config_class) -> dict:
-    """A config dataclass's default for each field that has one: what the options show and use."""
-    return {f.name: f.default for f in dataclasses.fields(config_class) if f.default is not dataclasses.MISSING}
-
-
 def _print_version(value: bool) -> None:
     if value:
         from klpipe import __version__
@@ -42,13 +36,6 @@ def _root(
 ) -> None:
     """Offline reference logprobs and adaptive KL penalties for RL fine-tuning."""
 
-
-# `--column` for both commands. The roles are klpipe.columns.ROLES, written out so that `--help`
-# need not import pyarrow (a test holds the two together).
-COLUMN_HELP = ("Read role ROLE from column NAME, e.g. `--column response_ids=completion_ids`; repeatable. "
-               "Roles: id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, "
-               "reward, ref_logprobs, mask, tools. The mask is found as tool_mask or env_mask when not mapped. In the "
-               "environment variable, separate mappings with spaces.")
 
 # Exit codes, documented in the README. A KlpipeError carries its own (errors.py: 2, or 75 when stopped).
 EXIT_INTERNAL = 1  # a bug: an exception klpipe did not expect

@@ -2,50 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from klpipe.cli.app import app, defaults, handle_errors
-from klpipe.inspect.config import InspectConfig, SortKey
-
-# Every option can come from KLPIPE_INSPECT_<OPTION>, as score's come from KLPIPE_SCORE_<OPTION>.
-ENV_PREFIX = "KLPIPE_INSPECT_"
-
-ROWS_PANEL = "Which rows"
-
-INSPECT = defaults(InspectConfig)
-
-
-def _env(option: str) -> str:
-    return ENV_PREFIX + option.upper().replace("-", "_")
+from klpipe.cli.app import app, handle_errors
+from klpipe.cli.fields import build, options
+from klpipe.inspect.config import InspectConfig
 
 
 @app.command("inspect")
 @handle_errors
-def inspect_command(
-    scored: Annotated[str, typer.Argument(
-        help="A scored parquet file (klpipe score's output), or a cache with policy_logprobs and ref_logprobs.",
-        envvar=_env("scored"))],
-    output: Annotated[str | None, typer.Option(
-        "--output", "-o", help="The HTML page. Default: <input's stem>.kl.html beside it.", metavar="PATH",
-        envvar=_env("output"))] = INSPECT["output"],
-    top: Annotated[int, typer.Option(
-        help="Embed this many rows, the largest by --sort (rows with a token above 20 nats first).",
-        envvar=_env("top"), rich_help_panel=ROWS_PANEL)] = INSPECT["top"],
-    sort: Annotated[SortKey, typer.Option(
-        help="kl: per-row KL; max-token: the largest |policy − ref| of one token; penalty: kl_penalty.",
-        envvar=_env("sort"), rich_help_panel=ROWS_PANEL)] = INSPECT["sort"],
-    row: Annotated[list[str] | None, typer.Option(
-        "--row", metavar="ID", help="Embed the row with this id (instead of the top rows); repeatable.",
-        envvar=_env("row"), rich_help_panel=ROWS_PANEL, show_default=False)] = None,
-    step: Annotated[list[str] | None, typer.Option(
-        "--step", metavar="S", help="Only rows of step S; repeatable.", envvar=_env("step"),
-        rich_help_panel=ROWS_PANEL, show_default=False)] = None,
-    tokenizer: Annotated[str | None, typer.Option(
-        metavar="DIR|ID", help="Decode with this tokenizer (a directory, a tokenizer.json or a hub id). Default: "
-        "the reference model the cache records.", envvar=_env("tokenizer"))] = INSPECT["tokenizer"],
-) -> None:
+@options(InspectConfig, env_prefix="KLPIPE_INSPECT_")  # as score's options come from KLPIPE_SCORE_<OPTION>
+def inspect_command(given: dict) -> None:
     """Show where KL comes from, token by token, in one self-contained HTML page.
 
     The page has the run's provenance and summary, the curves per step, a sortable table of the
@@ -66,8 +31,7 @@ def inspect_command(
 
     from klpipe.inspect import inspect
 
-    config = InspectConfig(input=scored, output=output, top=top, sort=sort, rows=list(row or []),
-                           steps=list(step or []), tokenizer=tokenizer)
+    config = build(InspectConfig, given)
     result = inspect(config)
     print(f"Wrote {result.output} ({result.bytes / 1024:,.0f} KiB: {result.rows} of {result.total_rows:,} rows)",
           file=sys.stderr)

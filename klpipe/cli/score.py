@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from klpipe.cli.app import COLUMN_HELP, app, defaults, handle_errors
-from klpipe.score.config import KlFrom, ScoreConfig
-from klpipe.score.controller import ControllerConfig, ControllerKind
-from klpipe.score.kl import Aggregate, Estimator
+from klpipe.cli.app import app, handle_errors
+from klpipe.cli.fields import build, options
+from klpipe.score.config import ScoreConfig
+from klpipe.score.controller import ControllerConfig
 
 # Every option can come from KLPIPE_SCORE_<OPTION>; precompute reads KLPIPE_<OPTION>, and the
 # separate prefix keeps one command's environment from leaking into the other.
 ENV_PREFIX = "KLPIPE_SCORE_"
-
-INPUT_PANEL = "Input columns"
-OUTPUT_PANEL = "Outputs"
-KL_PANEL = "Per-row KL"
-CONTROLLER_PANEL = "Controller"
-STATE_PANEL = "State across runs"
-
-# The library's defaults, written once (ScoreConfig, ControllerConfig): the options below read them.
-SCORE = defaults(ScoreConfig)
-CONTROL = defaults(ControllerConfig)
 
 # Under Slurm or cron stderr is a log file, where rich would wrap at 80 columns and split the
 # table's rows and the summary line across lines: a log gets room and long lines stay whole.
@@ -40,96 +26,10 @@ def _stderr_console(console_class):
     return console_class(stderr=True, width=LOG_WIDTH, soft_wrap=True)
 
 
-def _env(option: str) -> str:
-    return ENV_PREFIX + option.upper().replace("-", "_")
-
-
 @app.command("score")
 @handle_errors
-def score_command(
-    caches: Annotated[list[str], typer.Argument(
-        help="Cache parquet files, or directories of them, scored in the order given; local paths or URIs "
-             "(`s3://bucket/parts/`, `s3://bucket/day-*.parquet`).", envvar=_env("caches"))],
-    output: Annotated[str | None, typer.Option(
-        "--output", "-o", help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.",
-        metavar="PATH", envvar=_env("output"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output"],
-    report: Annotated[str | None, typer.Option(
-        help="Write the report JSON here.", metavar="PATH", envvar=_env("report"),
-        rich_help_panel=OUTPUT_PANEL)] = SCORE["report"],
-    plot: Annotated[str | None, typer.Option(
-        help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).",
-        metavar="PATH", envvar=_env("plot"), rich_help_panel=OUTPUT_PANEL)] = SCORE["plot"],
-    tensorboard: Annotated[str | None, typer.Option(
-        metavar="DIR", help="Write per-step KL, coefficient and reward scalars as TensorBoard events into DIR "
-        "(needs tensorboardX).", envvar=_env("tensorboard"), rich_help_panel=OUTPUT_PANEL)] = SCORE["tensorboard"],
-    metrics_jsonl: Annotated[str | None, typer.Option(
-        metavar="FILE", help="Write the same per-step metrics as JSON Lines.",
-        envvar=_env("metrics_jsonl"), rich_help_panel=OUTPUT_PANEL)] = SCORE["metrics_jsonl"],
-    output_format: Annotated[str, typer.Option(
-        "--output-format", metavar="parquet|atropos",
-        help="atropos: a cache of Atropos groups written back as those groups (JSON Lines), scores penalised, "
-             "ref_logprobs filled; an --output ending in .jsonl asks for it too.",
-        envvar=_env("output_format"), rich_help_panel=OUTPUT_PANEL)] = SCORE["output_format"],
-    atropos_api: Annotated[str | None, typer.Option(
-        "--atropos-api", metavar="URL",
-        help="Post the written Atropos groups to this Atropos API server (/scored_data_list), in order; a rerun "
-             "posts only what the server has not taken.",
-        envvar=_env("atropos_api"), rich_help_panel=OUTPUT_PANEL)] = SCORE["atropos_api"],
-    per_token: Annotated[bool, typer.Option(
-        "--per-token", help="Also write each row's per-token KL list (kl_per_token).",
-        envvar=_env("per_token"), rich_help_panel=OUTPUT_PANEL)] = SCORE["per_token"],
-    state: Annotated[str | None, typer.Option(
-        help="Controller state JSON: continued from when it exists, saved at the end.",
-        metavar="PATH", envvar=_env("state"), rich_help_panel=STATE_PANEL)] = SCORE["state"],
-    reset_state: Annotated[bool, typer.Option(
-        "--reset-state", help="Ignore an existing --state file and start the controller from these options.",
-        envvar=_env("reset_state"), rich_help_panel=STATE_PANEL)] = SCORE["reset_state"],
-    estimator: Annotated[Estimator, typer.Option(
-        help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.",
-        envvar=_env("estimator"), rich_help_panel=KL_PANEL)] = SCORE["estimator"],
-    aggregate: Annotated[Aggregate, typer.Option(
-        help="Per-row aggregate over response tokens.",
-        envvar=_env("aggregate"), rich_help_panel=KL_PANEL)] = SCORE["aggregate"],
-    clamp: Annotated[bool, typer.Option(
-        "--clamp/--no-clamp", help="Clamp the per-row k1 at 0 like the seed (other estimators are never negative).",
-        envvar=_env("clamp"), rich_help_panel=KL_PANEL)] = SCORE["clamp"],
-    kl_from: Annotated[KlFrom | None, typer.Option(
-        help="Whose logprobs the KL reads when the cache holds the trainer's (policy_logprobs) and the sampler's "
-             "(sampler_logprobs). Default: the trainer's where present.", envvar=_env("kl_from"),
-        rich_help_panel=KL_PANEL, show_default=False)] = SCORE["kl_from"],
-    controller: Annotated[ControllerKind, typer.Option(
-        help="window: the seed's windowed rule; proportional: Ziegler et al. (TRL, verl); fixed.",
-        envvar=_env("controller"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["controller"],
-    adaptive: Annotated[bool, typer.Option(
-        "--adaptive/--no-adaptive", help="The seed's switch: --no-adaptive keeps the coefficient fixed.",
-        envvar=_env("adaptive"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["adaptive"],
-    kl_coeff: Annotated[float, typer.Option(
-        help="Starting coefficient (a loaded --state replaces it). 0: KL is measured, not penalised.",
-        envvar=_env("kl_coeff"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff"],
-    kl_target: Annotated[float, typer.Option(
-        help="Target per-row KL in nats.", envvar=_env("kl_target"),
-        rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_target"],
-    kl_coeff_min: Annotated[float, typer.Option(
-        help="Lower clamp; 0: none.", envvar=_env("kl_coeff_min"),
-        rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff_min"],
-    kl_coeff_max: Annotated[float, typer.Option(
-        help="Upper clamp.", envvar=_env("kl_coeff_max"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["kl_coeff_max"],
-    window: Annotated[int, typer.Option(
-        help="window rule: recent per-row KLs averaged before each update.",
-        envvar=_env("window"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["window"],
-    increase_factor: Annotated[float, typer.Option(
-        help="window rule: multiplier when the mean is above 1.5×target.",
-        envvar=_env("increase_factor"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["increase_factor"],
-    decrease_factor: Annotated[float, typer.Option(
-        help="window rule: multiplier when the mean is below 0.5×target.",
-        envvar=_env("decrease_factor"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["decrease_factor"],
-    horizon: Annotated[int, typer.Option(
-        help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.",
-        envvar=_env("horizon"), rich_help_panel=CONTROLLER_PANEL)] = CONTROL["horizon"],
-    column: Annotated[list[str] | None, typer.Option(
-        "--column", metavar="ROLE=NAME", help=COLUMN_HELP + " Default: the mapping the caches were made with.",
-        envvar=_env("column"), rich_help_panel=INPUT_PANEL, show_default=False)] = None,
-) -> None:
+@options(ScoreConfig, ControllerConfig, env_prefix=ENV_PREFIX)
+def score_command(given: dict) -> None:
     """Replay cached policy and reference logprobs through the adaptive KL controller.
 
     Writes every input column plus `kl`, `kl_coeff`, `kl_penalty` and
@@ -159,21 +59,10 @@ def score_command(
     from rich.console import Console
 
     # Imported here so `klpipe --help` and `klpipe precompute` do not load the scoring stack.
-    from klpipe.columns import parse_columns
     from klpipe.score import report as report_module
     from klpipe.score import score
 
-    config = ScoreConfig(
-        inputs=caches, output=output, report=report, state=state, plot=plot, tensorboard=tensorboard,
-        metrics_jsonl=metrics_jsonl, per_token=per_token, output_format=output_format, atropos_api=atropos_api,
-        reset_state=reset_state, estimator=estimator, aggregate=aggregate, clamp=clamp,
-        controller=ControllerConfig(
-            kl_coeff=kl_coeff, kl_target=kl_target, adaptive=adaptive, kl_coeff_min=kl_coeff_min,
-            kl_coeff_max=kl_coeff_max, window=window, increase_factor=increase_factor,
-            decrease_factor=decrease_factor, controller=controller, horizon=horizon,
-        ),
-        columns=parse_columns(column), kl_from=kl_from,
-    )
+    config = build(ScoreConfig, given, controller=build(ControllerConfig, given))
     result = score(config)
     console = _stderr_console(Console)
     report_module.render_table(result.report, console)

@@ -34,7 +34,7 @@ from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, KlpipeError, OutputError, Preempted, first_line
 from klpipe.files.store import Location, is_remote
 from klpipe.precompute import ray_cluster
-from klpipe.precompute.config import PrecomputeConfig
+from klpipe.precompute.config import PrecomputeConfig, RayConfig
 from klpipe.precompute.logprobs import ForwardStats
 from klpipe.precompute.ray_task import Board, shard_task
 from klpipe.precompute.run import PrecomputeSummary
@@ -43,29 +43,6 @@ from klpipe.sharding import Shard
 
 CANCEL_GRACE_SECONDS = 15.0  # after a stop: how long running shards get to unwind before their workers are killed
 POLL_SECONDS = 1.0
-
-
-@dataclass
-class RayConfig:
-    """Where and how the shards of one precompute run go on a Ray cluster."""
-
-    address: str  # auto (the cluster RAY_ADDRESS or this machine names) | local (start one) | HOST:PORT | ray://...
-    num_shards: int | None = None  # None: the parts already in the output, else the cluster's GPUs (or CPUs) per shard
-    gpus_per_shard: float | None = None  # None: 1 where the cluster has GPUs, else 0
-    cpus_per_shard: float = 1.0
-    max_retries: int = 3  # Ray's retries of a task whose worker died
-
-    def __post_init__(self) -> None:
-        if not self.address:
-            raise InputError("--ray needs an address: auto, local, or HOST:PORT of the cluster's head")
-        if self.num_shards is not None and self.num_shards < 1:
-            raise InputError("--num-shards must be at least 1")
-        if self.gpus_per_shard is not None and self.gpus_per_shard < 0:
-            raise InputError("--ray-gpus-per-shard must not be negative")
-        if self.cpus_per_shard <= 0:
-            raise InputError("--ray-cpus-per-shard must be positive")
-        if self.max_retries < 0:
-            raise InputError("--ray-max-retries must not be negative")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What one scoring run is asked to do: inputs, outputs, the KL estimate and the controller.
 
-The command line reads its defaults and choices from here (and from ControllerConfig), so they are
-written once.
+Each field is an option of `klpipe score` (ControllerConfig's too), its default, help and panel written once
+(klpipe/options.py).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from klpipe.errors import InputError
+from klpipe.options import COLUMN_HELP, option, parse_columns
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator
 
@@ -22,37 +23,71 @@ if TYPE_CHECKING:
 
 OUTPUT_FORMATS = ("parquet", "atropos")
 
+INPUT_PANEL = "Input columns"
+OUTPUT_PANEL = "Outputs"
+KL_PANEL = "Per-row KL"
+STATE_PANEL = "State across runs"
+
 
 @dataclass
 class ScoreConfig:
     """One scoring run: inputs, outputs, the KL estimate and the controller."""
 
     # Every path below may be local or a URI on a store (s3://bucket/key); URIs become StorePaths.
-    inputs: list[Location]  # cache files or directories of them, scored in the order given
-    output: Location | None = None  # None: <first input's stem>.scored.parquet beside the first input
-    report: Location | None = None  # report JSON, written atomically
-    state: Location | None = None  # controller state JSON: loaded when it exists, saved at the end
-    plot: Location | None = None  # three-panel PNG (needs matplotlib)
-    tensorboard: Location | None = None  # directory: one event file per run, a scalar per metric per step (needs tensorboardX)
-    metrics_jsonl: Location | None = None  # the same per-step metrics as JSON Lines, written atomically
-    per_token: bool = False  # also write each row's per-token KL list
-    reset_state: bool = False  # ignore an existing state file and start from this config
-    estimator: Estimator = "k1"  # per-token estimator: k1 | abs | k2 | k3
-    aggregate: Aggregate = "mean"  # per-row aggregate over response tokens: mean | sum
-    clamp: bool = True  # clamp the per-row k1 at 0, as the seed does (other estimators are never negative)
+    # Every path below may be local or a URI on a store (s3://bucket/key); URIs become StorePaths.
+    inputs: list[Location] = option(
+        argument=True, name="caches", help="Cache parquet files, or directories of them, scored in the order "
+        "given; local paths or URIs (`s3://bucket/parts/`, `s3://bucket/day-*.parquet`).")
+    output: Location | None = option(
+        None, flags=("--output", "-o"), metavar="PATH", panel=OUTPUT_PANEL,
+        help="Scored parquet. Default: <first cache's stem>.scored.parquet beside it.")
+    report: Location | None = option(None, metavar="PATH", panel=OUTPUT_PANEL,
+                                     help="Write the report JSON here.")  # written atomically
+    state: Location | None = option(None, metavar="PATH", panel=STATE_PANEL,
+                                    help="Controller state JSON: continued from when it exists, saved at the end.")
+    plot: Location | None = option(
+        None, metavar="PATH", panel=OUTPUT_PANEL,
+        help="Draw KL, coefficient and KL histogram panels into this PNG (needs matplotlib).")
+    # One event file per run, a scalar per metric per step.
+    tensorboard: Location | None = option(
+        None, metavar="DIR", panel=OUTPUT_PANEL,
+        help="Write per-step KL, coefficient and reward scalars as TensorBoard events into DIR (needs tensorboardX).")
+    metrics_jsonl: Location | None = option(None, metavar="FILE", panel=OUTPUT_PANEL,
+                                            help="Write the same per-step metrics as JSON Lines.")
+    per_token: bool = option(False, panel=OUTPUT_PANEL, help="Also write each row's per-token KL list (kl_per_token).")
+    reset_state: bool = option(False, panel=STATE_PANEL, help="Ignore an existing --state file and start the "
+                               "controller from these options.")
+    estimator: Estimator = option("k1", panel=KL_PANEL,
+                                  help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.")
+    aggregate: Aggregate = option("mean", panel=KL_PANEL, help="Per-row aggregate over response tokens.")
+    clamp: bool = option(True, flags=("--clamp/--no-clamp",), panel=KL_PANEL,
+                         help="Clamp the per-row k1 at 0, so that a row whose policy sits below the reference is "
+                              "not rewarded for it (other estimators are never negative).")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
-    columns: dict[str, str] = field(default_factory=dict)  # role -> column (--column); overrides the caches' own
+    # Overrides the caches' own mapping.
+    columns: dict[str, str] = option(
+        default_factory=dict, flags=("--column",), metavar="ROLE=NAME", panel=INPUT_PANEL, show_default=False,
+        help=COLUMN_HELP + " Default: the mapping the caches were made with.", parse=parse_columns,
+        cli_type=list[str] | None)
     # Whose logprobs the KL penalty reads when a cache holds both the trainer's (policy_logprobs) and the
     # sampler's (sampler_logprobs): None is the trainer's, what a KL-in-reward trainer computes (verl's old_log_prob).
-    kl_from: KlFrom | None = None
+    kl_from: KlFrom | None = option(
+        None, panel=KL_PANEL, show_default=False,
+        help="Whose logprobs the KL reads when the cache holds the trainer's (policy_logprobs) and the sampler's "
+             "(sampler_logprobs). Default: the trainer's where present.")
     extreme_nats: float = 20.0  # warn about rows with a token whose |policy − ref| exceeds this
     batch_tokens: int = 1 << 21  # tokens per record batch read and scored; each costs ~24 bytes in flight
     batch_bytes: int = 16 << 20  # and at most this many input bytes (uncompressed) per record batch: wide columns
     row_group_bytes: int = 32 << 20  # output row groups of about this size: big ones write faster and read better
-    # parquet: the scored rows. atropos: a cache made from Atropos groups written back as those groups, scores
-    # penalised (klpipe/atropos/writer.py); an --output ending in .jsonl asks for it too.
-    output_format: str = "parquet"
-    atropos_api: str | None = None  # post the written groups to this Atropos API server (klpipe/atropos/api.py)
+    # A cache made from Atropos groups written back as those groups, scores penalised (klpipe/atropos/writer.py).
+    output_format: str = option(
+        "parquet", flags=("--output-format",), metavar="parquet|atropos", panel=OUTPUT_PANEL,
+        help="atropos: a cache of Atropos groups written back as those groups (JSON Lines), scores penalised, "
+             "ref_logprobs filled; an --output ending in .jsonl asks for it too.")
+    atropos_api: str | None = option(
+        None, flags=("--atropos-api",), metavar="URL", panel=OUTPUT_PANEL,
+        help="Post the written Atropos groups to this Atropos API server (/scored_data_list), in order; a rerun "
+             "posts only what the server has not taken.")  # klpipe/atropos/api.py
 
     @property
     def writes_groups(self) -> bool:

@@ -27,10 +27,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from klpipe.errors import InputError, StateError
+from klpipe.options import option
 from klpipe.score import kl as kl_math
 
 ControllerKind = Literal["window", "proportional", "fixed"]
 CONTROLLERS: tuple[str, ...] = ("window", "proportional", "fixed")
+
+PANEL = "Controller"  # its options' panel in `klpipe score --help`
 
 # Per-row KLs kept in memory and in saved state: get_stats reads the last 100 (the seed's number),
 # and the window rule needs at least `window` of them.
@@ -48,16 +51,28 @@ PROPORTIONAL_ERROR_CLIP = 0.2
 class ControllerConfig:
     """How the KL coefficient starts and moves. Defaults are the seed's."""
 
-    kl_coeff: float = 0.1  # starting coefficient; a loaded state replaces it. 0: monitor KL, never penalise
-    kl_target: float = 3.0  # nats per row the adaptive rules steer towards
-    adaptive: bool = True  # the seed's switch: False keeps the coefficient fixed whatever `controller` says
-    kl_coeff_min: float = 0.01  # adaptive rules clamp the coefficient to [min, max]; min 0: no lower clamp
-    kl_coeff_max: float = 1.0
-    window: int = 10  # window rule: how many recent per-row KLs are averaged (seed: adaptation_window)
-    increase_factor: float = 1.5  # window rule: multiplier when the window mean is above 1.5×target
-    decrease_factor: float = 0.8  # window rule: multiplier when it is below 0.5×target
-    controller: ControllerKind = "window"  # which rule moves the coefficient
-    horizon: int = 10000  # proportional rule: rows over which a full error would act
+    # A loaded state replaces the starting coefficient. 0: monitor KL, never penalise.
+    kl_coeff: float = option(0.1, panel=PANEL, help="Starting coefficient (a loaded --state replaces it). 0: KL is "
+                             "measured, not penalised.")
+    kl_target: float = option(3.0, panel=PANEL, help="Target per-row KL in nats.")  # what the adaptive rules steer to
+    # False keeps the coefficient fixed whatever `controller` says (the original controller's `adaptive`).
+    adaptive: bool = option(True, flags=("--adaptive/--no-adaptive",), panel=PANEL,
+                            help="--no-adaptive keeps the coefficient fixed, whichever --controller is set.")
+    # The adaptive rules clamp the coefficient to [min, max]; min 0: no lower clamp.
+    kl_coeff_min: float = option(0.01, panel=PANEL, help="Lower clamp; 0: none.")
+    kl_coeff_max: float = option(1.0, panel=PANEL, help="Upper clamp.")
+    # The original controller's adaptation_window.
+    window: int = option(10, panel=PANEL, help="window rule: recent per-row KLs averaged before each update.")
+    increase_factor: float = option(1.5, panel=PANEL,
+                                    help="window rule: multiplier when the mean is above 1.5×target.")
+    decrease_factor: float = option(0.8, panel=PANEL,
+                                    help="window rule: multiplier when the mean is below 0.5×target.")
+    controller: ControllerKind = option(
+        "window", panel=PANEL, help="window: the mean of the last --window rows' KL against 0.5× and 1.5× the "
+        "target; proportional: Ziegler et al. (TRL, verl); fixed.")
+    # Proportional rule: rows over which a full error would act.
+    horizon: int = option(10000, panel=PANEL,
+                          help="proportional rule: coeff ×= 1 + clip(mean/target−1, ±0.2)·rows/horizon.")
 
     def __post_init__(self) -> None:
         if self.controller not in CONTROLLERS:
