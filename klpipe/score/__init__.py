@@ -2,7 +2,7 @@
 
 input.py       open caches, read them in record batches, check every row
 kl.py          per-token KL estimators and per-row aggregates (numpy)
-controller.py  the KL controllers: window (the seed's rule), proportional, fixed
+controller.py  the KL controllers: window (the original controller's rule), proportional, fixed
 steps.py       controller batches: the coefficient each row gets, one update per step
 report.py      the report JSON, the per-step table, warnings, the plot
 metrics.py     per-step metrics as TensorBoard events (tensorboardX, imported only then) and JSON Lines

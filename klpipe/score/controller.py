@@ -1,12 +1,15 @@
 """The adaptive KL coefficient: penalties for rows or batches, and the rule that moves the coefficient.
 
+The original controller is elizaOS's `KLController` (`kl_controller.py`): klpipe replays its behaviour exactly,
+except where docs/controller.md says why it departs.
+
 Three rules, chosen by `ControllerConfig.controller`:
-    window        the seed's rule: after each batch, once `window` per-row KLs are in the history,
+    window        the original controller's rule: after each batch, once `window` per-row KLs are in the history,
                   their mean above 1.5×target multiplies the coefficient by `increase_factor`, below
                   0.5×target by `decrease_factor`.
     proportional  Ziegler et al. (as in TRL and verl): e = clip(batch_mean/target − 1, ±0.2),
                   coeff ×= 1 + e·rows/horizon.
-    fixed         never moves (also what `adaptive=False` means, the seed's switch).
+    fixed         never moves (also what `adaptive=False` means, the original controller's switch).
 Both adaptive rules clamp to [kl_coeff_min, kl_coeff_max] and count an adaptation when the value changed.
 A coefficient of 0 (β = 0, TRL GRPO's default: KL monitored, not penalised) stays 0 under every
 rule: they all multiply it, and no lower clamp lifts it. kl_coeff_min = 0 is no lower clamp.
@@ -14,7 +17,7 @@ rule: they all multiply it, and no lower clamp lifts it. kl_coeff_min = 0 is no 
 Sequential exactness is the design constraint: the coefficient after N batches must not depend on
 whether they were fed in one process or several joined by save_state/load_state. So the state keeps
 the history the rules read, and means are taken with Python's `sum` in history order, exactly as
-the seed does, rather than with numpy's pairwise summation.
+the original controller does, rather than with numpy's pairwise summation.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ CONTROLLERS: tuple[str, ...] = ("window", "proportional", "fixed")
 
 PANEL = "Controller"  # its options' panel in `klpipe score --help`
 
-# Per-row KLs kept in memory and in saved state: get_stats reads the last 100 (the seed's number),
+# Per-row KLs kept in memory and in saved state: get_stats reads the last 100 (the original controller's number),
 # and the window rule needs at least `window` of them.
 STATS_HISTORY = 100
 
@@ -49,7 +52,7 @@ PROPORTIONAL_ERROR_CLIP = 0.2
 
 @dataclass
 class ControllerConfig:
-    """How the KL coefficient starts and moves. Defaults are the seed's."""
+    """How the KL coefficient starts and moves. Defaults are the original controller's."""
 
     # A loaded state replaces the starting coefficient. 0: monitor KL, never penalise.
     kl_coeff: float = option(0.1, panel=PANEL, help="Starting coefficient (a loaded --state replaces it). 0: KL is "
@@ -98,7 +101,7 @@ class ControllerConfig:
 
 @dataclass
 class KLStats:
-    """Summary of a set of per-row KLs and the controller, under the seed's logging keys."""
+    """Summary of a set of per-row KLs and the controller, under the original controller's logging keys."""
 
     mean_kl: float = 0.0
     max_kl: float = 0.0
@@ -109,7 +112,7 @@ class KLStats:
     samples_processed: int = 0
 
     def to_dict(self) -> dict:
-        # The seed's keys and 4-decimal rounding, so existing dashboards keep working.
+        # The original controller's keys and 4-decimal rounding, so existing dashboards keep working.
         return {
             "kl/mean": round(self.mean_kl, 4),
             "kl/max": round(self.max_kl, 4),
@@ -138,9 +141,9 @@ class KLController:
     # -- penalties --------------------------------------------------------------------------------
 
     def penalise_sample(self, kl: float) -> float:
-        """One row on its own, with the seed's per-sample order: record, adapt, then penalise.
+        """One row on its own, with the original controller's per-sample order: record, adapt, then penalise.
 
-        The returned penalty uses the coefficient *after* this row's adaptation, as the seed's
+        The returned penalty uses the coefficient *after* this row's adaptation, as the original controller's
         `get_penalty_from_logprobs` does. Batch scoring uses `penalise_batch` instead.
         """
         self.observe_batch((kl,))
@@ -157,7 +160,7 @@ class KLController:
     def get_penalty_from_logprobs(
         self, policy_logprobs: Sequence[float], ref_logprobs: Sequence[float]
     ) -> tuple[float, float]:
-        """(penalty, kl) for one response, per-sample order; the KL is the seed's clamped mean k1."""
+        """(penalty, kl) for one response, per-sample order; the KL is the original controller's clamped mean k1."""
         kl = kl_math.sequence_kl(policy_logprobs, ref_logprobs)
         return self.penalise_sample(kl), kl
 
@@ -166,7 +169,7 @@ class KLController:
         policy_logprobs_batch: Sequence[Sequence[float]],
         ref_logprobs_batch: Sequence[Sequence[float]],
     ) -> tuple[list[float], KLStats]:
-        """(penalties, stats) for a batch of responses, batch order; KLs as in the seed."""
+        """(penalties, stats) for a batch of responses, batch order; KLs as in the original controller."""
         if len(policy_logprobs_batch) != len(ref_logprobs_batch):
             raise ValueError(f"{len(policy_logprobs_batch)} policy rows but {len(ref_logprobs_batch)} reference rows")
         kls = [kl_math.sequence_kl(p, r) for p, r in zip(policy_logprobs_batch, ref_logprobs_batch, strict=True)]
@@ -183,7 +186,7 @@ class KLController:
         self.samples_processed += len(batch)
         if self.kl_coeff == 0:
             # β = 0 stays 0: every rule multiplies the coefficient, and a lower clamp would lift it
-            # to kl_coeff_min, penalising KL the user chose only to monitor. (The seed does lift it.)
+            # to kl_coeff_min, penalising KL the user chose only to monitor. (The original controller does lift it.)
             return
         kind = self.config.kind
         if kind == "window":
@@ -202,7 +205,7 @@ class KLController:
     def _window_rule(self) -> float | None:
         window = self.config.window
         if len(self._history) < window:
-            return None  # not enough evidence yet; the seed does not even clamp here
+            return None  # not enough evidence yet; the original controller does not even clamp here
         recent = list(itertools.islice(self._history, len(self._history) - window, None))
         recent_mean = sum(recent) / len(recent)
         target = self.config.kl_target
@@ -242,7 +245,7 @@ class KLController:
         }
 
     def load_state(self, state: dict) -> None:
-        """Continue from `save_state` output (or a seed checkpoint, which records no config).
+        """Continue from `save_state` output (or a checkpoint of the original controller, which records no config).
 
         A state made under another rule or target would steer towards the wrong place, so it is
         refused; start a fresh controller instead.
@@ -290,9 +293,9 @@ class KLController:
         ]
 
     def _stats(self, kls: list[float]) -> KLStats:
-        # Python arithmetic in row order, as the seed computes its stats.
+        # Python arithmetic in row order, as the original controller computes its stats.
         if not kls:
-            # The seed drops the counters here; they stay meaningful, so klpipe keeps them.
+            # The original controller drops the counters here; they stay meaningful, so klpipe keeps them.
             return KLStats(
                 current_coeff=self.kl_coeff,
                 adaptation_count=self.adaptation_count,

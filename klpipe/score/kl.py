@@ -25,7 +25,7 @@ Aggregate = Literal["mean", "sum"]
 ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
 AGGREGATES: tuple[str, ...] = ("mean", "sum")
 
-# estimate_kl_from_samples: additive smoothing of token counts, the seed's value.
+# estimate_kl_from_samples: additive smoothing of token counts, the original controller's value.
 SAMPLE_SMOOTHING = 1e-4
 
 
@@ -83,12 +83,12 @@ def row_kl(
 ) -> RowKL:
     """Per-row KL from flat policy and reference logprobs that share the row `offsets`.
 
-    `clamp` applies to k1 only, the seed's `max(0, kl)`: the other estimators are never negative.
+    `clamp` applies to k1 only, the original controller's `max(0, kl)`: the other estimators are never negative.
     An empty row has KL 0.
     """
     if aggregate not in AGGREGATES:
         raise ValueError(f"unknown aggregate {aggregate!r}; choose one of {', '.join(AGGREGATES)}")
-    # Float64 before subtracting: the seed subtracts Python floats, and float32 would lose digits.
+    # Float64 before subtracting: the original controller subtracts Python floats, and float32 would lose digits.
     diff = np.subtract(policy_values, ref_values, dtype=np.float64)  # (tokens,)
     k1_sum = row_reduce(np.add, diff, offsets)  # (rows,)
     # max |d| from the row max and min: two cheap reductions instead of a full |d| array.
@@ -117,7 +117,7 @@ def sequence_kl(
     aggregate: Aggregate = "mean",
     clamp: bool = True,
 ) -> float:
-    """The KL of one response; the defaults are the seed's `compute_kl_from_logprobs`."""
+    """The KL of one response; the defaults are the original controller's `compute_kl_from_logprobs`."""
     if len(policy_logprobs) != len(ref_logprobs):
         raise ValueError(f"policy_logprobs has {len(policy_logprobs)} tokens but ref_logprobs has {len(ref_logprobs)}")
     offsets = np.array([0, len(policy_logprobs)])
@@ -129,7 +129,7 @@ def sequence_kl(
 def kl_divergence(policy_probs: Sequence[float], reference_probs: Sequence[float]) -> float:
     """KL(P ‖ Q) = Σ p·log(p/q) in nats between two discrete distributions, floored at 0.
 
-    As in the seed, only terms where both probabilities are positive count: mass the policy puts
+    As in the original controller, only terms where both probabilities are positive count: mass the policy puts
     where the reference has none is ignored rather than making the result infinite.
     """
     p = np.asarray(policy_probs, dtype=np.float64)
@@ -138,7 +138,7 @@ def kl_divergence(policy_probs: Sequence[float], reference_probs: Sequence[float
         raise ValueError(f"distributions must have the same length, got {p.size} and {q.size}")
     both = (p > 0) & (q > 0)
     p, q = p[both], q[both]
-    # log p − log q rather than log(p/q): the ratio overflows when q is tiny (the seed then says inf).
+    # log p − log q rather than log(p/q): the ratio overflows when q is tiny (the original controller then says inf).
     return max(0.0, float(np.sum(p * (np.log(p) - np.log(q)))))
 
 
@@ -150,7 +150,7 @@ def estimate_kl_from_samples(
     """A rough KL between two sets of texts from their smoothed token frequencies (for debugging).
 
     `tokenizer` is anything with `encode(text) -> list of token ids`. Each side's counts are
-    smoothed over the union of tokens seen on either side, as the seed does.
+    smoothed over the union of tokens seen on either side, as the original controller does.
     """
     policy_counts = Counter(token for text in policy_samples for token in tokenizer.encode(text))
     reference_counts = Counter(token for text in reference_samples for token in tokenizer.encode(text))

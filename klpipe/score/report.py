@@ -3,7 +3,7 @@
 `klpipe score` gathers a run's totals and per-step entries as it streams; everything here turns
 them into the report, and never reads a row itself.
 
-Keys under `kl/` are the seed's logging keys and keep its 4-decimal rounding, so existing dashboards
+Keys under `kl/` are the original controller's logging keys and keep its 4-decimal rounding, so existing dashboards
 read them unchanged; every other number is written at full precision. Nothing here imports
 matplotlib until a plot is asked for.
 """
@@ -60,7 +60,7 @@ def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, neg
     """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since.
 
     Holds every value of the step's metrics record (klpipe.score.metrics): `kl_mean` is `kl/mean`
-    unrounded, since the seed's 4 decimals would flatten a small KL to 0 on a dashboard.
+    unrounded, since the original controller's 4 decimals would flatten a small KL to 0 on a dashboard.
     """
     penalty = kl_coeff * kls  # the same arithmetic as the output columns
     adjusted = rewards - penalty
@@ -132,7 +132,7 @@ def trajectory(has_steps: bool, steps: list[dict], totals: RunTotals, row_coeffs
 
 
 def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, samples_processed: int) -> dict:
-    """The seed's `kl/` keys over `kls`, plus `kl/p50`, `kl/p90` and `kl/p99` in the same rounding."""
+    """The original controller's `kl/` keys over `kls`, plus `kl/p50`, `kl/p90` and `kl/p99` in the same rounding."""
     if kls.size == 0:
         stats = KLStats(
             current_coeff=kl_coeff, adaptation_count=adaptation_count, samples_processed=samples_processed
@@ -143,7 +143,7 @@ def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, sampl
         mean_kl=float(np.mean(kls)),
         max_kl=float(np.max(kls)),
         min_kl=float(np.min(kls)),
-        std_kl=float(np.std(kls)),  # population std, as the seed
+        std_kl=float(np.std(kls)),  # population std, as the original controller
         current_coeff=kl_coeff,
         adaptation_count=adaptation_count,
         samples_processed=samples_processed,
