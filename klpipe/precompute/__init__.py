@@ -8,6 +8,7 @@ prefix_tree.py the chunk's prefix tree and the passes that run it (pure)
 logprobs.py   a chunk's rows through the reference model (klpipe.model): tree or per row; the probe
 sharing.py    the sharing mode a model runs with: the tree probed the first time a chunk would use it
 workdir.py    the work directory: run.json, the lock, chunk checkpoints, the merge
+provenance.py what the cache records of its run, and the checks made before any weight loads
 run.py        the stage: chunks → logprobs → checkpoints → the cache, with resume
 
 No module here imports torch; klpipe.model is imported when the model is loaded.
@@ -21,7 +22,7 @@ __all__ = ["OUTPUT_SUFFIX", "PrecomputeConfig", "PrecomputeSummary", "default_ma
 
 def __getattr__(name: str):
     if name in __all__:
-        from klpipe.precompute import run
+        from klpipe.precompute import provenance, run
 
-        return getattr(run, name)
+        return getattr(provenance if name == "default_max_tokens" else run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ Each field is an option of `klpipe precompute`, its default, help and panel writ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 

@@ -22,20 +22,16 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-import pyarrow as pa
 
-from klpipe import __version__, cache, sharding
-from klpipe.arrow import is_list_type
+from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.files.discover import output_beside, refuse_overwriting_inputs
-from klpipe.files.fingerprint import fingerprint
 from klpipe.files.store import Location, check_output, is_glob
-from klpipe.precompute import budget
+from klpipe.precompute import budget, provenance
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
-from klpipe.precompute.models import check_tokenizers, policy_revision, revision
 from klpipe.precompute.models import resolve as resolve_models
 from klpipe.precompute.rollouts import (
     CHAT,
@@ -46,7 +42,6 @@ from klpipe.precompute.rollouts import (
 )
 from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.tokenize import ChunkTokenizer
-from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
@@ -84,20 +79,6 @@ class PrecomputeSummary:
         return self.forward.padding_efficiency
 
 
-def default_max_tokens(device: str) -> int:
-    # CPU: measured fastest on 2 cores (make bench): larger batches spill activations out of cache.
-    return 65536 if device.startswith("cuda") else 2048
-
-
-def default_max_cache_mib(device: str) -> int:
-    """The prefix tree's cache budget: 2 GiB on CPU, a quarter of the GPU's memory on CUDA."""
-    if not device.startswith("cuda"):
-        return 2048
-    from klpipe.model.runtime import device_memory_bytes  # torch lives behind this import
-
-    return device_memory_bytes(device) // 4 >> 20
-
-
 def default_output(inputs: list[Location], shard: Shard | None = None, groups: bool = False) -> Location:
     """<stem>.cached.parquet beside a single input, by score's rule (`a.v1.parquet` → `a.v1.cached.parquet`);
     <stem>.ref.jsonl for Atropos groups out; a sharded run, several inputs or a URI pattern need --output."""
@@ -122,7 +103,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
             f"{', '.join(str(p) for p in rollouts.skipped)}")
-    _check_chat_options(config, rollouts)
+    provenance.check_chat_options(config, rollouts)
     shard = config.shard
     groups_out = config.output_format == ATROPOS
     if groups_out:
@@ -137,23 +118,23 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     models = resolve_models(config)  # the weights to load, the adapters over them, a policy of its own
     spec = models.spec
     model_config = reference.load_config(spec)
-    tokenizer = _with_template(reference.load_tokenizer(spec), config)
+    tokenizer = provenance.with_template(reference.load_tokenizer(spec), config)
     policy_config = reference.load_config(models.policy_spec) if models.policy_spec is not None else None
-    _check_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
-    provenance = _provenance(config, models, model_config, tokenizer, rollouts, rows, policy_config)
+    provenance.check_all_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
+    recorded = provenance.provenance(config, models, model_config, tokenizer, rollouts, rows, policy_config)
     summary = PrecomputeSummary(output=output)
 
     if groups_out and output.exists() and not config.overwrite:
         raise OutputError(f"{output} exists; pass --overwrite to replace it")
-    if not groups_out and _already_done(output, provenance, config, log):
+    if not groups_out and provenance.already_done(output, recorded, config, log):
         summary.skipped = True
         # A kill between the final rename and the cleanup leaves the finished work directory.
-        WorkDir(output, provenance, rollouts, rows, work_root=config.work_dir,
+        WorkDir(output, recorded, rollouts, rows, work_root=config.work_dir,
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
-    streamed = budget.decide(config, models, provenance.max_tokens_per_batch, log,  # None: in memory
-                             provenance.max_cache_mib)
+    streamed = budget.decide(config, models, recorded.max_tokens_per_batch, log,  # None: in memory
+                             recorded.max_cache_mib)
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -164,7 +145,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                               end_ids=reference.stop_token_ids(spec),
                               template_given=config.chat_template is not None,
                               rollout_format=config.rollout_format)
-    work = WorkDir(output, provenance, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
+    work = WorkDir(output, recorded, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
         done = work.finished_chunks()
@@ -209,7 +190,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
         summary.peak_memory = peak_memory()
         if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
-            sharding.mark_complete(output, rows[1] - rows[0], provenance, tmp_dir=work.output_tmp_dir)
+            sharding.mark_complete(output, rows[1] - rows[0], recorded, tmp_dir=work.output_tmp_dir)
         work.remove()
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
@@ -248,149 +229,6 @@ def _require_model_extra() -> None:
     if missing:
         raise ModelError(f"klpipe precompute needs {' and '.join(missing)}, which klpipe score does not: "
                          "pip install 'klpipe[precompute]' (on a GPU machine, your CUDA build of torch first)")
-
-
-def _check_tokenizers(config: PrecomputeConfig, models, model_config, policy_config, tokenizer, rollouts) -> None:
-    """The policy, and any adapter folder's own tokenizer, must read the reference's tokens as the same tokens."""
-    from klpipe import model as reference
-
-    chat = rollouts.mode == CHAT
-    options = _chat_options(config, rollouts)
-
-    def fingerprint_of(spec):
-        return reference.tokenizer_fingerprint(_with_template(reference.load_tokenizer(spec), config),
-                                               chat_template=chat, chat_options=options)
-
-    ours = reference.tokenizer_fingerprint(tokenizer, chat_template=chat, chat_options=options)
-    check_tokenizers(config, models, model_config, policy_config, ours, fingerprint_of,
-                     "tokenizer or chat template" if chat else "tokenizer")
-
-
-def _provenance(config: PrecomputeConfig, models, model_config, tokenizer, rollouts, rows,
-                policy_config=None) -> cache.Provenance:
-    """How this run's cache is made: what a rerun must match to skip or resume it."""
-    from klpipe import model as reference  # torch lives behind this import
-    from klpipe.model.runtime import library_versions
-
-    spec = models.spec
-    device, _ = reference.resolve_device(spec.device)
-    dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU
-    shard = config.shard
-    return cache.Provenance(
-        model=config.model,
-        revision=revision(models, model_config),
-        tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT,
-                                                  chat_options=_chat_options(config, rollouts)),
-        dtype=str(dtype).removeprefix("torch."),
-        temperature=float(config.temperature),
-        klpipe_version=__version__,
-        inputs=[fingerprint(f.path) for f in rollouts.files],
-        shard={"index": shard.index, "count": shard.count, "rows": list(rows)} if shard else None,
-        columns=_recorded_columns(config, rollouts),
-        device=device.split(":")[0],
-        prefix_sharing=config.prefix_sharing,
-        max_tokens_per_batch=config.max_tokens_per_batch or default_max_tokens(device),
-        max_cache_mib=config.max_cache_mib if config.max_cache_mib is not None else default_max_cache_mib(device),
-        chunk_rows=config.chunk_rows,
-        versions=library_versions(),
-        tools=config.tools_digest() if rollouts.mode == CHAT else None,
-        chat_template_kwargs=dict(config.chat_template_kwargs) if rollouts.mode == CHAT else {},
-        chat_template=config.chat_template_digest() if rollouts.mode == CHAT else None,
-        rollout_format=config.rollout_format if rollouts.mode == CHAT else "trl",
-        policy_model=config.policy,
-        policy_revision=policy_revision(models, model_config, policy_config),
-        policy_dtype=str(dtype).removeprefix("torch.") if config.policy is not None else None,
-        sampler_source=_sampler_source(config, rollouts),
-    )
-
-
-def _recorded_columns(config: PrecomputeConfig, rollouts) -> dict[str, str]:
-    """The --column mapping, plus where the sampler's logprobs stay when --column policy_logprobs=NAME leaves the
-    rollouts' policy_logprobs in place: score then finds them under the sampler_logprobs role."""
-    columns = dict(rollouts.columns.given)
-    source = _sampler_source(config, rollouts)
-    names = rollouts.columns
-    if source is not None and source not in (names.name(cache.SAMPLER_LOGPROBS), names.name(cache.POLICY_LOGPROBS)):
-        columns[cache.SAMPLER_LOGPROBS] = source
-    return columns
-
-
-def _sampler_source(config: PrecomputeConfig, rollouts) -> str | None:
-    """With --policy: the rollouts' column of the sampler's own logprobs, which the cache keeps under the
-    sampler_logprobs role beside the policy's computed policy_logprobs; None when there is none to keep.
-
-    A column mapped to (or named) sampler_logprobs is kept as it is. Otherwise the rollouts' policy_logprobs are the
-    sampler's: the cache keeps them renamed sampler_logprobs, unless --overwrite-policy-logprobs drops them or
-    --column policy_logprobs=NAME writes the computed ones elsewhere (then they stay where they are).
-    """
-    if config.policy is None:
-        return None
-    names = rollouts.schema.names
-    sampler = rollouts.columns.name(cache.SAMPLER_LOGPROBS)
-    if sampler in names:
-        return sampler
-    if cache.POLICY_LOGPROBS in names and not config.overwrite_policy_logprobs:
-        return cache.POLICY_LOGPROBS
-    return None
-
-
-def _check_chat_options(config: PrecomputeConfig, rollouts) -> None:
-    """--tools and --chat-template-kwargs act on conversational rows' rendering; a tools column and --tools
-    would each say which tools a row saw."""
-    if rollouts.mode != CHAT:
-        given = [name for name, value in (("--tools", config.tools),
-                                          ("--chat-template-kwargs", config.chat_template_kwargs),
-                                          ("--chat-template", config.chat_template),
-                                          ("--rollout-format verl", config.rollout_format == "verl")) if value]
-        if given:
-            raise InputError(f"{' and '.join(given)} apply to conversational rows (prompt and completion as chat "
-                             f"messages), which {rollouts.files[0].path} does not hold")
-        return
-    if config.rollout_format == "verl":  # before the model loads: no row of verl's messages can be rebuilt
-        raise InputError(f"{rollouts.files[0].path}: {VERL_MESSAGES_REFUSED}")
-    tools_column = rollouts.columns.name(cache.TOOLS)
-    if tools_column in rollouts.schema.names:
-        if config.tools is not None:
-            raise InputError(f"{rollouts.files[0].path}: has a {tools_column} column and --tools was given; each "
-                             "says which tools a row saw: drop one")
-        kind = rollouts.schema.field(tools_column).type
-        if not (is_list_type(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise InputError(f"{rollouts.files[0].path}: column {tools_column} must be a list of tool schemas or "
-                             f"their JSON text, found {kind}")
-
-
-def _with_template(tokenizer, config: PrecomputeConfig):
-    """The tokenizer, rendering with --chat-template (the trainer's template) when one is given; the template is
-    then part of the tokenizer fingerprint, as the tokenizer's own is."""
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
-    return tokenizer
-
-
-def _chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
-    """What else decides a conversational row's tokens: the --tools list and the template's options."""
-    if rollouts.mode != CHAT:
-        return None
-    options = {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
-    if config.rollout_format != "trl":  # the default adds nothing, so caches made before the option still match
-        options["rollout_format"] = config.rollout_format
-    return options
-
-
-def _already_done(output: Location, provenance: cache.Provenance, config: PrecomputeConfig, log) -> bool:
-    """True when `output` is complete and made by this very run; refuses another run's output unless --overwrite."""
-    shard = config.shard
-    if not (output.exists() and (shard is None or sharding.is_complete(output))):
-        return False
-    existing = cache.read_provenance(output) if output.is_file() else None
-    if existing == provenance:
-        what = f"shard {shard.index} of {shard.count} ({output})" if shard else str(output)
-        log(f"{what} is already complete for these inputs, this model and these settings; nothing to do")
-        return True
-    if not config.overwrite:
-        why = "; ".join(existing.differences(provenance)) if existing is not None else "not made by klpipe"
-        raise OutputError(f"{output} exists and was made by a different run ({why}); pass --overwrite to replace it")
-    return False
 
 
 def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tuple[int, int], done: set[int],
