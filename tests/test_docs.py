@@ -1,8 +1,8 @@
-"""The README documents every option and environment variable of both commands, with its default.
+"""The docs document every option and environment variable of the three commands, with its default.
 
 The list comes from the typer app itself (click's parameters), as sqlite-utils checks its docs
 against its commands: a new option, a renamed environment variable or a changed default fails
-here until the README's tables say so, and so does a row for an option that no longer exists.
+here until the tables on docs/cli.md say so, and so does a row for an option that no longer exists.
 """
 
 import re
@@ -14,12 +14,14 @@ from klpipe.cli import app
 from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+CLI = (DOCS / "cli.md").read_text()
 COMMANDS = typer.main.get_command(app).commands
 
 
 def option_table(command: str) -> dict[str, list[str]]:
-    """The README's option table for `klpipe COMMAND`: each name in a row's first cell → that row's cells."""
-    section = README.split(f"## `klpipe {command}`\n", 1)[1].split("\n## ", 1)[0]
+    """docs/cli.md's option table for `klpipe COMMAND`: each name in a row's first cell → that row's cells."""
+    section = CLI.split(f"## `klpipe {command}`\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         if not line.startswith("| `"):
@@ -32,7 +34,7 @@ def option_table(command: str) -> dict[str, list[str]]:
 
 
 def names(param) -> list[str]:
-    """How the README names a parameter: its option strings, or an argument's name in capitals."""
+    """How the docs name a parameter: its option strings, or an argument's name in capitals."""
     if param.param_type_name == "argument":
         return [param.name.upper()]
     return param.opts + param.secondary_opts
@@ -44,33 +46,34 @@ def params():
 
 
 @pytest.mark.parametrize("command, param", params())
-def test_every_option_is_in_the_readme_with_its_env_var_and_default(command, param):
+def test_every_option_is_in_the_docs_with_its_env_var_and_default(command, param):
     table = option_table(command)
     for name in names(param):
-        assert name in table, f"README: the `klpipe {command}` table has no row for {name}"
+        assert name in table, f"docs/cli.md: the `klpipe {command}` table has no row for {name}"
     option, env_var, default = table[names(param)[0]][:3]
-    assert env_var == f"`{param.envvar}`", f"README: {option} reads {param.envvar}, the table says {env_var!r}"
+    assert env_var == f"`{param.envvar}`", f"docs/cli.md: {option} reads {param.envvar}, the table says {env_var!r}"
     if param.required:
-        assert default == "required", f"README: {option} is required, the table says {default!r}"
+        assert default == "required", f"docs/cli.md: {option} is required, the table says {default!r}"
     elif getattr(param, "is_flag", False):
-        assert default == ("on" if param.default else "off"), f"README: {option} defaults to {param.default}"
+        assert default == ("on" if param.default else "off"), f"docs/cli.md: {option} defaults to {param.default}"
     elif param.default is not None:  # None: the default is worked out at run time, which the cell describes
         shown = re.fullmatch(r"`([^`]+)`", default)
-        assert shown, f"README: {option}'s default should be `{param.default}`, the table says {default!r}"
+        assert shown, f"docs/cli.md: {option}'s default should be `{param.default}`, the table says {default!r}"
         if isinstance(param.default, str):
             assert shown.group(1) == param.default
         else:
-            assert float(shown.group(1)) == param.default, f"README: {option} defaults to {param.default}"
+            assert float(shown.group(1)) == param.default, f"docs/cli.md: {option} defaults to {param.default}"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_the_readme_documents_no_option_that_does_not_exist(command):
+def test_the_docs_document_no_option_that_does_not_exist(command):
     known = {name for param in COMMANDS[command].params for name in names(param)}
     assert set(option_table(command)) - known == set()
 
 
 def test_the_debug_variable_is_documented():
     assert "KLPIPE_DEBUG=1" in README
+    assert "KLPIPE_DEBUG=1" in (DOCS / "operations.md").read_text()  # beside the exit codes
 
 
 def test_the_license_is_an_spdx_expression():
