@@ -3,6 +3,8 @@
 The list comes from the typer app itself (click's parameters), as sqlite-utils checks its docs
 against its commands: a new option, a renamed environment variable or a changed default fails
 here until the tables on docs/cli.md say so, and so does a row for an option that no longer exists.
+The README stays one screen that starts with a command on one's own data, every page of docs/ is
+in mkdocs.yml's nav, and no page calls the original controller by a nickname.
 """
 
 import re
@@ -74,6 +76,38 @@ def test_the_docs_document_no_option_that_does_not_exist(command):
 def test_the_debug_variable_is_documented():
     assert "KLPIPE_DEBUG=1" in README
     assert "KLPIPE_DEBUG=1" in (DOCS / "operations.md").read_text()  # beside the exit codes
+
+
+def test_the_readme_is_one_screen_that_opens_with_a_run_on_ones_own_data():
+    lines = README.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the detail into docs/"
+    assert any(re.match(r"\s*klpipe precompute .*--model ", line) for line in lines[:40]), (
+        "README.md: a `klpipe precompute --model ...` command on one's own data within the first 40 lines")
+
+
+# Names that hold the word and are no nickname: an environment variable, a path and a benchmark flag that name the
+# original controller's file, and a model family of transformers' registry.
+SEED_NAMES = ("klpipe_seed_controller", "klpipe_require_seed", "shared/seed/", "--skip-seed", "seedoss", "seed_oss")
+
+
+@pytest.mark.parametrize("path", ["README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md"))])
+def test_the_original_controller_has_no_nickname(path):
+    """The controller klpipe grew out of is "the original controller" (docs/controller.md names it once)."""
+    text = (ROOT / path).read_text().lower()
+    for name in SEED_NAMES:
+        text = text.replace(name, "")
+    assert "seed" not in text, f"{path}: say \"the original controller\" ({text[text.index('seed') - 40:][:80]!r})"
+
+
+def test_every_docs_page_is_in_the_nav():
+    """mkdocs.yml's nav lists every page (mkdocs build --strict says so too, where the docs extra is installed)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = config.split("\nnav:\n", 1)[1].split("\n\n", 1)[0]
+    nav = re.split(r"\n(?=\S)", nav, maxsplit=1)[0]  # up to the next top-level key
+    listed = re.findall(r"^\s+- (?:[^:\n]+: )?(\S+\.md)\s*$", nav, re.M)
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    assert sorted(listed) == pages
+    assert re.search(r"^docs_dir: docs$", config, re.M)
 
 
 def test_the_license_is_an_spdx_expression():
