@@ -15,7 +15,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
+.PHONY: install demo test docs test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,13 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The documentation site (mkdocs.yml, docs/) into build/site. --strict with mkdocs.yml's validation: a broken
+# link or anchor, or a page left out of the nav, fails the build. The docs extra (mkdocs, mkdocs-material) goes
+# into the venv.
+docs: install
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
 
 # The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.

@@ -17,7 +17,7 @@ Run: `python benchmarks/bench_stream.py [--layers 44] [--tokens 4096] [--limit M
 
 Measured on a quiet machine (2 CPU cores), the defaults, twice: streamed scoring 46.0 s and 37.0 s against 25.6 s
 and 27.1 s in memory (56% and 73%), whole runs 79.7 s and 74.3 s against 41.8 s and 42.9 s; 7,657 MiB read in
-3 groups, 98-99% of it hidden by the clock. The README's Sizing section says where the rest goes.
+3 groups, 98-99% of it hidden by the clock. docs/precompute.md, Weights larger than memory, says where the rest goes.
 """
 
 from __future__ import annotations

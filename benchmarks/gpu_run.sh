@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# benchmarks/bench_gpu.py on a lent GPU machine, in one command (README "Running on a GPU with a real model").
+# benchmarks/bench_gpu.py on a lent GPU machine, in one command (docs/gpu.md, "One run on a lent GPU").
 #
 # The machine has torch and an older transformers than klpipe's range (>=5.24), and no package index: carry the
 # wheel in .whl/ (gitignored), made beside the checkout first with

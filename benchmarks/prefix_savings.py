@@ -13,7 +13,7 @@ Counts the tokens fed through the model body (the last response token is never f
 
 The tree is klpipe's own (klpipe.precompute.logprobs.pruned_tree, as precompute builds it), so the
 last column is what a run will feed. Time falls by less than tokens: a token of the tree attends to
-the whole context it continues (see the README's Sizing). It takes seconds on a day of rollouts.
+the whole context it continues (see docs/operations.md, Sizing). It takes seconds on a day of rollouts.
 """
 
 from __future__ import annotations

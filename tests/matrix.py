@@ -8,9 +8,9 @@ each kind's first layer, in order, so a hybrid keeps every kind it has. `OVERRID
 default cannot be shrunk that way, each with the reason.
 
 What a family does in each mode is recorded in tests/matrix.json (`python -m tests.matrix --record` runs every
-family and rewrites it; `--readme` writes the README's table from it). `make test-matrix` runs the families again
-and holds each to its record and to the oracle: a family whose numbers are wrong in any mode fails there, whatever
-its record says.
+family and rewrites it; `--docs` writes docs/architectures.md's table from it). `make test-matrix` runs the
+families again and holds each to its record and to the oracle: a family whose numbers are wrong in any mode fails
+there, whatever its record says.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 RECORD = Path(__file__).with_name("matrix.json")
-README = Path(__file__).parents[1] / "README.md"
-BEGIN, END = "<!-- registry matrix: python -m tests.matrix --readme -->", "<!-- end of the registry matrix -->"
+PAGE = Path(__file__).parents[1] / "docs" / "architectures.md"
+BEGIN, END = "<!-- registry matrix: python -m tests.matrix --docs -->", "<!-- end of the registry matrix -->"
 TOLERANCE = 1e-4  # beyond the fp32 oracle's own error against fp64
 EXACT = 1e-9  # fp64 all the way through (klpipe/model/wide.py) against an fp64 forward: rounding is ~1e-14
 WINDOW = 16  # sliding windows and attention chunks; the agent rows' system prompt is longer
@@ -374,11 +374,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
-# -- the README's table -----------------------------------------------------------------------------------
+# -- the table on docs/architectures.md -------------------------------------------------------------------
 
 
 def table(record: dict) -> str:
-    """The README's table of `record`: a row per registry entry."""
+    """docs/architectures.md's table of `record`: a row per registry entry."""
     families = registry()
     # A row opens with the class, not a backticked name: tests/test_docs.py reads those as options.
     lines = ["| family: class (`model_type`) | `off` | `auto` | `on` | rows run whole |", "|---|---|---|---|---|"]
@@ -424,20 +424,20 @@ def tally(record: dict) -> str:
             + (f"; klpipe fails at load: {', '.join(failing)}" if failing else ""))
 
 
-def readme_block(record: dict) -> str:
+def page_block(record: dict) -> str:
     return f"{BEGIN}\n{tally(record)}.\n\n{table(record)}\n{END}"
 
 
-def write_readme(record: dict, path: Path = README) -> None:
+def write_page(record: dict, path: Path = PAGE) -> None:
     text = path.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    path.write_text(text[:start] + readme_block(record) + text[end:])
+    path.write_text(text[:start] + page_block(record) + text[end:])
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="run the families and rewrite matrix.json")
-    parser.add_argument("--readme", action="store_true", help="write the README's table from matrix.json")
+    parser.add_argument("--docs", action="store_true", help="write docs/architectures.md's table from matrix.json")
     parser.add_argument("names", nargs="*", help="only these model types (with --record: merged into the record)")
     args = parser.parse_args(argv)
     if args.record:
@@ -450,9 +450,9 @@ def main(argv=None) -> None:
             RECORD.write_text(json.dumps(dict(sorted({**old, **new}.items())), indent=1) + "\n")
 
         write(record_all(args.names or None, done=write))
-    if args.readme:
-        write_readme(json.loads(RECORD.read_text()))
-    if not (args.record or args.readme):
+    if args.docs:
+        write_page(json.loads(RECORD.read_text()))
+    if not (args.record or args.docs):
         parser.print_help()
 
 

@@ -1,7 +1,7 @@
 """The registry matrix (tests/matrix.py): every entry of transformers' causal LM registry, recorded in
-tests/matrix.json, and the README's table generated from that record.
+tests/matrix.json, and the table on docs/architectures.md generated from that record.
 
-The fast tests (in `make test`) run no model: the record covers the registry exactly, and the README's table is the
+The fast tests (in `make test`) run no model: the record covers the registry exactly, and the page's table is the
 record's. The rest (marked `arch`, run by `make test-matrix`) build every family tiny again and hold it to the fp64
 oracle in every mode and to its record: a family with a wrong number in any mode fails, whatever it was recorded as.
 """
@@ -25,11 +25,11 @@ def test_the_record_covers_the_registry_exactly():
     assert sorted(set(RECORD) - names) == []
 
 
-def test_the_readme_table_is_the_records():
-    text = matrix.README.read_text()
+def test_the_docs_table_is_the_records():
+    text = matrix.PAGE.read_text()
     assert text.count(matrix.BEGIN) == text.count(matrix.END) == 1
     block = text[text.index(matrix.BEGIN):text.index(matrix.END) + len(matrix.END)]
-    assert block == matrix.readme_block(RECORD), "run: python -m tests.matrix --readme"
+    assert block == matrix.page_block(RECORD), "run: python -m tests.matrix --docs"
 
 
 def test_the_table_states_every_outcome():

@@ -71,7 +71,7 @@ def test_output_matches_the_seed_with_steps_spanning_batches_and_files(tmp_path)
 
 
 def test_the_readme_worked_example_by_hand(tmp_path):
-    """The worked example of the README's `klpipe score` section, every number derived by hand."""
+    """The worked example on docs/score.md (Controllers, reports and state), every number derived by hand."""
     rows = [  # (id, step, policy, ref, reward): per-row KL = mean(policy − ref), clamped at 0
         ("a", 0, [-1.0, -2.0], [-2.0, -3.0], 1.0),  # (1 + 1) / 2 = 1
         ("b", 0, [-0.5], [-4.5], 2.0),  # 4

@@ -46,7 +46,7 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stages(built):
-    """`klpipe precompute` and `klpipe score` on the built groups, as the README runs them."""
+    """`klpipe precompute` and `klpipe score` on the built groups, as docs/formats.md runs them."""
     cached, scored = built.with_name("groups.cached.parquet"), built.with_name("groups.scored.jsonl")
     for args in (("precompute", "-m", str(TINY_GEMMA), str(built), "-o", str(cached)),
                  ("score", str(cached), "-o", str(scored))):
