@@ -15,7 +15,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test docs test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
+.PHONY: install cli-docs demo test docs test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,10 @@ test: install
 docs: install
 	$(BIN)/python -m pip install -q -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
+
+# docs/cli.md, written from the commands' options (klpipe/cli/reference.py); tests/test_docs.py fails when it is stale.
+cli-docs: install
+	$(BIN)/python -m klpipe.cli.reference > docs/cli.md
 
 # The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.

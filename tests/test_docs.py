@@ -47,6 +47,12 @@ def params():
             for command, click_command in COMMANDS.items() for param in click_command.params]
 
 
+def test_the_reference_page_is_written_from_the_commands():
+    from klpipe.cli import reference
+
+    assert CLI == reference.markdown(), "docs/cli.md is stale: run `make cli-docs`"
+
+
 @pytest.mark.parametrize("command, param", params())
 def test_every_option_is_in_the_docs_with_its_env_var_and_default(command, param):
     table = option_table(command)

@@ -37,7 +37,7 @@ def _root(
     """Offline reference logprobs and adaptive KL penalties for RL fine-tuning."""
 
 
-# Exit codes, documented in the README. A KlpipeError carries its own (errors.py: 2, or 75 when stopped).
+# Exit codes, documented in docs/operations.md. A KlpipeError carries its own (errors.py: 2, or 75 when stopped).
 EXIT_INTERNAL = 1  # a bug: an exception klpipe did not expect
 
 

@@ -14,10 +14,13 @@ from klpipe.cli import app
 
 HEADER = """# Command-line reference
 
-Every option of the three commands, with the environment variable that sets it and its default. This page is
-written from the commands themselves (`make cli-docs`), so it says what `klpipe COMMAND --help` says.
-"""
+Every option of the three commands, with the environment variable that sets it and its default. The subject pages
+say what the options do: [precompute](precompute.md), [score](score.md), [inspect](inspect.md). `klpipe precompute`
+reads `KLPIPE_<OPTION>`, `klpipe score` reads `KLPIPE_SCORE_<OPTION>` and `klpipe inspect` `KLPIPE_INSPECT_<OPTION>`,
+so one command's environment never leaks into another's.
 
+This page is written from the commands themselves (`make cli-docs`): it says what `klpipe COMMAND --help` says.
+"""
 
 def _cell(text: str) -> str:
     """Markdown table cell text: one line, its pipes escaped."""

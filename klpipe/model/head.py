@@ -107,7 +107,7 @@ class LMHead:
         self.rows = self.rows_for(self.vocab_size, device, logits_budget)
         self.blocks = HeadBlocks.for_device(self.vocab_size, device, logits_budget)
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
-        # (benchmarks/bench_head.py, README "Benchmarks"); `fused=False` keeps the row-blocked head.
+        # (benchmarks/bench_head.py, docs/benchmarks.md); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
 
     @property

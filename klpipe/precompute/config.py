@@ -30,7 +30,7 @@ OUTPUT_FORMATS = ("parquet", "atropos")
 
 # --compile: torch.compile of the decoder layers' norms and MLPs (klpipe/model/compiled.py). auto: on for CUDA, where
 # those passes over activations cost about what the GEMMs do; off on CPU, where the compile (tens of seconds) costs
-# more than it wins (README, "Compiled norms and MLPs").
+# more than it wins (docs/precompute.md, "Compiled norms and MLPs").
 COMPILE_MODES = ("auto", "on", "off")
 
 
