@@ -68,6 +68,11 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
 def bin_index(log_ratio: np.ndarray, magnitude: np.ndarray | None = None) -> np.ndarray:
     """(tokens,) int64 histogram bin of each ℓ, monotone in ℓ; `magnitude` is |ℓ| when the caller has it."""
     level = np.abs(log_ratio) if magnitude is None else magnitude.copy()
+    return _bins(log_ratio, level).astype(np.int64)
+
+
+def _bins(log_ratio: np.ndarray, level: np.ndarray) -> np.ndarray:
+    """`level`, holding |ℓ|, made each ℓ's histogram bin (as floats), in place: no copy of a long array."""
     with np.errstate(divide="ignore"):
         np.log10(level, out=level)  # −inf for 0
     level -= LOW_DECADE
@@ -77,7 +82,7 @@ def bin_index(log_ratio: np.ndarray, magnitude: np.ndarray | None = None) -> np.
     level += 1  # 0 .. MAGNITUDE_BINS: steps away from the middle bin
     np.copysign(level, log_ratio, out=level)  # −0.0 and 0 both land in the middle bin
     level += MAGNITUDE_BINS
-    return level.astype(np.int64)
+    return level
 
 
 def bin_centres() -> np.ndarray:
@@ -135,15 +140,7 @@ class TokenMismatch:
         self.expm1 = np.expm1(self.log_ratio)
         level = np.abs(self.log_ratio)
         self.tail = np.flatnonzero(level >= TAIL)
-        with np.errstate(divide="ignore"):
-            np.log10(level, out=level)  # −inf for 0
-        level -= LOW_DECADE
-        level *= BINS_PER_DECADE
-        np.floor(level, out=level)
-        np.clip(level, -1, MAGNITUDE_BINS - 1, out=level)  # −1: below the lowest bin; the top bin takes overflow
-        level += 1  # 0 .. MAGNITUDE_BINS: steps away from the middle bin
-        np.copysign(level, self.log_ratio, out=level)
-        level += MAGNITUDE_BINS  # as bin_index, plus the category's block of bins:
+        _bins(self.log_ratio, level)  # as bin_index, plus the category's block of bins:
         level += np.multiply(categories(self), BINS, dtype=np.float64)
         self.cell = level.astype(np.intp)
 

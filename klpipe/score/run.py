@@ -289,28 +289,31 @@ def _settings(config: ScoreConfig) -> dict:
     }
 
 
+def _scored(files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema):
+    """The one loop both writers share: read a record batch (a thread decodes the next meanwhile), score it."""
+    with closing(prefetch(read_batches(files, config.batch_tokens, config.batch_bytes, names))) as stream:
+        for batch, rows in stream:
+            yield pa.RecordBatch.from_arrays(score_batch(batch, rows), schema=out_schema)
+
+
 def _write_parquet(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
     # Three stages overlap: a thread decodes the next record batch, this thread scores, and
     # another thread encodes the previous row group (parquet and numpy release the GIL).
-    with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write:
+    with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write, \
+            closing(_scored(files, config, score_batch, names, out_schema)) as scored:
         row_groups = RowGroups(write, config.row_group_bytes)
-        batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
-        with closing(prefetch(batch_stream)) as stream:
-            for batch, rows in stream:
-                scored = score_batch(batch, rows)
-                row_groups.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
+        for batch in scored:
+            row_groups.add(batch)
         row_groups.flush()
 
 
 def _write_groups(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
     """The scored rows as the Atropos groups they came from (klpipe/atropos/writer.py), one JSON line each."""
-    with open(tmp, "w", encoding="utf-8") as out:
+    with open(tmp, "w", encoding="utf-8") as out, \
+            closing(_scored(files, config, score_batch, names, out_schema)) as scored:
         writer = GroupWriter(out, names, scored=True)
-        batch_stream = read_batches(files, config.batch_tokens, config.batch_bytes, names)
-        with closing(prefetch(batch_stream)) as stream:
-            for batch, rows in stream:
-                scored = score_batch(batch, rows)
-                writer.add(pa.RecordBatch.from_arrays(scored, schema=out_schema))
+        for batch in scored:
+            writer.add(batch)
         writer.close()
 
 
