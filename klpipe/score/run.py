@@ -26,7 +26,7 @@ from klpipe.arrow import from_numpy, list_array
 from klpipe.atropos.writer import GroupWriter, check_groups
 from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
-from klpipe.errors import InputError, OutputError, StateError
+from klpipe.errors import InputError, OutputError
 from klpipe.files.atomic import OutputGroup, write_json_atomic
 from klpipe.files.discover import (
     PARQUET_SUFFIXES,
@@ -36,10 +36,9 @@ from klpipe.files.discover import (
 from klpipe.files.parquet import RowGroups, parquet_writer
 from klpipe.files.store import Location, check_output, expand
 from klpipe.rows import RowLocator
-from klpipe.score import report
+from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
 from klpipe.score.config import ScoreConfig
-from klpipe.score.controller import KLController
 from klpipe.score.input import (
     check_batch,
     check_finite,
@@ -120,8 +119,8 @@ def score(config: ScoreConfig) -> ScoreResult:
         warnings.append(f"skipped {len(skipped)} file(s) that klpipe score wrote into an input directory, so "
                         f"they are not scored again: {', '.join(str(p) for p in skipped)}")
 
-    controller, previous_run = _load_controller(config, warnings)
-    batches_before = _batches_before(previous_run, config.state)
+    controller, previous_run = state.load_controller(config, warnings)
+    batches_before = state.batches_before(previous_run, config.state)
     if controller.kl_coeff == 0 and config.controller.kind != "fixed":
         warnings.append(f"the KL coefficient is 0: KL is measured and reported but not penalised, and the "
                         f"{config.controller.kind} controller keeps a coefficient of 0 at 0")
@@ -200,10 +199,10 @@ def score(config: ScoreConfig) -> ScoreResult:
 
         posted = post_groups(local_copy(output), config.atropos_api)
     if config.state is not None:
-        state = controller.save_state()
-        state["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
+        saved = controller.save_state()
+        saved["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
                              "controller_batches": batches_before + batches.batch_count}
-        write_json_atomic(config.state, state)
+        write_json_atomic(config.state, saved)
     return ScoreResult(output=output, report=run_report, warnings=warnings, posted=posted)
 
 
@@ -315,37 +314,6 @@ def _write_groups(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap
         for batch in scored:
             writer.add(batch)
         writer.close()
-
-
-# -- state ------------------------------------------------------------------------------------------
-
-
-def _load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLController, dict | None]:
-    controller = KLController(config.controller)
-    if config.state is None or config.reset_state or not config.state.exists():
-        return controller, None
-    path = config.state
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise StateError(f"{path}: not a readable controller state file ({exc})") from None
-    try:
-        controller.load_state(state)
-    except StateError as exc:
-        raise StateError(f"{path}: {exc}; pass --reset-state to start a fresh controller") from None
-    differences = controller.config_differences(state.get("config") or {})
-    if differences:
-        warnings.append(f"{path}: settings changed since the state was saved ({'; '.join(differences)})")
-    last_run = state.get("last_run")
-    return controller, last_run if isinstance(last_run, dict) else None
-
-
-def _batches_before(previous_run: dict | None, state_path: Location | None) -> int:
-    """Controller batches scored into the state file by earlier runs: where this run's batch counter starts."""
-    count = (previous_run or {}).get("controller_batches", 0)  # absent from states written before it was kept
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise StateError(f"{state_path}: last_run.controller_batches must be a non-negative integer, got {count!r}")
-    return count
 
 
 # -- the stream -------------------------------------------------------------------------------------
