@@ -88,7 +88,7 @@ def fed(prompt: np.ndarray, response: np.ndarray, wanted: np.ndarray, rope_limit
     """What a row feeds the model, `wanted` its response indices to score (ascending): the prompt and the response up
     to its last scored token, less that token, which is only ever a target; nothing when none is scored.
 
-    But a long RoPE takes its frequencies from the row's length, past `rope_limit` (loading.rope_length_limit): the
+    But a long RoPE takes its frequencies from the row's length, past `rope_limit` (architecture.rope_length_limit): the
     row's own forward over prompt + response uses the long ones as soon as the whole row is longer, so such a row is
     fed whole, or cut one token (or a masked tail) short it would get the short ones: a silently wrong logprob.
     """

@@ -32,7 +32,7 @@ def test_targets_are_the_layers_norms_and_mlps_and_never_attention():
     from transformers import AutoModelForCausalLM
 
     from klpipe.model.compiled import targets
-    from klpipe.model.loading import decoder_body
+    from klpipe.model.architecture import decoder_body
 
     body = decoder_body(AutoModelForCausalLM.from_pretrained(TINY_GEMMA))
     found = targets(body)

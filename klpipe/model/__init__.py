@@ -1,6 +1,7 @@
 """The reference model: the only package that imports torch and transformers.
 
 loading.py    device, dtype, config, tokenizer and weights, loaded safely, and their fingerprints
+architecture.py  where a model keeps its parts: text config, decoder body, a multimodal checkpoint's text part
 head.py       the LM head on selected hidden states, fused over vocabulary blocks, fp32 online log-sum-exp
 reference.py  ReferenceModel: rows in, response-token logprobs out
 packing.py    rows run whole end to end without pads, each row's attention alone (windows as windows)

@@ -245,7 +245,7 @@ class ModelHead:
     """
 
     def __init__(self, model, body, device: str, logits_budget: int | None = None):
-        from klpipe.model.loading import module_path
+        from klpipe.model.architecture import module_path
 
         self.model = model
         self.parent, _, self.attribute = module_path(model, body).rpartition(".")

@@ -20,6 +20,7 @@ import torch
 
 from klpipe.errors import InputError, ModelError, first_line
 from klpipe.files.fingerprint import file_digest
+from klpipe.model import architecture
 
 # float64: fp64 all the way through (wide.py), for holding a path to an fp64 forward; CPU speed, no fast kernels.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -165,34 +166,8 @@ def _check_weights_readable(spec: ModelSpec) -> None:
             raise ModelError(f"{path}: cannot read the weights ({first_line(exc)})") from None
 
 
-def text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def rope_length_limit(config) -> int | None:
-    """The position count past which the model's RoPE changes its frequencies, or None.
-
-    transformers' dynamic and long RoPE pick their frequencies from the largest position id in the
-    whole batch: a row past the limit changes every other row's logprobs, and a row below it
-    computed beside one past it gets frequencies its own forward would not. Dynamic RoPE grows past
-    max_position_embeddings (no valid row goes there; only a pad's position could), long RoPE past
-    original_max_position_embeddings.
-    """
-    config = text_config(config)
-    parameters = getattr(config, "rope_parameters", None) or {}
-    per_layer_type = bool(parameters) and all(isinstance(v, dict) for v in parameters.values())
-    limits = []
-    for entry in (parameters.values() if per_layer_type else [parameters]):
-        kind = str(entry.get("rope_type", "default"))
-        if kind == "longrope":
-            limits.append(int(entry.get("original_max_position_embeddings") or config.max_position_embeddings))
-        elif "dynamic" in kind:
-            limits.append(int(config.max_position_embeddings))
-    return min(limits) if limits else None
-
-
 def vocab_and_context(config) -> tuple[int, int | None]:
-    text = text_config(config)
+    text = architecture.text_config(config)
     return int(text.vocab_size), getattr(text, "max_position_embeddings", None)
 
 
@@ -255,7 +230,7 @@ def load_model(spec: ModelSpec):
                   **_source_kwargs(spec))
     try:
         config = AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
-        plan = text_only(config)
+        plan = architecture.text_only(config)
         if plan is None:
             model, info = AutoModelForCausalLM.from_pretrained(spec.name, config=config, **common)
         else:
@@ -309,84 +284,6 @@ def kernel_fallbacks():
         logger.setLevel(saved[0])
         for handler, level in saved[1]:
             handler.setLevel(level)
-
-
-def decoder_body(model):
-    """The causal LM's decoder body (embeddings, layers, final norm), found as transformers finds it.
-
-    `get_decoder()` first. Some causal LMs (Llama 4's) name a base-model prefix they do not have, so
-    that both `get_decoder()` and `base_model` return the whole model, head included, and ModernBERT's
-    names its LM head `decoder`; their body is then the one child model that holds the input embeddings.
-    """
-    from transformers import PreTrainedModel
-
-    body = model.get_decoder()
-    embeddings = model.get_input_embeddings()
-    # ModernBERT's decoder LM names its head `decoder`, which get_decoder() then returns: a body holds the input
-    # embeddings.
-    if body is not model and any(m is embeddings for m in body.modules()):
-        return body
-    holders = [child for _, child in model.named_children()
-               if isinstance(child, PreTrainedModel) and any(m is embeddings for m in child.modules())]
-    if len(holders) != 1:
-        raise ModelError(f"{type(model).__name__}: cannot tell its decoder body from its LM head")
-    return holders[0]
-
-
-@dataclass
-class TextOnly:
-    """How to load the text decoder and head of a multimodal checkpoint as a causal LM of its own."""
-
-    causal_class: type  # the causal LM class of the text config (Gemma4ForCausalLM)
-    text_config: object  # a copy of the checkpoint's text config, tied as the full model ties its head
-    key_mapping: dict  # checkpoint key prefix -> the causal LM's (`model.language_model.` -> `model.`)
-    skipped: set  # the checkpoint's keys outside the decoder and head: towers and their projectors
-
-
-def text_only(config) -> TextOnly | None:
-    """The plan to load a `...ForConditionalGeneration` checkpoint's text part alone; None for any other.
-
-    Where the full model keeps its decoder and head is read off an instance on the meta device (no
-    memory), as is where the causal class keeps them; `key_mapping` renames the one to the other,
-    and transformers reads a checkpoint tensor only once its renamed key is a parameter, so the
-    towers' tensors are never read.
-    """
-    import copy
-
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    text = text_config(config)
-    architecture = (getattr(config, "architectures", None) or [""])[0]
-    if text is config or not architecture.endswith("ForConditionalGeneration"):
-        return None
-    full_class = getattr(transformers, architecture, None)
-    causal_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
-    if full_class is None or causal_class is None:
-        return None
-    text = copy.deepcopy(text)
-    with torch.device("meta"):
-        full = full_class._from_config(config)
-    full_decoder, full_head = module_path(full, full.get_decoder()), module_path(full, full.get_output_embeddings())
-    text.tie_word_embeddings = full.get_output_embeddings().weight is full.get_input_embeddings().weight
-    kept = (full_decoder + ".", full_head + ".")
-    skipped = {key for key in full.state_dict() if not key.startswith(kept)}
-    del full
-    with torch.device("meta"):
-        causal = causal_class._from_config(text)
-    causal_decoder = module_path(causal, causal.get_decoder())
-    causal_head = module_path(causal, causal.get_output_embeddings())
-    del causal
-    mapping = {}
-    for source, target in ((full_decoder, causal_decoder), (full_head, causal_head)):
-        if source != target:
-            mapping["^" + re.escape(source) + r"\."] = target + "."
-    return TextOnly(causal_class, text, mapping, skipped)
-
-
-def module_path(root, module) -> str:
-    """The dotted name of `module` within `root`."""
-    return next(name for name, sub in root.named_modules() if sub is module)
 
 
 def _check_exists(spec: ModelSpec) -> None:

@@ -306,7 +306,7 @@ def _band(queries: int, keys: int, window: int, device) -> torch.Tensor:
 
 def refusal(reference) -> str | None:
     """Why `reference`'s rows cannot be packed, known before any probe; None if the probe decides."""
-    from klpipe.model.loading import text_config
+    from klpipe.model.architecture import text_config
 
     config = text_config(reference.model.config)
     if reference.own_forward is not None or reference.rows_alone:
@@ -349,7 +349,7 @@ def disable(model, implementation: str) -> None:
 def check(reference) -> str | None:
     """Switch `reference` to packed rows where they reproduce the model's own forward; None if so, else the reason
     (the model is left as it was). Call after the oracle is taken and before the cascade is installed."""
-    from klpipe.model.loading import text_config
+    from klpipe.model.architecture import text_config
     from klpipe.model.probes import own_logprobs
 
     why = refusal(reference)

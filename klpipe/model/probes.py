@@ -92,7 +92,7 @@ def config_cause(model) -> str | None:
     query head, and transformers then repeats them `num_attention_heads // num_key_value_heads` times as if there
     were fewer: a config asking for fewer key/value heads than query heads fails inside sdpa with a bare shape
     mismatch ("The size of tensor a (4) must match the size of tensor b (8)")."""
-    from klpipe.model.loading import text_config
+    from klpipe.model.architecture import text_config
 
     config = text_config(model.config)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
@@ -112,7 +112,7 @@ def check_causal(reference) -> None:
 
     Seen in transformers' DSA families (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, dots3: the indexer's top-k picks among
     every key slot), DeepSeek-V4 and HY-V4, and XLM, XLNet and CPM-Ant (tests/matrix.py)."""
-    from klpipe.model.loading import text_config
+    from klpipe.model.architecture import text_config
 
     # Long enough that a sparse attention picking its top-k keys has more slots than k to pick from (DeepSeek-V3.2's
     # index_topk): below that, every slot is picked and its forward can look causal.

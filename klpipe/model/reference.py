@@ -14,7 +14,7 @@ import torch
 
 from klpipe import plan
 from klpipe.errors import ModelError
-from klpipe.model import cascade, compiled, loading, lora, packing, probes, wide
+from klpipe.model import architecture, cascade, compiled, loading, lora, packing, probes, wide
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -27,8 +27,8 @@ class ReferenceModel:
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.body = loading.decoder_body(model)  # everything up to (and including) the final norm
-        config = loading.text_config(model.config)
+        self.body = architecture.decoder_body(model)  # everything up to (and including) the final norm
+        config = architecture.text_config(model.config)
         self.head = LMHead(model, config, device, logits_budget)
         self.vocab_size = self.head.vocab_size
         # The load-time probes compare two computations of the same logprobs; bf16 rounding alone
@@ -45,7 +45,7 @@ class ReferenceModel:
         # 35 layers and ~69% of the body's FLOPs skipped for every prompt token but the last.
         self.prefill_skips_layers = (self.accepts_logits_to_keep
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
-        self.rope_length_limit = loading.rope_length_limit(config)
+        self.rope_length_limit = architecture.rope_length_limit(config)
         self.attention_cost = attention_cost(self.body)
         self.own_attention = getattr(config, "_attn_implementation", None)  # as transformers loaded the model
         # Whether the tree's full-attention layers attend over each row's context where it lies (cascade.py):
@@ -209,7 +209,7 @@ class ReferenceModel:
         under sdpa, in either layout, KV-shared layers through the keys of the layer they share."""
         if self.cascade or self.oracle is None:
             return None
-        if not cascade.enable(self.model, loading.text_config(self.model.config)):
+        if not cascade.enable(self.model, architecture.text_config(self.model.config)):
             return None
         self.cascade = True
         note = probes.check_attention(self, self.oracle)
@@ -351,7 +351,7 @@ class ReferenceModel:
         input_ids = torch.from_numpy(np.concatenate(inputs).astype(np.int64))[None].to(device)  # (1, N)
         position_ids = torch.from_numpy(segments.position_ids())[None].to(device)  # (1, N), restarting per row
         # A model whose masks are klpipe's builds none (packing.mask); transformers need not look for packed rows.
-        maskless = getattr(loading.text_config(self.model.config), "_attn_implementation", None) in (packing.NAME,
+        maskless = getattr(architecture.text_config(self.model.config), "_attn_implementation", None) in (packing.NAME,
                                                                                                      cascade.NAME)
         with packing.packed(segments, maskless):
             hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state

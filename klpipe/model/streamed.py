@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from klpipe.errors import ModelError
+from klpipe.model import architecture
 from klpipe.model.streaming import LayerMajor
 from klpipe.model.weight_store import WeightStore
 
@@ -30,7 +31,7 @@ def _build(spec):
     device, device_map = loading.resolve_device(spec.device)
     dtype = loading.resolve_dtype(spec.dtype, device)
     config = loading.load_config(spec)
-    plan = loading.text_only(config)
+    plan = architecture.text_only(config)
     causal_class = plan.causal_class if plan is not None else AutoModelForCausalLM._model_mapping[type(config)]
     model = meta_model(causal_class, plan.text_config if plan is not None else config, dtype)
     return model, plan, device if device_map is None else "several devices", dtype
@@ -76,9 +77,8 @@ def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, token
 def quantized(config) -> bool:
     """A checkpoint whose tensors need a quantizer to mean anything (fp8 with scales, bitsandbytes, GPTQ): the
     store's plain loader would read them as numbers, wrong ones."""
-    from klpipe.model import loading
 
-    return any(getattr(c, "quantization_config", None) for c in (config, loading.text_config(config)))
+    return any(getattr(c, "quantization_config", None) for c in (config, architecture.text_config(config)))
 
 
 @dataclass
@@ -95,14 +95,13 @@ class Measure:
 def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
     config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
-    from klpipe.model import loading
     from klpipe.model.weight_store import decoder_layers
 
     if spec.trust_remote_code:
         return None
     try:
         model, _, _, dtype = _build(spec)
-        _, layers = decoder_layers(loading.decoder_body(model))
+        _, layers = decoder_layers(architecture.decoder_body(model))
     except (KeyError, ModelError):  # a class AutoModelForCausalLM does not map, a body without a list of layers
         return None
     if quantized(model.config):  # its sizes are the quantizer's: it loads as before
@@ -113,7 +112,7 @@ def measure(spec, tokens: int) -> Measure | None:
     resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_layers)
     largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
                    for layer in layers), default=0)
-    config = loading.text_config(model.config)
+    config = architecture.text_config(model.config)
     hidden = int(config.hidden_size)
     per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0) * int(config.num_hidden_layers)
     element = torch.empty((), dtype=dtype).element_size()

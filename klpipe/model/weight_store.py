@@ -76,7 +76,7 @@ class WeightStore:
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
         from transformers.modeling_utils import LoadStateDictConfig
 
-        from klpipe.model.loading import decoder_body, module_path
+        from klpipe.model.architecture import decoder_body, module_path
 
         self.model = model
         self.dtype = dtype

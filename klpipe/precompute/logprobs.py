@@ -334,7 +334,7 @@ def _probe_tree(model) -> str | None:
     Gemma 4, feeding the end of their context again), and waves that drop keys, values and states
     while their rows still need others.
     """
-    from klpipe.model.loading import text_config
+    from klpipe.model.architecture import text_config
 
     config = text_config(model.model.config)
     window = max(getattr(config, "sliding_window", None) or 0, getattr(config, "attention_chunk_size", None) or 0)
