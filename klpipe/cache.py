@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from klpipe.errors import InputError, ProvenanceError, first_line
-from klpipe.files.parquet import read_schema
-from klpipe.files.store import Location, store_failure
+from klpipe.storage.parquet import read_schema
+from klpipe.storage.store import Location, store_failure
 
 # Rollout columns (input to precompute).
 ID = "id"

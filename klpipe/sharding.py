@@ -22,9 +22,9 @@ from pathlib import Path
 
 from klpipe.cache import Provenance, check_compatible, read_provenance
 from klpipe.errors import InputError, ProvenanceError
-from klpipe.files.atomic import write_json_atomic
-from klpipe.files.parquet import open_parquet
-from klpipe.files.store import Location
+from klpipe.storage.atomic import write_json_atomic
+from klpipe.storage.parquet import open_parquet
+from klpipe.storage.store import Location
 
 PART_PATTERN = re.compile(r"^part-(\d+)-of-(\d+)\.parquet$")
 PART_SUFFIX = ".parquet"

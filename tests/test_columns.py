@@ -86,7 +86,7 @@ def test_score_inherits_the_caches_mapping_and_the_command_line_wins(tmp_path):
 def test_leaf_index_counts_nested_columns_as_parquet_does(tmp_path):
     import pyarrow.parquet as pq
 
-    from klpipe.files.parquet import leaf_index
+    from klpipe.storage.parquet import leaf_index
 
     table = pa.table({
         "a": [1],

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.errors import InputError, OutputError
-from klpipe.files import atomic, discover, fingerprint
+from klpipe.storage import atomic, discover, fingerprint
 
 
 def test_atomic_output_appears_only_on_success(tmp_path):
@@ -179,7 +179,7 @@ def test_fingerprint_of_a_directory_includes_every_file(tmp_path):
 # A fresh process, so that arrow's peak (max_memory) is the write's: a 40 MB column of 20 kB rows, then the write.
 _WIDE_WRITE = """
 import sys, numpy as np, pyarrow as pa
-from klpipe.files.parquet import write_table
+from klpipe.storage.parquet import write_table
 rows, width = 2048, 20_000
 blob = pa.allocate_buffer(rows * width)  # in arrow's pool, as a chunk read from parquet is
 np.frombuffer(blob, np.uint8)[:] = np.random.default_rng(0).integers(0, 256, rows * width, dtype=np.uint8)

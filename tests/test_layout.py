@@ -106,7 +106,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_klpipe_modules_import_each_other_without_cycles():
     graph = imports_within(Path(klpipe.__file__).parent)
-    assert "klpipe.files.store" in graph["klpipe.files.fingerprint"]  # the graph is read, not empty
+    assert "klpipe.storage.store" in graph["klpipe.storage.fingerprint"]  # the graph is read, not empty
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -127,10 +127,10 @@ def test_the_cycle_check_sees_a_lazy_import(tmp_path):
 
 def test_an_error_module_sits_below_what_raises_it():
     """store_errors.py builds the errors store.py raises: it imports nothing of store.py, not even for types."""
-    path = Path(klpipe.__file__).parent / "files" / "store_errors.py"
+    path = Path(klpipe.__file__).parent / "storage" / "store_errors.py"
     named = {node.module for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
     assert "klpipe.errors" in named  # the imports are read, not empty
-    assert not {m for m in named if m and m.startswith("klpipe.files")}, named
+    assert not {m for m in named if m and m.startswith("klpipe.storage")}, named
 
 
 def test_the_plan_sits_below_planning_and_running():

@@ -1,4 +1,4 @@
-"""files/store.py and files/upload.py against a real S3-compatible server: moto's, over HTTP on 127.0.0.1.
+"""storage/store.py and storage/upload.py against a real S3-compatible server: moto's, over HTTP on 127.0.0.1.
 
 The stages end to end on S3 are in tests/s3/ (`make test-s3`); here, the layer under them: URIs and
 local paths, listings and patterns, fingerprints from what the store says, errors that name the
@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.errors import InputError, StoreError
-from klpipe.files.fingerprint import fingerprint
-from klpipe.files.parquet import open_parquet
-from klpipe.files.download import local_copy
-from klpipe.files.store import StorePath, check_output, expand, location
-from klpipe.files.upload import publish
+from klpipe.storage.fingerprint import fingerprint
+from klpipe.storage.parquet import open_parquet
+from klpipe.storage.download import local_copy
+from klpipe.storage.store import StorePath, check_output, expand, location
+from klpipe.storage.upload import publish
 from tests.helpers import ROOT, make_rows, provenance, write_cache
 
 MIB = 1 << 20
@@ -122,7 +122,7 @@ def test_publish_uploads_whole_files_in_order(aws, bucket, tmp_path):
 
 def test_a_file_larger_than_one_s3_upload_can_hold_is_refused_before_it_starts(aws, bucket, tmp_path, monkeypatch):
     from klpipe.errors import OutputError
-    from klpipe.files import upload
+    from klpipe.storage import upload
 
     monkeypatch.setattr(upload, "S3_MAX_OBJECT_BYTES", MIB)  # as if 2 MiB were more than 10,000 parts
     big = tmp_path / "cache.parquet"
@@ -175,8 +175,8 @@ def test_an_upload_interrupted_by_ctrl_c_never_appears(aws, bucket, tmp_path):
     aws.put(bucket, "cache.parquet", b"the good cache")
     fifo = tmp_path / "source"
     os.mkfifo(fifo)
-    code = ("import sys; from pathlib import Path; from klpipe.files.upload import publish; "
-            "from klpipe.files.store import location; publish([(Path(sys.argv[1]), location(sys.argv[2]))])")
+    code = ("import sys; from pathlib import Path; from klpipe.storage.upload import publish; "
+            "from klpipe.storage.store import location; publish([(Path(sys.argv[1]), location(sys.argv[2]))])")
     process = subprocess.Popen([sys.executable, "-c", code, str(fifo), f"s3://{bucket}/cache.parquet"], cwd=ROOT,
                                stderr=subprocess.PIPE, text=True)
     hold = threading.Event()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from klpipe.errors import KlpipeError, first_line
-from klpipe.files.atomic import write_json_atomic
+from klpipe.storage.atomic import write_json_atomic
 
 GROUPS_PER_REQUEST = 16
 ATTEMPTS = 4  # tries per request: the first, then retries after 0.5, 1 and 2 seconds

@@ -9,7 +9,7 @@ from klpipe.errors import InputError
 from klpipe.options import option
 
 if TYPE_CHECKING:
-    from klpipe.files.store import Location
+    from klpipe.storage.store import Location
 
 SortKey = Literal["kl", "max-token", "penalty", "log-ppl-diff"]
 SORT_KEYS: tuple[str, ...] = ("kl", "max-token", "penalty", "log-ppl-diff")
@@ -47,7 +47,7 @@ class InspectConfig:
             raise InputError(f"unknown sort {self.sort!r}; choose one of {', '.join(SORT_KEYS)}")
         if self.top < 1:
             raise InputError(f"--top must be at least 1, got {self.top}")
-        from klpipe.files.store import location
+        from klpipe.storage.store import location
 
         self.input = location(self.input)
         if self.output is not None:

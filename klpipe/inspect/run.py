@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klpipe.errors import InputError
-from klpipe.files.atomic import atomic_output
-from klpipe.files.discover import PARQUET_SUFFIXES, output_beside, refuse_overwriting_inputs
-from klpipe.files.store import Location, check_output
+from klpipe.storage.atomic import atomic_output
+from klpipe.storage.discover import PARQUET_SUFFIXES, output_beside, refuse_overwriting_inputs
+from klpipe.storage.store import Location, check_output
 from klpipe.inspect import page as page_module
 from klpipe.inspect.config import InspectConfig
 from klpipe.inspect.decode import load_decoder, require_tokenizers

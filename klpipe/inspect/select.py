@@ -32,8 +32,8 @@ from klpipe.cache import (
 )
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
-from klpipe.files.parquet import read_schema
-from klpipe.files.store import Location
+from klpipe.storage.parquet import read_schema
+from klpipe.storage.store import Location
 from klpipe.score.config import ScoreConfig
 from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
 from klpipe.score.kl import row_kl

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import InputError, ModelError, first_line
-from klpipe.files.fingerprint import file_digest
+from klpipe.storage.fingerprint import file_digest
 from klpipe.model import architecture
 
 # float64: fp64 all the way through (wide.py), for holding a path to an fp64 forward; CPU speed, no fast kernels.
@@ -195,7 +195,7 @@ WEIGHT_FILES = ("*.json", "*.safetensors", "*.py")
 
 def weights_fingerprint(spec: ModelSpec, config) -> str | None:
     """The commit hash for hub models; for a local directory, `local:` and a hash of every byte of its
-    config, weight and code files (files/fingerprint.py remembers each file's digest on this machine)."""
+    config, weight and code files (storage/fingerprint.py remembers each file's digest on this machine)."""
     commit = getattr(config, "_commit_hash", None)
     if not is_local(spec.name):
         return commit or spec.revision

@@ -21,8 +21,8 @@ from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.atropos.groups import GROUP_COLUMN, Completion, is_group, split_group
 from klpipe.errors import InputError
-from klpipe.files.download import local_copy
-from klpipe.files.store import Location
+from klpipe.storage.download import local_copy
+from klpipe.storage.store import Location
 
 ATROPOS = "atropos"  # --rollout-format, and the kind of a RolloutFile read here
 

@@ -14,7 +14,7 @@ from klpipe.options import COLUMN_HELP, option, parse_columns
 from klpipe.progress import PROGRESS_MODES
 
 if TYPE_CHECKING:
-    from klpipe.files.store import Location
+    from klpipe.storage.store import Location
     from klpipe.sharding import Shard
 
 # auto: the prefix tree for the rows that share a prefix worth a pass (every row, where the prefill
@@ -259,7 +259,7 @@ class PrecomputeConfig:
             raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
                              f"not {self.progress!r}")
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
-        from klpipe.files.store import is_remote, location
+        from klpipe.storage.store import is_remote, location
 
         ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
         # Local paths stay Paths; URIs (s3://bucket/key) become locations on their store.

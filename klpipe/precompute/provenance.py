@@ -11,8 +11,8 @@ import pyarrow as pa
 from klpipe import __version__, cache, sharding
 from klpipe.arrow import is_list_type
 from klpipe.errors import InputError, OutputError
-from klpipe.files.fingerprint import fingerprint
-from klpipe.files.store import Location
+from klpipe.storage.fingerprint import fingerprint
+from klpipe.storage.store import Location
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.models import check_tokenizers, policy_revision, revision
 from klpipe.precompute.rollouts import CHAT

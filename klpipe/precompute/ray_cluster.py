@@ -12,7 +12,7 @@ import secrets
 import time
 
 from klpipe.errors import InputError, first_line
-from klpipe.files.store import Location
+from klpipe.storage.store import Location
 
 INSTALL = 'pip install "klpipe[ray]"'
 # `--ray local` starts a cluster of this machine alone. klpipe passes only configs and summaries through

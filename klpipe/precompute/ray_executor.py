@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, KlpipeError, OutputError, Preempted, first_line
-from klpipe.files.store import Location, is_remote
+from klpipe.storage.store import Location, is_remote
 from klpipe.precompute import ray_cluster
 from klpipe.precompute.config import PrecomputeConfig, RayConfig
 from klpipe.precompute.logprobs import ForwardStats
@@ -111,7 +111,7 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
 
 
 def fingerprint_of(path) -> dict:
-    from klpipe.files.fingerprint import fingerprint
+    from klpipe.storage.fingerprint import fingerprint
 
     return fingerprint(path)
 

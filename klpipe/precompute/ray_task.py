@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from klpipe.errors import InputError
-from klpipe.files.store import is_remote
+from klpipe.storage.store import is_remote
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.run import PrecomputeSummary
 

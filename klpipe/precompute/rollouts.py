@@ -21,16 +21,16 @@ from klpipe.arrow import is_list_type
 from klpipe.cache import written_by_klpipe
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
-from klpipe.files.discover import (
+from klpipe.storage.discover import (
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
     expand_inputs,
     is_datasets_dir,
     schema_difference,
 )
-from klpipe.files.parquet import open_parquet
-from klpipe.files.download import local_copy
-from klpipe.files.store import Location, is_remote, store_failure
+from klpipe.storage.parquet import open_parquet
+from klpipe.storage.download import local_copy
+from klpipe.storage.store import Location, is_remote, store_failure
 from klpipe.mask import check_mask_type, mask_by_name
 from klpipe.precompute import atropos, batches
 from klpipe.precompute.chat import is_messages_type

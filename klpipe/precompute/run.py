@@ -12,8 +12,8 @@ removed once the output is in place.
 With `--output-format atropos` (Atropos groups in), the merged cache stays in the work directory and goes out as
 the groups it was read from, ref_logprobs filled (klpipe/atropos/writer.py).
 
-Inputs and outputs may be on a store (s3://...; files/store.py): the work directory stays on
-local disk, and the merged cache is uploaded once whole (files/upload.py).
+Inputs and outputs may be on a store (s3://...; storage/store.py): the work directory stays on
+local disk, and the merged cache is uploaded once whole (storage/upload.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
-from klpipe.files.discover import output_beside, refuse_overwriting_inputs
-from klpipe.files.store import Location, check_output, is_glob
+from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
+from klpipe.storage.store import Location, check_output, is_glob
 from klpipe.precompute import budget, provenance
 from klpipe.precompute.atropos import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
@@ -211,7 +211,7 @@ def write_groups_file(cache_path, output: Location, columns: ColumnMap) -> None:
     import pyarrow.parquet as pq
 
     from klpipe.atropos.writer import GroupWriter
-    from klpipe.files.atomic import atomic_output
+    from klpipe.storage.atomic import atomic_output
 
     with atomic_output(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         writer = GroupWriter(out, columns, scored=False)

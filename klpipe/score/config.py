@@ -18,7 +18,7 @@ KlFrom = Literal["trainer", "sampler"]
 KL_FROM: tuple[str, ...] = ("trainer", "sampler")
 
 if TYPE_CHECKING:
-    from klpipe.files.store import Location
+    from klpipe.storage.store import Location
 
 
 OUTPUT_FORMATS = ("parquet", "atropos")
@@ -109,7 +109,7 @@ class ScoreConfig:
         if self.batch_bytes < 1:
             raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
-        from klpipe.files.store import location
+        from klpipe.storage.store import location
 
         ColumnMap(self.columns)  # refuses an unknown role, or two roles on one column
         self.inputs = [location(path) for path in self.inputs]

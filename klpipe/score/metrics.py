@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from klpipe.errors import OutputError
-from klpipe.files.atomic import OutputGroup, scratch_directory
-from klpipe.files.store import Location
+from klpipe.storage.atomic import OutputGroup, scratch_directory
+from klpipe.storage.store import Location
 
 # Event tags are PREFIX + name (the mismatch figures', which hold a "/", their own name); JSONL keys are the
 # names, plus `step`.

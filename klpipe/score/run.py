@@ -27,14 +27,14 @@ from klpipe.atropos.writer import GroupWriter, check_groups
 from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError
-from klpipe.files.atomic import OutputGroup, write_json_atomic
-from klpipe.files.discover import (
+from klpipe.storage.atomic import OutputGroup, write_json_atomic
+from klpipe.storage.discover import (
     PARQUET_SUFFIXES,
     output_beside,
     refuse_overwriting_inputs,
 )
-from klpipe.files.parquet import RowGroups, parquet_writer
-from klpipe.files.store import Location, check_output, expand
+from klpipe.storage.parquet import RowGroups, parquet_writer
+from klpipe.storage.store import Location, check_output, expand
 from klpipe.rows import RowLocator
 from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
@@ -195,7 +195,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         # Before the state: a run whose groups did not all reach the trainer leaves the state as it was, so a
         # rerun writes the same groups and posts only those the server has not taken (the marker says which).
         from klpipe.atropos.api import post_groups
-        from klpipe.files.download import local_copy
+        from klpipe.storage.download import local_copy
 
         posted = post_groups(local_copy(output), config.atropos_api)
     if config.state is not None:

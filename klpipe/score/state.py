@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from klpipe.errors import StateError
-from klpipe.files.store import Location
+from klpipe.storage.store import Location
 from klpipe.score.config import ScoreConfig
 from klpipe.score.controller import KLController
 

@@ -37,8 +37,8 @@ import uuid
 from pathlib import Path
 
 from klpipe.errors import OutputError, first_line
-from klpipe.files.store import StorePath, location
-from klpipe.files.store_errors import store_error
+from klpipe.storage.store import StorePath, location
+from klpipe.storage.store_errors import store_error
 
 READ_BYTES = 8 << 20  # what the child reads from the local file per write
 FLUSH_BYTES = 128 << 20  # the most the child sends before it waits for its parts to be acknowledged
@@ -68,7 +68,7 @@ def publish(files: list[tuple[Path, StorePath]]) -> None:
     # Its own session: a Ctrl-C or a scheduler's signal to the process group reaches klpipe, which
     # decides, and not the child in the middle of a write.
     try:
-        child = subprocess.Popen([sys.executable, "-m", "klpipe.files.upload"], stdin=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", "klpipe.storage.upload"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                  start_new_session=True)
     except OSError as exc:

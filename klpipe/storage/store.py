@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from klpipe.errors import InputError, StoreError, first_line
-from klpipe.files.store_errors import StoreOrInputError, missing, store_error
+from klpipe.storage.store_errors import StoreOrInputError, missing, store_error
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")

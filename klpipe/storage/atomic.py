@@ -1,6 +1,6 @@
 """Outputs that appear whole or not at all: a temporary file beside the output, renamed into place.
 
-An output on a store (files/store.py) is written to a local temporary file the same way, in the
+An output on a store (storage/store.py) is written to a local temporary file the same way, in the
 work directory or $TMPDIR, and uploaded at commit by upload.py, which never lets half an object
 appear under its name.
 """
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from klpipe.errors import OutputError
-from klpipe.files.store import Location, is_remote, staging_dir
+from klpipe.storage.store import Location, is_remote, staging_dir
 
 
 def _read_umask() -> int:
@@ -97,7 +97,7 @@ class OutputGroup:
         try:
             remote = [(tmp, path) for _, tmp, path in staged if is_remote(path)]
             if remote:
-                from klpipe.files.upload import publish
+                from klpipe.storage.upload import publish
 
                 publish(remote)  # raises an error naming the URI that failed
             for _, tmp, path in staged:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from klpipe.errors import InputError
-from klpipe.files.fingerprint import cache_dir, store_fingerprint
-from klpipe.files.store import Location, is_remote
-from klpipe.files.store_errors import missing, store_error
+from klpipe.storage.fingerprint import cache_dir, store_fingerprint
+from klpipe.storage.store import Location, is_remote
+from klpipe.storage.store_errors import missing, store_error
 
 
 def local_copy(path: Location) -> Path:

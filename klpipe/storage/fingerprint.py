@@ -8,7 +8,7 @@ inode, size, and modification and change times: rewriting a file changes them, a
 that puts the modification time back moves the change time, which no user can set. A file in the
 Hugging Face cache is a link to a blob named by the hash of its content, which costs nothing.
 
-An object on a store (files/store.py) is fingerprinted by what the store already says about it:
+An object on a store (storage/store.py) is fingerprinted by what the store already says about it:
 its ETag, size and modification time, from one HEAD request and without reading it. An S3 ETag
 changes whenever the object is written again (it is the MD5 of its bytes, of its parts' MD5s for a
 multipart upload, or random under SSE-KMS), and the modification time does too. Where a store
@@ -24,7 +24,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from klpipe.files.store import Location, StorePath, is_remote
+from klpipe.storage.store import Location, StorePath, is_remote
 
 CACHE_ENV = "KLPIPE_CACHE_DIR"  # where klpipe keeps what it remembers (digests); default ~/.cache/klpipe
 READ_BYTES = 1 << 22

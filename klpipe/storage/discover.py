@@ -1,6 +1,6 @@
 """Finding inputs and naming outputs: directories expanded, default output names, outputs kept off inputs.
 
-Every function here takes local paths and locations on a store alike (files/store.py): a prefix
+Every function here takes local paths and locations on a store alike (storage/store.py): a prefix
 on a store is a directory, and a URI pattern (`s3://bucket/day-*/*.parquet`) names its matches.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from klpipe.errors import InputError, OutputError
-from klpipe.files.store import Location, expand, identity, is_remote, location
-from klpipe.files.store_errors import missing
+from klpipe.storage.store import Location, expand, identity, is_remote, location
+from klpipe.storage.store_errors import missing
 
 PARQUET_SUFFIXES = (".parquet",)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from klpipe.files.store import Location, is_remote
+from klpipe.storage.store import Location, is_remote
 
 # pyarrow's reader defaults hold far more than the batch they hand out: `pre_buffer=True` caches
 # the column chunks of every row group it is asked for and keeps them as the batches go by (reading
