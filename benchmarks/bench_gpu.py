@@ -310,7 +310,7 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
 def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto") -> dict:
     import pyarrow.parquet as pq
 
-    from klpipe.model import cascade, lse_attention
+    from klpipe.model.attention import cascade, lse_attention
     from klpipe.precompute import PrecomputeConfig, precompute
 
     out = WORK / f"cached-{rollouts.stem}-{sharing}-{compile}.parquet"

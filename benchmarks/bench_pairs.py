@@ -3,7 +3,7 @@
     python benchmarks/bench_pairs.py            # GRPO and agent rows of 1–8k tokens, tree off and on (`make bench`)
     python benchmarks/bench_pairs.py --quick    # shorter rows, a smoke test
 
-What a kernel executes is read from each call's own arguments (klpipe/model/pairs.py: every SDPA and cascade
+What a kernel executes is read from each call's own arguments (klpipe/model/attention/pairs.py: every SDPA and cascade
 kernel call inside the forward, its query and key lengths, causal or masked); what is needed is counted here from
 the rows alone: a query sees itself and every earlier position of its own row, within the window on a sliding
 layer. With the tree on, "needed" is what the tree computes once (benchmarks/flops.py's segments: each node's
@@ -104,7 +104,7 @@ def needed_pairs(config, segments: list[flops.Segment]) -> dict[str, int]:
 
 def measure(path: Path, rows, sharing: str) -> dict:
     from klpipe.model import ModelSpec, ReferenceModel
-    from klpipe.model.pairs import PairCount
+    from klpipe.model.attention.pairs import PairCount
     from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
     from klpipe.precompute.sharing import Sharing
 

@@ -10,7 +10,7 @@ same random keys, values and queries, each timed over all passes (best of 3):
   gathered  the context copied into left-padded slots per row (context_cache._gather_context), the pass's keys
             after it, GQA's keys repeated, transformers' 4D mask, SDPA: what a tree pass did before
             cascade attention, and what it still does for a layer the cascade does not take
-  cascade   klpipe's cascade (model/cascade.py): the rows' queries over their path where it lies, in
+  cascade   klpipe's cascade (model/attention/cascade.py): the rows' queries over their path where it lies, in
             parts (the nodes adjacent runs of rows open with, then each run's rest), stacked per part,
             and over their own keys with the causal kernel, merged by log-sum-exp
 
@@ -62,7 +62,7 @@ def plan(path: Path):
 def make_pass(tree, step, kept):
     """A pass in the left layout (each node's own tokens first in its slots, pads after), with random queries,
     keys and values; what later passes read of it is kept as context_cache.py keeps it."""
-    from klpipe.model.context_cache import Kept
+    from klpipe.model.attention.context_cache import Kept
 
     nodes = step.nodes.tolist()
     own = tree.end[step.nodes] - tree.start[step.nodes]
@@ -77,7 +77,7 @@ def make_pass(tree, step, kept):
 
 
 def gathered_way(tree, p, kept):
-    from klpipe.model.context_cache import _gather_context
+    from klpipe.model.attention.context_cache import _gather_context
 
     b, fed, context = len(p["nodes"]), int(p["own"].max()), int(p["cached"].max())
     keys, values = p["k"], p["v"]
@@ -98,8 +98,8 @@ def gathered_way(tree, p, kept):
 
 
 def cascade_way(tree, p, kept):
-    from klpipe.model import cascade
-    from klpipe.model.context_cache import _context_parts
+    from klpipe.model.attention import cascade
+    from klpipe.model.attention.context_cache import _context_parts
 
     return cascade.PassContexts(_context_parts(p["ancestors"]), kept, 0).attend(p["q"], p["k"], p["v"], SCALE)
 
@@ -149,7 +149,7 @@ def main() -> None:
           f"of {HEADS} query heads and {KV_HEADS} KV heads of {DIM}, fp32, {torch.get_num_threads()} threads")
     pair_flops = 4.0 * HEADS * DIM * args.layers
     tree_pairs = sum(needed_pairs(p) for p in prepared)
-    from klpipe.model import cascade
+    from klpipe.model.attention import cascade
 
     kernel = cascade._flash
     spent = {"own": 0.0, "context": 0.0}

@@ -9,9 +9,9 @@ except `attention`, which holds the repeat of GQA's keys and values and the mask
 
     linear     every nn.Linear of the body (q, k, v, o, MLP)
     attention  the attention function: transformers' sdpa (repeat_kv + scaled_dot_product_attention), or in a
-               tree pass klpipe's cascade (model/cascade.py)
+               tree pass klpipe's cascade (model/attention/cascade.py)
     gather     tree only: a pass's context keys and values copied from the kept nodes, for layers that read
-               them gathered (sliding windows, calls the cascade does not take; model/tree.py)
+               them gathered (sliding windows, calls the cascade does not take; model/attention/tree.py)
     cat        tree only: context + the pass's new keys and values, per such layer (ContextLayer.whole)
     mask       transformers building the 4D attention masks
     head       the LM head on the needed positions (model/head.py)
@@ -61,7 +61,8 @@ def instrument() -> None:
     from transformers.integrations import sdpa_attention
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from klpipe.model import cascade, context_cache, head
+    from klpipe.model import head
+    from klpipe.model.attention import cascade, context_cache
 
     linear_forward = torch.nn.Linear.forward
 

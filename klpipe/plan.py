@@ -1,4 +1,4 @@
-"""The plan of a chunk: the contract between planning (precompute/prefix_tree.py) and running (model/tree.py).
+"""The plan of a chunk: the contract between planning (precompute/prefix_tree.py) and running (model/attention/tree.py).
 
 precompute/ builds these and model/ runs them; both import them from here, below both, as both stages read
 the cache's contract from cache.py. Pure numpy: importing this module never pulls in torch.
@@ -58,14 +58,14 @@ class Tree:
 
 @dataclass
 class Pass:
-    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/tree.py picks."""
+    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/attention/tree.py picks."""
 
     nodes: np.ndarray  # (rows,) node ids
     only_last: bool  # no node needs more than its last position's output
     release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
 
     def runs_packed(self, packs_passes: bool, prefill_skips_layers: bool) -> bool:
-        """Whether model/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model that
+        """Whether model/attention/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model that
         `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
         model that skips layers for the rest (Gemma 4's KV-shared layers, under logits_to_keep = 1) keeps the right
         layout, whose rows must all end at the batch's last slot. The plan's counts (precompute/logprobs.py) and

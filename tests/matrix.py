@@ -196,7 +196,7 @@ class Run:
     own: float  # the fp32 oracle's own worst error against fp64 (0 under an fp32 oracle)
     wrong: list  # the modes whose numbers are beyond the bound
     crashed: dict  # mode -> the raw error it raised (no refusal: a failure)
-    rows: str = "packed"  # how rows run whole went: "packed" (model/packing.py), or "padded: why"
+    rows: str = "packed"  # how rows run whole went: "packed" (model/attention/packing.py), or "padded: why"
     seconds: float = 0.0
 
     def record(self) -> dict:

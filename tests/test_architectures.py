@@ -91,7 +91,7 @@ def test_every_mode_matches_with_temperature(tiny):
 # -- a hybrid as a user runs it -------------------------------------------------------------------------
 
 
-# Where the tree's attention layers attend over the context in place (klpipe/model/cascade.py): every sdpa model
+# Where the tree's attention layers attend over the context in place (klpipe/model/attention/cascade.py): every sdpa model
 # with a full or sliding attention layer. GPT-OSS's sinks run eager; DeepSeek-V3's attention expands MLA latents from
 # its cache, so it gets its context gathered.
 IN_PLACE = {"falcon_h1", "gemma3", "lfm2", "llama", "llama4", "mistral", "nemotron_h", "phi3", "qwen3", "qwen3_5",
@@ -101,7 +101,7 @@ SLIDING_IN_PLACE = {"gemma3", "mistral"}
 
 
 def test_full_attention_layers_attend_in_place_where_that_is_exact(tiny):
-    from klpipe.model import cascade
+    from klpipe.model.attention import cascade
 
     name, reference, _ = tiny
     rows = agent_rows(reference.vocab_size, seed=5)
@@ -156,7 +156,7 @@ def test_a_hybrid_shares_prefixes_through_the_command_line(qwen3_5, tmp_path):
 
 def test_a_layout_the_tree_does_not_know_falls_back_under_auto_and_is_refused_under_on(qwen3_5, tmp_path,
                                                                                       monkeypatch):
-    from klpipe.model import continuation
+    from klpipe.model.attention import continuation
 
     monkeypatch.delitem(continuation.CONTINUATIONS, "linear_attention")
     rows = tmp_path / "rows.parquet"
@@ -178,7 +178,8 @@ def test_a_layout_the_tree_does_not_know_falls_back_under_auto_and_is_refused_un
 
 
 def test_rows_run_whole_ask_nothing_of_the_tree(qwen3_5, tmp_path, monkeypatch):
-    from klpipe.model import ReferenceModel, context_cache, continuation
+    from klpipe.model import ReferenceModel
+    from klpipe.model.attention import context_cache, continuation
 
     def refuse(*args):
         raise AssertionError("--prefix-sharing off asked the prefix tree")
@@ -197,7 +198,7 @@ def test_rows_run_whole_ask_nothing_of_the_tree(qwen3_5, tmp_path, monkeypatch):
 def test_a_state_taken_before_a_nodes_pass_ends_is_refused(qwen3_5):
     """Pads after a node would enter its recurrent state: the planner keeps continued nodes the longest in
     their pass (exact_ends), and the tree refuses a plan that does not, rather than hand on a wrong state."""
-    from klpipe.model.tree import score_tree
+    from klpipe.model.attention.tree import score_tree
     from klpipe.plan import Wanted
     from klpipe.precompute import prefix_tree
 

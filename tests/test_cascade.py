@@ -1,4 +1,4 @@
-"""Cascade attention (klpipe/model/cascade.py): a tree pass's rows attend over their context where it lies.
+"""Cascade attention (klpipe/model/attention/cascade.py): a tree pass's rows attend over their context where it lies.
 
 Against naive softmax attention over each row's explicit keys, and end to end against the fp32 oracle,
 both when the cascade takes a call and when it hands it back to transformers' sdpa over gathered slots.
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade, lse_attention, packing
-from klpipe.model.context_cache import Kept, _by_parent, _context_parts
+from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model.attention import cascade, lse_attention, packing
+from klpipe.model.attention.context_cache import Kept, _by_parent, _context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 

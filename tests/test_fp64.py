@@ -68,7 +68,7 @@ ROWS = agent_rows(512)  # the sample tokenizer's vocabulary, as every tiny model
 
 
 def test_every_mode_is_the_fp64_forward(tiny):
-    from klpipe.model import cascade
+    from klpipe.model.attention import cascade
 
     name, reference, _, _, _ = tiny
     exact = expected(tiny, ROWS)

@@ -102,7 +102,7 @@ def test_rows_without_a_response_and_a_chunk_of_one(reference):
 
 
 def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatch):
-    from klpipe.model import tree as tree_module
+    from klpipe.model.attention import tree as tree_module
 
     rows = agent_rows(reference.vocab_size)
     budget = 64  # tokens: below the system prompt's 75, so every subtree is too big as a whole
@@ -123,7 +123,7 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
 
 @pytest.mark.parametrize("fault", ["queries", "context"])
 def test_the_probe_refuses_a_tree_that_changes_the_numbers(reference, monkeypatch, fault, request):
-    from klpipe.model import context_cache, lse_attention
+    from klpipe.model.attention import context_cache, lse_attention
 
     in_place = reference.cascade
     request.addfinalizer(reference.use_cascade)  # put back after the test: the probe may turn it off

@@ -1,4 +1,4 @@
-"""Attention that returns its log-sum-exp (klpipe/model/lse_attention.py): each backend that runs on CPU against a
+"""Attention that returns its log-sum-exp (klpipe/model/attention/lse_attention.py): each backend that runs on CPU against a
 naive fp64 attention written here, and the probe that keeps a kernel whose assumption does not hold from ever
 computing a call (a causal mask aligned bottom-right, an lse in another base, a kernel that raises), the call then
 computed by plain torch, exactly.
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from klpipe.model import lse_attention
-from klpipe.model.lse_attention import Backend
+from klpipe.model.attention import lse_attention
+from klpipe.model.attention.lse_attention import Backend
 
 # Bounds (out, lse), from the dtype's rounding: fp32 kernels sum in another order than fp64 (1e-5 on outputs and lse
 # of order 1: ~1e-7 per operation, a few hundred deep); bf16 ones round their probabilities and output to bf16 (2^-9

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, cascade, head, packing
+from klpipe.model import ModelSpec, ReferenceModel, head
+from klpipe.model.attention import cascade, packing
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from klpipe.precompute.sharing import Sharing
 from tests.helpers import TINY_LLAMA, agent_rows, worst_error

@@ -1,11 +1,12 @@
-"""Packed rows (klpipe/model/packing.py): each row's segment attended alone, a sliding layer's window as a window,
+"""Packed rows (klpipe/model/attention/packing.py): each row's segment attended alone, a sliding layer's window as a window,
 held to a dense masked attention written here and to the naive oracle; and the pairs they execute (pairs.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, packing, pairs
+from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model.attention import packing, pairs
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 

@@ -127,7 +127,7 @@ TREE_QUICK = ["tiny-llama", "tiny-gemma4"]
 @pytest.mark.parametrize("pair", TREE_QUICK + [pytest.param(name, marks=pytest.mark.arch)
                                                for name in MODELS if name not in TREE_QUICK] + REST, indirect=True)
 def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
-    """The tree's passes in waves (model/tree.py `waves`): each wave layer-major, the weights read once per wave,
+    """The tree's passes in waves (model/attention/tree.py `waves`): each wave layer-major, the weights read once per wave,
     about the tree's depth, not once per pass; the numbers the tree's in memory."""
     from klpipe.precompute.sharing import Sharing
 
@@ -155,7 +155,7 @@ def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
 
 
 def test_a_call_packed_rows_cannot_take_mid_group_reruns_the_whole_group_padded(monkeypatch):
-    from klpipe.model import packing
+    from klpipe.model.attention import packing
 
     spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
     in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
@@ -397,7 +397,7 @@ def test_a_stop_in_a_later_wave_abandons_the_tree_with_no_layer_loaded_and_the_n
 
 
 def test_a_call_the_tree_cannot_take_packed_mid_wave_reruns_the_whole_tree_as_in_memory(monkeypatch):
-    from klpipe.model import packing
+    from klpipe.model.attention import packing
 
     spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
     in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)

@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from klpipe.model import ModelSpec, ReferenceModel, packing
+from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model.attention import packing
 from klpipe.precompute.logprobs import plan_chunk, run_plan
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows
 

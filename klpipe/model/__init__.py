@@ -4,12 +4,7 @@ loading.py    device, dtype, config, tokenizer and weights, loaded safely, and t
 architecture.py  where a model keeps its parts: text config, decoder body, a multimodal checkpoint's text part
 head.py       the LM head on selected hidden states, fused over vocabulary blocks, fp32 online log-sum-exp
 reference.py  ReferenceModel: rows in, response-token logprobs out
-packing.py    rows run whole end to end without pads, each row's attention alone (windows as windows)
-pairs.py      the attention pairs kernels execute, per layer kind, from their own call arguments
-tree.py       a chunk's prefix tree run pass by pass, in its layout: every distinct prefix once
-continuation.py  what each kind of cache layer continues a prefix from (the table the tree reads)
-context_cache.py the cache a tree pass reads: each node's kept state, gathered or read in place (cascade.py)
-cascade.py    attention over a row's path where it lies, for the tree's full-attention layers
+attention/    rows packed without pads, the prefix tree, exact attention over it (its own docstring)
 probes.py     load-time check of the chunked head against the model's own logits
 lora.py       LoRA/DoRA adapters over the model's own weights, one active per side (the policy's, the reference's)
 compiled.py   torch.compile of the decoder layers' norms and MLPs (--compile), held to the model's own forward

@@ -13,7 +13,7 @@ copy of a module, the LM head most often) is the adapter's tensors swapped in as
 side is active: parameter objects exchanged, no arithmetic, so switching back gives the base exactly.
 
 The hooks fire wherever the module runs: rows run whole, packed, the prefix tree's passes. The tree's caches live
-for one `run_plan` (model/tree.py), run under one side, so no side ever reads the other's keys and values.
+for one `run_plan` (model/attention/tree.py), run under one side, so no side ever reads the other's keys and values.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import torch
 
 from klpipe import plan
 from klpipe.errors import ModelError
-from klpipe.model import architecture, cascade, compiled, loading, lora, packing, probes, wide
+from klpipe.model import architecture, compiled, loading, lora, probes, wide
+from klpipe.model.attention import cascade, packing
 from klpipe.model.head import LMHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
@@ -268,7 +269,7 @@ class ReferenceModel:
         """How each decoder layer continues a prefix (continuation.layer_kinds); raises for a layout the tree does not
         know. Only the prefix tree asks: rows run whole need none of it."""
         if self._layer_kinds is None:
-            from klpipe.model.continuation import layer_kinds
+            from klpipe.model.attention.continuation import layer_kinds
 
             self._layer_kinds = layer_kinds(self.model)
         return self._layer_kinds
@@ -291,7 +292,7 @@ class ReferenceModel:
 
     def _measured_cost(self):
         if self._cache_cost is None:
-            from klpipe.model.context_cache import cache_cost
+            from klpipe.model.attention.context_cache import cache_cost
 
             self._cache_cost = cache_cost(self)
         return self._cache_cost

@@ -4,7 +4,7 @@ GRPO samples every prompt G times, agent rollouts open every row with the same s
 multi-turn trajectories stored a row per turn repeat the whole history in every turn's prompt: most
 of what a per-row forward pass computes is the same prefix again. The rows of a chunk form a prefix
 tree (prefix_tree.py); each distinct prefix worth sharing runs once and the rows continue from its
-keys and values (model/tree.py). Rows that share nothing worth a pass take the per-row path
+keys and values (model/attention/tree.py). Rows that share nothing worth a pass take the per-row path
 (`ReferenceModel.score_batch`, the causal kernel with no mask), except on models whose prefill skips
 layers for positions nobody needs (Gemma 4's KV-shared layers), where the tree is cheaper for every
 row: a prompt runs as a node of its own, its KV-shared layers on its last position alone.
@@ -66,7 +66,7 @@ class ChunkPlan:
 def plan_key(model, sharing: str) -> tuple:
     """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it).
     Rows run whole (`off`) ask nothing of the tree, so neither does their key."""
-    packed = getattr(model, "packed", False)  # rows run whole go end to end, without pads (model/packing.py)
+    packed = getattr(model, "packed", False)  # rows run whole go end to end, without pads (model/attention/packing.py)
     if sharing == "off":
         return (model.prefill_skips_layers, model.rope_length_limit, packed, "off")
     return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost, model.keeps_state,
@@ -119,10 +119,10 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
 
 
 def packs_passes(model) -> bool:
-    """Whether `model` runs the tree's passes packed (model/tree.py; plan.Pass.runs_packed says which)."""
+    """Whether `model` runs the tree's passes packed (model/attention/tree.py; plan.Pass.runs_packed says which)."""
     if not getattr(model, "cascade", False):
         return False
-    from klpipe.model.tree import packs_passes as packs  # torch lives behind this import
+    from klpipe.model.attention.tree import packs_passes as packs  # torch lives behind this import
 
     try:
         return packs(model, model.layer_kinds)
@@ -132,7 +132,7 @@ def packs_passes(model) -> bool:
 
 def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> None:
     """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes end to end, without pads,
-    all but those plan.Pass.runs_packed keeps padded (model/tree.py's packs_passes)."""
+    all but those plan.Pass.runs_packed keeps padded (model/attention/tree.py's packs_passes)."""
     stats.per_row_tokens += sum(len(f) for f in plan.fed)
     for step in plan.passes:
         own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
@@ -153,7 +153,7 @@ def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], 
         raise ValueError("a chunk plan runs only on models with the plan_key it was made for")
     results = [np.full(len(response), np.nan if plan.masked else 0.0, dtype=model.result_dtype) for _, response in rows]
     if plan.tree is not None:
-        from klpipe.model.tree import score_tree  # torch lives behind this import
+        from klpipe.model.attention.tree import score_tree  # torch lives behind this import
 
         logprobs = score_tree(model, plan.tree, plan.passes, _wanted(rows, plan.needed, plan.tree_rows), temperature,
                               check_stop)
@@ -173,7 +173,7 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
-    from klpipe.model.packing import NotPacked  # torch lives behind this import (a streamed model has loaded it)
+    from klpipe.model.attention.packing import NotPacked  # torch lives behind this import (a streamed model has loaded it)
 
     limit = getattr(model, "stream_tokens", None) or 1 << 62
     groups, tokens = [[]], 0
@@ -263,7 +263,7 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
                 packed: bool = False) -> tuple[list[np.ndarray], int]:
     """(batches of rows run whole, the tokens they feed padding included): batched by length, rows past a
     length-dependent RoPE's limit only with each other. `packed`: the model runs a batch's rows end to end
-    (model/packing.py), so a batch's size is its rows' tokens and it feeds no pad."""
+    (model/attention/packing.py), so a batch's size is its rows' tokens and it feeds no pad."""
     batches, padded_total = [], 0
     if not len(alone):
         return batches, padded_total
@@ -306,7 +306,7 @@ def _problem(exc: Exception) -> str:
 
 def check_tree(model) -> str | None:
     """None if the prefix tree reproduces the model's own forward (as transformers loaded it) on a probe;
-    otherwise why not. A model whose full-attention layers attend in place (model/cascade.py) and fails the probe
+    otherwise why not. A model whose full-attention layers attend in place (model/attention/cascade.py) and fails the probe
     is probed again with its own attention and its context gathered, and keeps the tree that way if that passes:
     the cascade is trusted only where it agrees."""
     problem = _probe_tree(model)
@@ -365,7 +365,7 @@ def _probe_tree(model) -> str | None:
     chosen = np.array([i for i, (_, r) in enumerate(rows) if len(r)])
     got = [np.zeros(len(r), dtype=model.result_dtype) for _, r in rows]
     try:
-        from klpipe.model.tree import score_tree
+        from klpipe.model.attention.tree import score_tree
 
         # Every level kept, and tiny budgets: many passes of mixed contexts (see above).
         needed = [np.ones(len(r), dtype=bool) for _, r in rows]

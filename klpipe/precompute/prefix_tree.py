@@ -1,6 +1,6 @@
 """The prefix tree of a chunk: every distinct prefix of the rows' token sequences, computed once.
 
-Pure index arithmetic (numpy), no torch: model/tree.py runs the passes this module plans, and the plan's
+Pure index arithmetic (numpy), no torch: model/attention/tree.py runs the passes this module plans, and the plan's
 types (Tree, Pass) live below both, in klpipe/plan.py.
 
 A row feeds the model its prompt and its response less the last token (that one is only ever a

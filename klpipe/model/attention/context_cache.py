@@ -22,8 +22,8 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
-from klpipe.model import cascade
-from klpipe.model.continuation import LayerKind
+from klpipe.model.attention import cascade
+from klpipe.model.attention.continuation import LayerKind
 
 if TYPE_CHECKING:
     from klpipe.plan import Tree

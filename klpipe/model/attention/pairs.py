@@ -22,7 +22,7 @@ from contextvars import ContextVar
 
 import torch
 
-from klpipe.model import lse_attention
+from klpipe.model.attention import lse_attention
 
 _MODULE: ContextVar = ContextVar("klpipe_attention_module", default=None)  # (kind, window, query heads)
 

@@ -33,8 +33,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from klpipe.model import cascade, packing
-from klpipe.model.context_cache import ContextCache, Kept
+from klpipe.model.attention import cascade, packing
+from klpipe.model.attention.context_cache import ContextCache, Kept
 from klpipe.plan import Pass, Tree, Wanted
 
 

@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from klpipe.model import lse_attention, packing, window_cascade
+from klpipe.model.attention import lse_attention, packing, window_cascade
 
 NAME = "klpipe_cascade_sdpa"
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from klpipe.model import lse_attention, packing
+from klpipe.model.attention import lse_attention, packing
 
 
 def attend(contexts, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
