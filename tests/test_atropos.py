@@ -13,7 +13,7 @@ import pytest
 from klpipe.atropos.groups import PLACEHOLDER, fill_line, split_group
 from klpipe.errors import InputError
 from klpipe.precompute import PrecomputeConfig, precompute
-from klpipe.precompute import atropos as reader
+from klpipe.atropos import reader
 from klpipe.score import ScoreConfig, score
 from klpipe.score.controller import ControllerConfig
 from tests.helpers import SAMPLE, TINY_GEMMA, free_ports, make_rows, oracle_logprobs, run_cli, write_cache

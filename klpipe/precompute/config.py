@@ -237,7 +237,7 @@ class PrecomputeConfig:
             parse_size(self.max_memory)
         from klpipe.precompute.chat import ROLLOUT_FORMATS
 
-        formats = (*ROLLOUT_FORMATS, "atropos")  # atropos: JSON Lines of Atropos groups (precompute/atropos.py)
+        formats = (*ROLLOUT_FORMATS, "atropos")  # atropos: JSON Lines of Atropos groups (atropos/reader.py)
         if self.rollout_format not in formats:
             raise InputError(f"--rollout-format must be {', '.join(formats[:-1])} or {formats[-1]}, "
                              f"not {self.rollout_format!r}")

@@ -32,7 +32,8 @@ from klpipe.storage.parquet import open_parquet
 from klpipe.storage.download import local_copy
 from klpipe.storage.store import Location, is_remote, store_failure
 from klpipe.mask import check_mask_type, mask_by_name
-from klpipe.precompute import atropos, batches
+from klpipe.atropos import reader as atropos
+from klpipe.precompute import batches
 from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
@@ -48,7 +49,7 @@ PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # pickle pr
 @dataclass
 class RolloutFile:
     path: Location  # a local path, or a file on a store
-    kind: str  # "parquet" | "jsonl" | "datasets" | "atropos" (JSON Lines of Atropos groups: precompute/atropos.py)
+    kind: str  # "parquet" | "jsonl" | "datasets" | "atropos" (JSON Lines of Atropos groups: atropos/reader.py)
     num_rows: int
     schema: pa.Schema
 

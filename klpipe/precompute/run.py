@@ -29,7 +29,7 @@ from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
 from klpipe.storage.store import Location, check_output, is_glob
 from klpipe.precompute import budget, provenance
-from klpipe.precompute.atropos import ATROPOS
+from klpipe.atropos.reader import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.models import resolve as resolve_models
