@@ -1,5 +1,15 @@
-"""Kept so that `from klpipe.kl import kl_divergence, estimate_kl_from_samples` works: the KL estimators
-live in klpipe/score/kl.py."""
+"""klpipe's Python API for KL estimates: the per-token estimators and their per-row aggregates, no torch.
+
+    from klpipe.kl import row_kl, sequence_kl
+
+    sequence_kl(policy_logprobs, ref_logprobs)               # one response: the clamped mean k1, in nats
+    row_kl(policy, ref, offsets, estimator="k3").kl          # every row of flat arrays at once (numpy)
+    kl_divergence(policy_probs, reference_probs)             # two discrete distributions
+    estimate_kl_from_samples(policy_texts, reference_texts, tokenizer)  # from samples' token counts
+
+`klpipe score` computes its `kl` column with these (they live in klpipe/score/kl.py); docs/score.md says what each
+estimator measures.
+"""
 
 from klpipe.score.kl import (
     AGGREGATES,
