@@ -60,7 +60,7 @@ docs: install
 cli-docs: install
 	$(BIN)/python -m klpipe.cli.reference > docs/cli.md
 
-# The slower half of the architecture matrix (tests/test_architectures.py): nine more families, every mode
+# The slower half of the architecture matrix (tests/model/test_architectures.py): nine more families, every mode
 # against an fp64 oracle. About three minutes on 2 CPU cores.
 # The slowest end-to-end tests (-m slow): kill -9 and resume, peak memory, a fresh install, the sharing modes,
 # the sbatch examples against single-process runs.
@@ -68,40 +68,40 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/test_architectures.py tests/test_families.py
-	$(BIN)/python -m pytest -q -m arch -k "not registry" tests/test_streaming.py
+	$(BIN)/python -m pytest -q -m arch tests/model/test_architectures.py tests/model/test_families.py
+	$(BIN)/python -m pytest -q -m arch -k "not registry" tests/model/test_streaming.py
 
 # Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on
 # against an fp64 forward, and as tests/matrix.json records it. One thread: models this small spend two threads'
 # time waiting on each other (ten times slower on a busy machine).
 test-matrix: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/test_matrix.py
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch -k registry tests/test_streaming.py  # each family streamed
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch --durations=5 tests/model/test_matrix.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m arch -k registry tests/model/test_streaming.py  # each family streamed
 
 # The GPU's numerics on CPU: every family of the registry matrix with an fp64 oracle, in bf16 (weights and
 # activations; the head accumulates in fp32), tree on and off, against an fp64 forward of the same weights, within
-# a tolerance derived from bf16's rounding (tests/test_bf16.py). make test runs two families of it; this the whole
-# matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/test_cascade.py).
+# a tolerance derived from bf16's rounding (tests/model/test_bf16.py). make test runs two families of it; this the whole
+# matrix, in about 4 minutes, and the tree on each of the cascade's CPU kernels (tests/model/test_cascade.py).
 test-bf16: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/test_bf16.py tests/test_cascade.py tests/test_streaming.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m bf16 --durations=5 tests/model/test_bf16.py tests/model/test_cascade.py tests/model/test_streaming.py
 
 # fp64 all the way through (--dtype float64, klpipe/model/wide.py): every family of tests/architectures.py and of the
 # registry matrix, off, auto and on, within 1e-9 of an fp64 forward of the same weights, where rounding is ~1e-14: a
 # wrong formula is told from rounding on every family. make test runs six families of it; this the rest, in about
 # 6.5 minutes on 2 shared CPU cores (2.7 minutes of CPU).
 test-fp64: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m fp64 --durations=5 tests/test_fp64.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m fp64 --durations=5 tests/model/test_fp64.py
 
-# precompute --compile on for real (tests/test_compiled.py): inductor compiles the layers' norms and MLPs through
+# precompute --compile on for real (tests/model/test_compiled.py): inductor compiles the layers' norms and MLPs through
 # gcc, on tiny Llama, Qwen3 and Gemma 4, fp32 and bf16, tree on and off, against the oracle; a compile that fails
-# (no C++ compiler) falls back with one line; a LoRA adapter policy, compiled (tests/test_lora.py). About 5 minutes
+# (no C++ compiler) falls back with one line; a LoRA adapter policy, compiled (tests/model/test_lora.py). About 5 minutes
 # on 2 CPU cores, most of it compiling. Inductor's CPU kernels need g++ and the interpreter's headers: Debian's
 # installed first when missing (needs root, as in CI).
 test-compile: install
 	@command -v g++ >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++; }
 	@$(BIN)/python -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-dev; }
-	$(BIN)/python -m pytest -q -m compile --durations=5 tests/test_compiled.py tests/test_lora.py
+	$(BIN)/python -m pytest -q -m compile --durations=5 tests/model/test_compiled.py tests/model/test_lora.py
 
 # benchmarks/bench_gpu.py's whole script on CPU, a tiny model and short rows (about a minute and a half): a typo
 # never costs a GPU's minutes. benchmarks/gpu_run.sh runs it for real on a lent GPU.
@@ -114,7 +114,7 @@ bench-gpu-dry-run: install
 # --rollout-format verl: the wheel alone (--no-deps: ray, vllm, sglang stay out; tests/verl_agent.py loads the loop
 # without them) in a folder of its own, as the wheel ships a top-level `tests` package that would shadow ours.
 VERL_PIN ?= verl==0.9.1
-# What verl's DataProto module imports, for tests/test_trainer_batches.py to save a batch with verl's own save_to_disk
+# What verl's DataProto module imports, for tests/precompute/test_trainer_batches.py to save a batch with verl's own save_to_disk
 # (test-only: klpipe reads those files with a restricted unpickler of its own and imports none of them).
 VERL_PROTOCOL_DEPS ?= tensordict omegaconf 'ray>=2.40,<3'
 test-trl: install
@@ -122,7 +122,7 @@ test-trl: install
 		$(BIN)/python -m pip install -q --no-deps --target $(VENV)/verl '$(VERL_PIN)'
 	$(BIN)/python -c "import tensordict, omegaconf, ray" 2>/dev/null || \
 		$(BIN)/python -m pip install -q $(VERL_PROTOCOL_DEPS)
-	$(BIN)/python -m pytest -q -m trl tests/test_trl_tool_loop.py tests/test_verl_tool_loop.py tests/test_trainer_batches.py
+	$(BIN)/python -m pytest -q -m trl tests/precompute/test_trl_tool_loop.py tests/precompute/test_verl_tool_loop.py tests/precompute/test_trainer_batches.py
 
 test-faults: install
 	$(BIN)/python -m pytest -q -m faults
@@ -156,7 +156,7 @@ test-ray: install
 	$(BIN)/python -c "import ray" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[ray]"
 	$(BIN)/python -m pytest -q --durations=0 tests/ray
 
-# Atropos groups against atroposlib's own code (tests/atropos): its ManagedServer builds them, its writer saves them,
+# Atropos groups against atroposlib's own code (tests/atropos_server): its ManagedServer builds them, its writer saves them,
 # its ScoredData checks what klpipe writes back, and its API server (`run-api`, started on 127.0.0.1 and stopped by pid)
 # hands klpipe's scored groups to a trainer. atroposlib is test-only, never a klpipe dependency: its wheel without its
 # dependencies (wandb, gymnasium, polars, nltk, math-verify: its environments', not these modules'), plus what the
@@ -166,7 +166,7 @@ ATROPOS_DEPS ?= fastapi uvicorn jsonlines openai tenacity
 test-atropos: install
 	$(BIN)/python -c "import atroposlib.api.server, atroposlib.envs.server_handling.managed_server, jsonlines" 2>/dev/null || { \
 		$(BIN)/python -m pip install -q $(ATROPOS_DEPS) && $(BIN)/python -m pip install -q --no-deps '$(ATROPOS_PIN)'; }
-	$(BIN)/python -m pytest -q --durations=5 tests/atropos
+	$(BIN)/python -m pytest -q --durations=5 tests/atropos_server
 # `precompute --ray` on a Ray cluster of three hosts: network namespaces on a private bridge that tests/ray_hosts
 # makes (root, as in CI; iproute2's `ip` and util-linux's `unshare` and `nsenter`), a head and two one-CPU worker
 # nodes, the S3 server on the bridge; stopped by pid and removed at the end. About two minutes on 2 CPU cores.

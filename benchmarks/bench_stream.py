@@ -1,6 +1,6 @@
 """A reference model larger than its memory cgroup, streamed, against the same model in memory, on the same rows.
 
-The model is tests/test_streaming.py's: a Llama of `--layers` layers of 61 MB (hidden 1,024, MLP 4,096, fp32;
+The model is tests/model/test_streaming.py's: a Llama of `--layers` layers of 61 MB (hidden 1,024, MLP 4,096, fp32;
 44 layers: 2.7 GB), written once under build/bench/stream/. Each run is a fresh `python -m klpipe precompute`
 with `--prefix-sharing off` (rows run whole in both):
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test's model and cgroup, so that both measure the same thing
 
 from tests.helpers import with_checkout  # noqa: E402
-from tests.test_streaming import big_llama, drop_from_page_cache, memory_cgroup  # noqa: E402
+from tests.model.test_streaming import big_llama, drop_from_page_cache, memory_cgroup  # noqa: E402
 
 WORK = ROOT / "build" / "bench" / "stream"
 

@@ -644,7 +644,7 @@ def build_conversational(tokenizer, ref, policy):
 
 def trl_tool_row(tokenizer, prompt: list[dict], completion: list[dict], tools: list):
     """(prompt_ids, completion_ids, tool_mask) as TRL 1.16's GRPOTrainer tool loop builds them, by klpipe's renderer
-    (tests/test_trl_tool_loop.py holds it to TRL's own loop): each sampled turn up to and including its EOS, mask 1;
+    (tests/precompute/test_trl_tool_loop.py holds it to TRL's own loop): each sampled turn up to and including its EOS, mask 1;
     the tool block TRL appends, mask 0."""
     from klpipe.precompute.chat import ChatRenderer
 

@@ -14,7 +14,7 @@ The inference server behind ``ManagedServer`` is a stand-in for vLLM (``PolicySa
 ``logprobs=0``. It samples letters only, so that a turn's decoded text renders back through the chat template
 unchanged (the template trims whitespace), which is what lets ManagedServer extend a trajectory.
 
-Run ``python sample_data/generate_atropos.py`` from the repository root; ``tests/atropos`` builds its groups with
+Run ``python sample_data/generate_atropos.py`` from the repository root; ``tests/atropos_server`` builds its groups with
 the same functions.
 """
 

@@ -4,7 +4,7 @@ transformers' own config classes (no weights committed, nothing downloaded).
 Each entry is a config class and the few fields that make the model tiny while keeping what makes the
 family itself: its layer kinds (sliding, chunked, KV-less, Gated DeltaNet, short convolutions, Mamba-2),
 its RoPE, its MoE. `WINDOW` is every sliding window and attention chunk, so the agent rows' system
-prompt (tests/test_architectures.py) is longer than all of them.
+prompt (tests/model/test_architectures.py) is longer than all of them.
 """
 
 from __future__ import annotations

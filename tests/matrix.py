@@ -2,7 +2,7 @@
 built at test time from its config class, run through klpipe's precompute path against an fp64 forward.
 
 The list is the registry's, not a hand list: a transformers that adds a family adds a row here, and the fast test
-(tests/test_matrix.py) fails until its outcome is recorded. Each family's config is its default with the generic
+(tests/model/test_matrix.py) fails until its outcome is recorded. Each family's config is its default with the generic
 sizes of `SHRINK` wherever it has such a field; per-layer kind lists (`layer_types`, `layers_block_type`, ...) keep
 each kind's first layer, in order, so a hybrid keeps every kind it has. `OVERRIDES` holds the few families whose
 default cannot be shrunk that way, each with the reason.

@@ -9,7 +9,7 @@ call into `torch.float64` and `.float()` into `.double()`, and factories without
 forward, the tree's and the oracle's alike, computes in fp64 with no per-family code.
 
 `--dtype float64` runs klpipe's forwards and head under it (`install`); tests hold every path to an fp64 forward of
-the same weights run under it too (tests/test_fp64.py).
+the same weights run under it too (tests/model/test_fp64.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ klpipe runs as a user runs it, a fresh `python -m klpipe` process configured by 
 variables alone (tests/moto_server.py), against a server that authenticates every request. Each
 result on the store is compared with the same command on local files, bit for bit where the two
 runs share their provenance. `make test-s3` runs this directory (the precompute runs take a couple
-of minutes on two cores); tests/test_store.py, in `make test`, covers the layer under it.
+of minutes on two cores); tests/storage/test_store.py, in `make test`, covers the layer under it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests import matrix
 from tests.architectures import ARCHITECTURES, FAST, save_tiny
-from tests.test_architectures import IN_PLACE, SLIDING_IN_PLACE, agent_rows
+from tests.model.test_architectures import IN_PLACE, SLIDING_IN_PLACE, agent_rows
 
 EXACT = matrix.EXACT
 RECORD = json.loads(matrix.RECORD.read_text())

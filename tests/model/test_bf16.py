@@ -17,7 +17,7 @@ the bound is twice the spread, plus the fp32 head's own 1e-4:
     tolerance = 2 · spread + 1e-4
 
 The head's part is not in the spread: it accumulates in fp32 (model/head.py), so its logits carry fp32 rounding, not
-bf16's (bf16 logits would round a logit of 20 by 0.06: tests/test_head.py holds the head to 1e-4 with bf16 weights).
+bf16's (bf16 logits would round a logit of 20 by 0.06: tests/model/test_head.py holds the head to 1e-4 with bf16 weights).
 
 Some models round more than their linear outputs in bf16: a recurrent or chunked linear-attention kernel (Bailing's
 KDA) runs its state in bf16 through every step, and its own one-row bf16 forward lands outside that bound of fp64
@@ -45,7 +45,7 @@ import torch
 
 from tests import matrix
 from tests.helpers import oracle_logprobs
-from tests.test_matrix import RECORD
+from tests.model.test_matrix import RECORD
 
 U = 2.0 ** -8
 DRAWS = 2

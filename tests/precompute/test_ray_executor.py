@@ -84,7 +84,7 @@ def test_the_rayjob_example_uses_only_options_klpipe_has():
 
 
 KUBERAY_VERSION = "v1.7.0"  # tests/data/kuberay/README.md: where the CRD comes from
-RAYJOB_CRD = Path(__file__).parent / "data" / "kuberay" / "ray.io_rayjobs.yaml.gz"
+RAYJOB_CRD = Path(__file__).parents[1] / "data" / "kuberay" / "ray.io_rayjobs.yaml.gz"
 
 
 @pytest.fixture(scope="module")

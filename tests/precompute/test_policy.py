@@ -208,7 +208,7 @@ def test_a_policy_with_another_vocabulary_is_refused(tmp_path):
 
 def text_rows(tmp_path) -> Path:
     """rollouts.parquet as an evaluation set keeps it: prompt and response text in JSON Lines, a score, no ids nor
-    logprobs (verl's own rollout dump is decoded text and is refused: tests/test_trainer_batches.py)."""
+    logprobs (verl's own rollout dump is decoded text and is refused: tests/precompute/test_trainer_batches.py)."""
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps({"question": row["prompt"], "answer": row["response"], "score": row["reward"]})
                             + "\n" for row in pq.read_table(ROLLOUTS).to_pylist()))

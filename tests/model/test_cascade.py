@@ -382,13 +382,13 @@ def test_the_tree_matches_the_oracle_on_either_kernel(model, request):
             assert cascade.CALLS["window"] > 0 and cascade.CALLS["shared"] > 0
 
 
-# bf16 runs the spread of an fp64 model (tests/test_bf16.py): about 20 s for the four on one thread, several times
+# bf16 runs the spread of an fp64 model (tests/model/test_bf16.py): about 20 s for the four on one thread, several times
 # that on a busy machine's two, so under make test-bf16 (.ci/run) rather than make test.
 @pytest.mark.bf16
 @pytest.mark.parametrize("kernel", [None, "math"])
 @pytest.mark.parametrize("model", ["tiny-llama", "gemma4 head 512"])
 def test_the_tree_in_bf16_is_within_bf16s_rounding_on_either_kernel(model, kernel, gemma_head_512):
-    from tests.test_bf16 import bf16_errors
+    from tests.model.test_bf16 import bf16_errors
 
     path = TINY_LLAMA if model == "tiny-llama" else gemma_head_512
     with held_to(kernel):

@@ -23,7 +23,7 @@ import torch
 
 from tests import matrix
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, Fp64Oracle, oracle_logprobs, run_cli
-from tests.test_bf16 import HEAD, spread
+from tests.model.test_bf16 import HEAD, spread
 
 FAMILIES = ["llama", "qwen3", "gemma4_text"]
 
@@ -157,7 +157,7 @@ def test_compiled_fp32_matches_the_oracle_tree_on_and_off(name, tiny_models, tmp
 @pytest.mark.compile
 @pytest.mark.parametrize("name", FAMILIES)
 def test_compiled_bf16_within_its_own_rounding_of_fp64_tree_on_and_off(name, tiny_models, tmp_path):
-    """tests/test_bf16.py's bound (2 x the fp64 model's spread under bf16-sized rounding + 1e-4), compiled."""
+    """tests/model/test_bf16.py's bound (2 x the fp64 model's spread under bf16-sized rounding + 1e-4), compiled."""
     from transformers import AutoModelForCausalLM
 
     directory = tiny_models[name]

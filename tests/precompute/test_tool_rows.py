@@ -171,7 +171,7 @@ def test_rendering_and_mask_are_the_trainers_loop_by_the_templates_layout(tokeni
                                                            tokenize=True, return_dict=True)["input_ids"]
         # By the template's own layout: each sampled turn up to and including its stop token (<eos>) is 1; what
         # TRL's loop appends after it (the rest of the turn's line, the tool's turn, the next header) is 0; nothing
-        # follows the last <eos>. tests/test_trl_tool_loop.py holds this to TRL's own loop.
+        # follows the last <eos>. tests/precompute/test_trl_tool_loop.py holds this to TRL's own loop.
         call, result, answer = row["completion"]
         spans = np.split(np.array(response_ids), np.flatnonzero(np.diff(mask.astype(int))) + 1)
         assert [tokenizer.decode(s) for s in spans] == [

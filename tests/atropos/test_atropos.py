@@ -1,6 +1,6 @@
 """Atropos groups through both stages, without atroposlib: the sample groups (sample_data/atropos_groups.jsonl,
 built by atroposlib's ManagedServer and written with its writer: sample_data/generate_atropos.py) read, scored
-and written back; groups klpipe must refuse; the group line filled in byte for byte. tests/atropos holds the same
+and written back; groups klpipe must refuse; the group line filled in byte for byte. tests/atropos_server holds the same
 against atroposlib's own code and API server (make test-atropos)."""
 
 import json
