@@ -1,15 +1,15 @@
-"""Benchmark `klpipe score` against the seed's Python loop and a bare pyarrow read+write.
+"""Benchmark `klpipe score` against the original controller's Python loop and a bare pyarrow read+write.
 
     python benchmarks/bench_score.py            # 200k rows × ~200 tokens, ~1000-row steps
     python benchmarks/bench_score.py --rows 20000
-    python benchmarks/bench_score.py --mismatch --skip-seed   # the cost of the sampler-against-trainer section
+    python benchmarks/bench_score.py --mismatch --skip-original   # the cost of the sampler-against-trainer section
 
 The cache is generated once under build/bench/ and reused. Every contender reads the same file and
 writes parquet with pyarrow's default settings (snappy, dictionary on), so the ratios compare work,
-not codecs. The seed loop writes the same four scored columns as klpipe; the bare baselines copy
+not codecs. The original controller's loop writes the same four scored columns as klpipe; the bare baselines copy
 the input columns only, and unlike klpipe they neither fsync nor rename atomically.
 Contenders run interleaved and the best of --repeat runs counts, because the machine is shared.
-Targets: seed/klpipe ≥ 2×, klpipe/bare ≤ 1.5×.
+Targets: original/klpipe ≥ 2×, klpipe/bare ≤ 1.5×.
 
 `--mismatch` scores a second cache that also holds the sampler's logprobs (`sampler_logprobs`: the trainer's with
 the noise of a bf16 engine) and 32-token prompts shared by groups of 8 rows, so `klpipe score` writes the whole
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the seed loader of the test suite: one way to import it
+sys.path.insert(0, str(ROOT))  # the original controller's loader of the test suite: one way to import it
 
 from klpipe.cache import POLICY_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, REWARD, SAMPLER_LOGPROBS, STEP
 from klpipe.score import ScoreConfig, score
@@ -133,7 +133,7 @@ def run_seed(seed, cache: Path, out: Path) -> None:
         ref = table.column(REF_LOGPROBS).slice(start, end - start).to_pylist()
         coeff = controller.kl_coeff
         step_penalties, _ = controller.get_batch_penalty_from_logprobs(policy, ref)
-        kls += controller._kl_history[-(end - start) :]  # the seed keeps every row's KL there
+        kls += controller._kl_history[-(end - start) :]  # the original controller keeps every row's KL there
         coeffs += [coeff] * (end - start)
         penalties += step_penalties
         start = end
@@ -164,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3, help="runs per contender, interleaved; the best counts")
-    parser.add_argument("--skip-seed", action="store_true", help="skip the slow seed loop")
+    parser.add_argument("--skip-original", action="store_true", help="skip the original controller's slow loop")
     parser.add_argument("--mismatch", action="store_true",
                         help="also score a cache with the sampler's logprobs, against a bare read+write of it")
     args = parser.parse_args()
@@ -177,10 +177,10 @@ def main() -> None:
     )
     out = BUILD / "out"
     out.mkdir(exist_ok=True)
-    if not args.skip_seed and seed_missing():
+    if not args.skip_original and seed_missing():
         print(f"{seed_missing()}: the seed loop is left out")
-        args.skip_seed = True
-    seed = None if args.skip_seed else load_seed()
+        args.skip_original = True
+    seed = None if args.skip_original else load_seed()
 
     contenders = {
         "bare pyarrow: read_table + write_table": run_bare,
@@ -189,7 +189,7 @@ def main() -> None:
         "bare pyarrow: read_table + write_table, fresh process": run_bare_fresh,
         "klpipe score (CLI, fresh process)": run_klpipe_cli,
     }
-    if not args.skip_seed:
+    if not args.skip_original:
         contenders["seed Python loop"] = lambda c, o: run_seed(seed, c, o)
     if args.mismatch:
         mismatch = make_mismatch_cache(args.rows)
@@ -206,7 +206,7 @@ def main() -> None:
             runs[name].append(time.perf_counter() - started)
     best = {name: min(values) for name, values in runs.items()}
 
-    if not args.skip_seed:
+    if not args.skip_original:
         columns = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
         ours = pq.read_table(outputs["klpipe score (library call)"], columns=columns)
         theirs = pq.read_table(outputs["seed Python loop"], columns=columns)
@@ -235,7 +235,7 @@ def main() -> None:
         bare_sampler = best["bare pyarrow: read_table + write_table, with sampler"]
         print(f"klpipe with the mismatch section / bare read+write of the same file: {with_section / bare_sampler:.2f}×"
               "  (target ≤ 1.5×)")
-    if not args.skip_seed:
+    if not args.skip_original:
         print(f"seed loop / klpipe:               {best['seed Python loop'] / library:.2f}×  (target ≥ 2×)")
     print(
         "all runs (s): "

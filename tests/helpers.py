@@ -46,7 +46,7 @@ CONVERSATIONAL = SAMPLE / "conversational.parquet"  # TRL prompt-completion mess
 # The in-process controller klpipe's semantics come from. It is not part of this repository: where
 # it sits beside the clone (as in CI) every comparison with it runs; on a bare clone they skip, and
 # the hand-derived figures in test_controller.py and test_score.py still pin the rule.
-SEED_PATH = Path(os.environ.get("KLPIPE_SEED_CONTROLLER") or ROOT.parent / "shared" / "seed" / "kl_controller.py")
+SEED_PATH = Path(os.environ.get("KLPIPE_ORIGINAL_CONTROLLER") or ROOT.parent / "shared" / "seed" / "kl_controller.py")
 
 
 # -- the reference oracle ---------------------------------------------------------------------------
@@ -156,13 +156,14 @@ def seed_missing() -> str | None:
     """Why the seed cannot be compared with, or None when it can."""
     if SEED_PATH.is_file():
         return None
-    return f"the seed controller is not at {SEED_PATH} (a bare clone): comparisons with it are skipped"
+    return (f"the original controller (elizaOS's KLController) is not at {SEED_PATH} (a bare clone): comparisons "
+            "with it are skipped")
 
 
 def load_seed():
     """The seed module (../shared/seed/kl_controller.py), imported once; the calling test skips without it.
 
-    KLPIPE_REQUIRE_SEED=1 (set by .ci/run) turns that skip into a failure, so CI never passes without
+    KLPIPE_REQUIRE_ORIGINAL_CONTROLLER=1 (set by .ci/run) turns that skip into a failure, so CI never passes without
     having run the comparisons.
     """
     global _seed
@@ -170,8 +171,8 @@ def load_seed():
     if missing is not None:
         import pytest
 
-        if os.environ.get("KLPIPE_REQUIRE_SEED") not in (None, "", "0"):
-            pytest.fail(f"{missing}, and KLPIPE_REQUIRE_SEED is set")
+        if os.environ.get("KLPIPE_REQUIRE_ORIGINAL_CONTROLLER") not in (None, "", "0"):
+            pytest.fail(f"{missing}, and KLPIPE_REQUIRE_ORIGINAL_CONTROLLER is set")
         pytest.skip(missing)
     if _seed is None:
         blocker = _HideTorch()
