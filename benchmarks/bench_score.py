@@ -118,7 +118,7 @@ def run_klpipe_cli(cache: Path, out: Path) -> None:
 
 
 def run_seed(seed, cache: Path, out: Path) -> None:
-    """The seed's own loop: Python lists per step through get_batch_penalty_from_logprobs."""
+    """The original controller's own loop: Python lists per step through get_batch_penalty_from_logprobs."""
     controller = seed.KLControllerBase(seed.KLConfig(reference_model_name="bench"))
     table = pq.read_table(cache)
     steps = table.column(STEP).to_pylist()
@@ -178,7 +178,7 @@ def main() -> None:
     out = BUILD / "out"
     out.mkdir(exist_ok=True)
     if not args.skip_original and seed_missing():
-        print(f"{seed_missing()}: the seed loop is left out")
+        print(f"{seed_missing()}: the original controller's loop is left out")
         args.skip_original = True
     seed = None if args.skip_original else load_seed()
 
@@ -190,7 +190,7 @@ def main() -> None:
         "klpipe score (CLI, fresh process)": run_klpipe_cli,
     }
     if not args.skip_original:
-        contenders["seed Python loop"] = lambda c, o: run_seed(seed, c, o)
+        contenders["original Python loop"] = lambda c, o: run_seed(seed, c, o)
     if args.mismatch:
         mismatch = make_mismatch_cache(args.rows)
         print(f"mismatch cache: {mismatch.relative_to(ROOT)} ({mismatch.stat().st_size / 1e6:.0f} MB)")
@@ -209,9 +209,9 @@ def main() -> None:
     if not args.skip_original:
         columns = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
         ours = pq.read_table(outputs["klpipe score (library call)"], columns=columns)
-        theirs = pq.read_table(outputs["seed Python loop"], columns=columns)
+        theirs = pq.read_table(outputs["original Python loop"], columns=columns)
         gaps = {c: float(np.max(np.abs(ours.column(c).to_numpy() - theirs.column(c).to_numpy()))) for c in columns}
-        print("klpipe vs seed output, max |difference|: " + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
+        print("klpipe vs the original controller's output, max |difference|: " + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
 
     library = best["klpipe score (library call)"]
     bare = best["bare pyarrow: read_table + write_table"]
@@ -236,7 +236,7 @@ def main() -> None:
         print(f"klpipe with the mismatch section / bare read+write of the same file: {with_section / bare_sampler:.2f}×"
               "  (target ≤ 1.5×)")
     if not args.skip_original:
-        print(f"seed loop / klpipe:               {best['seed Python loop'] / library:.2f}×  (target ≥ 2×)")
+        print(f"original loop / klpipe:           {best['original Python loop'] / library:.2f}×  (target ≥ 2×)")
     print(
         "all runs (s): "
         + "; ".join(f"{name}: {', '.join(f'{v:.2f}' for v in values)}" for name, values in runs.items())
