@@ -143,3 +143,16 @@ def test_the_plan_sits_below_planning_and_running():
     upward = sorted(f"{module} imports {dep}" for module, deps in graph.items() if module.startswith("klpipe.model")
                     for dep in deps if dep.startswith("klpipe.precompute"))
     assert not upward, upward
+
+
+def test_the_tests_mirror_the_packages():
+    # tests/<package>/ holds a package's tests; the top level only the shared modules' (test_columns for
+    # klpipe/columns.py) and the whole project's (docs, layout, install, memory, faults, examples, flops).
+    source, tests = Path(klpipe.__file__).parent, Path(__file__).parent
+    packages = {path.parent.name for path in source.glob("*/__init__.py")}
+    assert {"cli", "model", "precompute", "score", "inspect", "storage", "atropos"} <= packages
+    for package in packages:
+        assert list((tests / package).glob("test_*.py")), f"tests/{package}/ holds no tests of klpipe/{package}/"
+    in_packages = {path.stem for path in source.glob("*/**/*.py")} - {path.stem for path in source.glob("*.py")}
+    misplaced = sorted(path.name for path in tests.glob("test_*.py") if path.stem.removeprefix("test_") in in_packages)
+    assert not misplaced, f"tests of a package's module belong in its folder: {misplaced}"
