@@ -83,11 +83,11 @@ def main() -> None:
 
     AutoConfig.from_pretrained(MODEL_DIR)  # transformers' lazy imports, warm before the clock starts
     AutoTokenizer.from_pretrained(MODEL_DIR)
+    import threading
+
     from klpipe import threads
     from klpipe.precompute import PrecomputeConfig, precompute
     from klpipe.precompute.workdir import WorkDir
-
-    import threading
 
     timed = {"write": 0.0, "wait": 0.0}
     writers = set()  # the threads that wrote chunks

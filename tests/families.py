@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 VOCAB = 512  # the sample tokenizer's
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=2, eos_token_id=1)

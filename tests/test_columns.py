@@ -3,9 +3,9 @@
 import pyarrow as pa
 import pytest
 
-from klpipe.options import COLUMN_HELP
 from klpipe.columns import ROLES, ColumnMap, for_caches, parse_columns
 from klpipe.errors import InputError, ProvenanceError
+from klpipe.options import COLUMN_HELP
 from tests.helpers import make_rows, provenance, write_cache
 
 ROLE_LIST = "id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, reward, ref_logprobs, mask, tools"

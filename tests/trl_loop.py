@@ -17,12 +17,11 @@ import re
 import warnings
 from pathlib import Path
 
+import trl
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import get_json_schema
-
-import trl
 from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import (
     add_response_schema,

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klpipe.errors import InputError
-from klpipe.storage.atomic import atomic_output
-from klpipe.storage.discover import PARQUET_SUFFIXES, output_beside, refuse_overwriting_inputs
-from klpipe.storage.store import Location, check_output
 from klpipe.inspect import page as page_module
 from klpipe.inspect.config import InspectConfig
 from klpipe.inspect.decode import load_decoder, require_tokenizers
 from klpipe.inspect.gather import check_token_columns, gather
 from klpipe.inspect.select import curves, open_source, read_figures, select_rows
+from klpipe.storage.atomic import atomic_output
+from klpipe.storage.discover import PARQUET_SUFFIXES, output_beside, refuse_overwriting_inputs
+from klpipe.storage.store import Location, check_output
 
 OUTPUT_SUFFIX = ".kl.html"
 

@@ -32,12 +32,12 @@ from klpipe.cache import (
 )
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
-from klpipe.storage.parquet import read_schema
-from klpipe.storage.store import Location
 from klpipe.score.config import ScoreConfig
 from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
 from klpipe.score.kl import row_kl
 from klpipe.score.sampler import SamplerRun, group_keys
+from klpipe.storage.parquet import read_schema
+from klpipe.storage.store import Location
 
 # The columns klpipe score adds (score/run.py names them; repeated here so that reading a file's figures
 # does not import the scoring stage's writer).

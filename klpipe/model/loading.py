@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import logging
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import InputError, ModelError, first_line
-from klpipe.storage.fingerprint import file_digest
 from klpipe.model import architecture
+from klpipe.storage.fingerprint import file_digest
 
 # float64: fp64 all the way through (wide.py), for holding a path to an fp64 forward; CPU speed, no fast kernels.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -14,8 +14,8 @@ from klpipe.options import COLUMN_HELP, option, parse_columns
 from klpipe.progress import PROGRESS_MODES
 
 if TYPE_CHECKING:
-    from klpipe.storage.store import Location
     from klpipe.sharding import Shard
+    from klpipe.storage.store import Location
 
 # auto: the prefix tree for the rows that share a prefix worth a pass (every row, where the prefill
 # skips layers); on: every row through the tree; off: every row on its own (the per-row path).

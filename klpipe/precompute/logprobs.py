@@ -173,7 +173,9 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
-    from klpipe.model.attention.packing import NotPacked  # torch lives behind this import (a streamed model has loaded it)
+    from klpipe.model.attention.packing import (
+        NotPacked,  # torch lives behind this import (a streamed model has loaded it)
+    )
 
     limit = getattr(model, "stream_tokens", None) or 1 << 62
     groups, tokens = [[]], 0

@@ -11,12 +11,12 @@ import pyarrow as pa
 from klpipe import __version__, cache, sharding
 from klpipe.arrow import is_list_type
 from klpipe.errors import InputError, OutputError
-from klpipe.storage.fingerprint import fingerprint
-from klpipe.storage.store import Location
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.models import check_tokenizers, policy_revision, revision
 from klpipe.precompute.rollouts import CHAT
 from klpipe.precompute.verl_loop import VERL_MESSAGES_REFUSED
+from klpipe.storage.fingerprint import fingerprint
+from klpipe.storage.store import Location
 
 
 def default_max_tokens(device: str) -> int:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, KlpipeError, OutputError, Preempted, first_line
-from klpipe.storage.store import Location, is_remote
 from klpipe.precompute import ray_cluster
 from klpipe.precompute.config import PrecomputeConfig, RayConfig
 from klpipe.precompute.logprobs import ForwardStats
@@ -40,6 +39,7 @@ from klpipe.precompute.ray_task import Board, shard_task
 from klpipe.precompute.run import PrecomputeSummary
 from klpipe.progress import Progress
 from klpipe.sharding import Shard
+from klpipe.storage.store import Location, is_remote
 
 CANCEL_GRACE_SECONDS = 15.0  # after a stop: how long running shards get to unwind before their workers are killed
 POLL_SECONDS = 1.0

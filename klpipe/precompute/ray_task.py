@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from klpipe.errors import InputError
-from klpipe.storage.store import is_remote
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.run import PrecomputeSummary
+from klpipe.storage.store import is_remote
 
 
 class Board:

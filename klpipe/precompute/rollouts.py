@@ -18,9 +18,13 @@ import pyarrow as pa
 
 from klpipe import cache
 from klpipe.arrow import is_list_type
+from klpipe.atropos import reader as atropos
 from klpipe.cache import written_by_klpipe
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
+from klpipe.mask import check_mask_type, mask_by_name
+from klpipe.precompute import batches
+from klpipe.precompute.chat import is_messages_type
 from klpipe.storage.discover import (
     JSONL_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -28,13 +32,9 @@ from klpipe.storage.discover import (
     is_datasets_dir,
     schema_difference,
 )
-from klpipe.storage.parquet import open_parquet
 from klpipe.storage.download import local_copy
+from klpipe.storage.parquet import open_parquet
 from klpipe.storage.store import Location, is_remote, store_failure
-from klpipe.mask import check_mask_type, mask_by_name
-from klpipe.atropos import reader as atropos
-from klpipe.precompute import batches
-from klpipe.precompute.chat import is_messages_type
 
 INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are

@@ -22,14 +22,11 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
-
 from klpipe import cache, sharding
+from klpipe.atropos.reader import ATROPOS
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
-from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
-from klpipe.storage.store import Location, check_output, is_glob
 from klpipe.precompute import budget, provenance
-from klpipe.atropos.reader import ATROPOS
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.models import resolve as resolve_models
@@ -46,6 +43,8 @@ from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
+from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
+from klpipe.storage.store import Location, check_output, is_glob
 from klpipe.threads import in_background, prefetch
 
 # Default output name beside a single input (see default_output).

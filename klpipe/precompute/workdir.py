@@ -25,14 +25,14 @@ import pyarrow as pa
 from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError, first_line
-from klpipe.storage.atomic import atomic_output
-from klpipe.storage.fingerprint import cache_dir
-from klpipe.storage.parquet import open_parquet, parquet_writer, write_batch_rows, write_table
-from klpipe.storage.store import Location, identity, is_remote
 from klpipe.mask import MASK_TYPE
 from klpipe.precompute import batches
 from klpipe.precompute.rollouts import BATCH, CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
+from klpipe.storage.atomic import atomic_output
+from klpipe.storage.fingerprint import cache_dir
+from klpipe.storage.parquet import open_parquet, parquet_writer, write_batch_rows, write_table
+from klpipe.storage.store import Location, identity, is_remote
 
 CHUNK_PATTERN = "chunk-{:08d}.parquet"
 

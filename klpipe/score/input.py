@@ -39,13 +39,13 @@ from klpipe.cache import (
 )
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
-from klpipe.storage.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
-from klpipe.storage.parquet import leaf_index, open_parquet
-from klpipe.storage.store import Location, expand, store_failure
 from klpipe.mask import check_mask_type, kept_offsets, read_mask
 from klpipe.rows import RowLocator
 from klpipe.score.kl import RowKL
 from klpipe.sharding import is_shard_directory, shard_parts
+from klpipe.storage.discover import PARQUET_SUFFIXES, expand_inputs, schema_difference
+from klpipe.storage.parquet import leaf_index, open_parquet
+from klpipe.storage.store import Location, expand, store_failure
 
 
 @dataclass

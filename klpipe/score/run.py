@@ -27,14 +27,6 @@ from klpipe.atropos.writer import GroupWriter, check_groups
 from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError
-from klpipe.storage.atomic import OutputGroup, write_json_atomic
-from klpipe.storage.discover import (
-    PARQUET_SUFFIXES,
-    output_beside,
-    refuse_overwriting_inputs,
-)
-from klpipe.storage.parquet import RowGroups, parquet_writer
-from klpipe.storage.store import Location, check_output, expand
 from klpipe.rows import RowLocator
 from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
@@ -49,6 +41,14 @@ from klpipe.score.input import (
 )
 from klpipe.score.kl import row_kl
 from klpipe.score.steps import ControllerSteps
+from klpipe.storage.atomic import OutputGroup, write_json_atomic
+from klpipe.storage.discover import (
+    PARQUET_SUFFIXES,
+    output_beside,
+    refuse_overwriting_inputs,
+)
+from klpipe.storage.parquet import RowGroups, parquet_writer
+from klpipe.storage.store import Location, check_output, expand
 from klpipe.threads import in_background, prefetch
 
 # Columns score adds to every row.

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from klpipe.errors import StateError
-from klpipe.storage.store import Location
 from klpipe.score.config import ScoreConfig
 from klpipe.score.controller import KLController
+from klpipe.storage.store import Location
+
 
 def load_controller(config: ScoreConfig, warnings: list[str]) -> tuple[KLController, dict | None]:
     """The controller, continued from --state where it exists (unless --reset-state); its last run's record."""

@@ -10,10 +10,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from klpipe.atropos import reader
 from klpipe.atropos.groups import PLACEHOLDER, fill_line, split_group
 from klpipe.errors import InputError
 from klpipe.precompute import PrecomputeConfig, precompute
-from klpipe.atropos import reader
 from klpipe.score import ScoreConfig, score
 from klpipe.score.controller import ControllerConfig
 from tests.helpers import SAMPLE, TINY_GEMMA, free_ports, make_rows, oracle_logprobs, run_cli, write_cache

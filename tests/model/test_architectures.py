@@ -12,8 +12,8 @@ import pytest
 
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import ForwardStats, check_tree, chunk_logprobs
-from tests.architectures import ARCHITECTURES, FAST, LONG_ROPE_LIMIT, WINDOW, save_tiny
 from tests import helpers
+from tests.architectures import ARCHITECTURES, FAST, LONG_ROPE_LIMIT, WINDOW, save_tiny
 from tests.helpers import Fp64Oracle
 
 TOLERANCE = 1e-4  # beyond the fp32 oracle's own error against fp64

@@ -31,8 +31,8 @@ FAMILIES = ["llama", "qwen3", "gemma4_text"]
 def test_targets_are_the_layers_norms_and_mlps_and_never_attention():
     from transformers import AutoModelForCausalLM
 
-    from klpipe.model.compiled import targets
     from klpipe.model.architecture import decoder_body
+    from klpipe.model.compiled import targets
 
     body = decoder_body(AutoModelForCausalLM.from_pretrained(TINY_GEMMA))
     found = targets(body)

@@ -21,7 +21,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from typer.testing import CliRunner
 
 from klpipe.cli import app

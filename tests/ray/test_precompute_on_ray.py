@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import ROLLOUTS, ROOT, TINY_GEMMA, run_cli, with_checkout
-from tests.test_examples import controller_state
 from tests.ray.faults import job_config
+from tests.test_examples import controller_state
 
 # 48 rows in chunks of 8: six chunks, two per shard of three.
 CHUNK_ROWS = "8"

@@ -3,6 +3,7 @@ mismatch section, per step and for the run, and every per-row column, against nu
 own columns."""
 
 import json
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +14,7 @@ from klpipe.score import ScoreConfig, score
 from tests.helpers import assert_mismatch_figures as assert_figures
 from tests.helpers import assert_quantile, mismatch_cache, order_statistic, run_cli
 from tests.helpers import sampled_logprobs as sampled
+
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.errors import InputError, StoreError
+from klpipe.storage.download import local_copy
 from klpipe.storage.fingerprint import fingerprint
 from klpipe.storage.parquet import open_parquet
-from klpipe.storage.download import local_copy
 from klpipe.storage.store import StorePath, check_output, expand, location
 from klpipe.storage.upload import publish
 from tests.helpers import ROOT, make_rows, provenance, write_cache
