@@ -84,6 +84,7 @@ import contextvars
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -107,6 +108,10 @@ class _Pass:
 
 class LayerMajor:
     """The store's decoder layers, loaded at their hooks; `run` takes several passes through them layer-major."""
+
+    # The run's figures (`figures`), besides the store's bytes read: what reset_statistics zeroes and what
+    # `uncounted` leaves as it found it.
+    STATISTICS = ("groups", "read_seconds", "waited_seconds", "group_seconds", "tokens")
 
     def __init__(self, store: WeightStore):
         self.store = store
@@ -189,8 +194,20 @@ class LayerMajor:
 
     def reset_statistics(self) -> None:
         """From now on (the load-time probes' reads left out of the run's figures)."""
-        self.store.reads, self.groups, self.read_seconds, self.waited_seconds = 0, 0, 0.0, 0.0
-        self.group_seconds, self.tokens = 0.0, 0
+        self.store.reads = 0
+        for name in self.STATISTICS:
+            setattr(self, name, 0)
+
+    @contextmanager
+    def uncounted(self):
+        """What runs inside (a probe, a cost measured once per model) left out of the run's figures."""
+        saved = self.store.reads, [getattr(self, name) for name in self.STATISTICS]
+        try:
+            yield
+        finally:
+            self.store.reads = saved[0]
+            for name, value in zip(self.STATISTICS, saved[1], strict=True):
+                setattr(self, name, value)
 
     def release_all(self) -> None:
         """Every layer freed (after a forward on its own, or a group): nothing held between chunks."""

@@ -15,7 +15,7 @@ layer table, one token's forward: logprobs.check_layout) is checked before any c
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 from klpipe.errors import ModelError
 from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan_chunk, plan_key
@@ -114,19 +114,8 @@ class Sharing:
         self.model.drop_cascade()  # rows run whole from now on: the model's own attention
 
 
-@contextmanager
 def uncounted(model):
     """What runs inside (the tree's probes, a cost measured once per model) left out of a streamed model's figures
     (model/streaming.py's statistics: the run's reads, groups and times), though a probe under auto runs mid-run."""
     streamer = getattr(model, "streamer", None)
-    if streamer is None:
-        yield
-        return
-    fields = ("groups", "read_seconds", "waited_seconds", "group_seconds", "tokens")
-    saved = streamer.store.reads, [getattr(streamer, name) for name in fields]
-    try:
-        yield
-    finally:
-        streamer.store.reads = saved[0]
-        for name, value in zip(fields, saved[1]):
-            setattr(streamer, name, value)
+    return nullcontext() if streamer is None else streamer.uncounted()
