@@ -33,8 +33,9 @@ def default_max_cache_mib(device: str) -> int:
     return device_memory_bytes(device) // 4 >> 20
 
 
-def check_all_tokenizers(config: PrecomputeConfig, models, model_config, policy_config, tokenizer, rollouts) -> None:
-    """The policy, and any adapter folder's own tokenizer, must read the reference's tokens as the same tokens."""
+def check_all_tokenizers(config: PrecomputeConfig, models, model_config, policy_config, tokenizer, rollouts) -> str:
+    """The policy, and any adapter folder's own tokenizer, must read the reference's tokens as the same tokens;
+    the reference's fingerprint, which the provenance records."""
     from klpipe import model as reference
 
     chat = rollouts.mode == CHAT
@@ -47,11 +48,13 @@ def check_all_tokenizers(config: PrecomputeConfig, models, model_config, policy_
     ours = reference.tokenizer_fingerprint(tokenizer, chat_template=chat, chat_options=options)
     check_tokenizers(config, models, model_config, policy_config, ours, fingerprint_of,
                      "tokenizer or chat template" if chat else "tokenizer")
+    return ours
 
 
-def provenance(config: PrecomputeConfig, models, model_config, tokenizer, rollouts, rows,
-                policy_config=None) -> cache.Provenance:
-    """How this run's cache is made: what a rerun must match to skip or resume it."""
+def provenance(config: PrecomputeConfig, models, model_config, tokenizer: str, rollouts, rows,
+               policy_config=None) -> cache.Provenance:
+    """How this run's cache is made: what a rerun must match to skip or resume it. `tokenizer`: the reference
+    tokenizer's fingerprint (check_all_tokenizers)."""
     from klpipe import model as reference  # torch lives behind this import
     from klpipe.model.runtime import library_versions
 
@@ -62,8 +65,7 @@ def provenance(config: PrecomputeConfig, models, model_config, tokenizer, rollou
     return cache.Provenance(
         model=config.model,
         revision=revision(models, model_config),
-        tokenizer=reference.tokenizer_fingerprint(tokenizer, chat_template=rollouts.mode == CHAT,
-                                                  chat_options=chat_options(config, rollouts)),
+        tokenizer=tokenizer,
         dtype=str(dtype).removeprefix("torch."),
         temperature=float(config.temperature),
         klpipe_version=__version__,

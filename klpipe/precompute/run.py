@@ -119,8 +119,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     model_config = reference.load_config(spec)
     tokenizer = provenance.with_template(reference.load_tokenizer(spec), config)
     policy_config = reference.load_config(models.policy_spec) if models.policy_spec is not None else None
-    provenance.check_all_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
-    recorded = provenance.provenance(config, models, model_config, tokenizer, rollouts, rows, policy_config)
+    fingerprint = provenance.check_all_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
+    recorded = provenance.provenance(config, models, model_config, fingerprint, rollouts, rows, policy_config)
     summary = PrecomputeSummary(output=output)
 
     if groups_out and output.exists() and not config.overwrite:
