@@ -7,6 +7,7 @@ the cache's contract from cache.py. Pure numpy: importing this module never pull
     Pass    one forward: the nodes that run side by side, and whose state is done with after it
     Wanted  the positions of each row whose hidden states the chunk needs, and their target tokens
     fed     what one row feeds the model (both sides use it, so the rule is written once)
+    by_tokens  passes or batches cut into the groups a streamed model runs layer-major (both sides cut so)
 """
 
 from __future__ import annotations
@@ -97,3 +98,17 @@ def fed(prompt: np.ndarray, response: np.ndarray, wanted: np.ndarray, rope_limit
     if rope_limit is not None and len(prompt) + len(response) > rope_limit:
         return np.concatenate([prompt, response])
     return np.concatenate([prompt, response[:int(wanted[-1])]])
+
+
+def by_tokens(items: list, sizes: list[int], limit: int | None) -> list[list]:
+    """`items` in their order, cut into groups of at most `limit` fed tokens by their `sizes` (an item over it goes
+    alone); None: one group. A streamed model runs each group layer-major, its activations waiting between layers."""
+    groups: list[list] = []
+    tokens = 0
+    for item, size in zip(items, sizes, strict=True):
+        if not groups or (limit is not None and tokens + size > limit):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(item)
+        tokens += size
+    return groups

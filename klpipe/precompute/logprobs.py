@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from klpipe.plan import ROOT, Pass, Tree, Wanted
+from klpipe.plan import ROOT, Pass, Tree, Wanted, by_tokens
 from klpipe.plan import fed as row_fed
 from klpipe.precompute import prefix_tree
 from klpipe.precompute.batching import pack_batches, padding_efficiency, plan_batches
@@ -173,20 +173,12 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
-    from klpipe.model.attention.packing import (
-        NotPacked,  # torch lives behind this import (a streamed model has loaded it)
-    )
+    # torch lives behind this import (a streamed model has loaded it)
+    from klpipe.model.attention.packing import NotPacked
 
-    limit = getattr(model, "stream_tokens", None) or 1 << 62
-    groups, tokens = [[]], 0
-    for batch in plan.batches:
-        fed = sum(len(plan.fed[i]) for i in batch.tolist())
-        if groups[-1] and tokens + fed > limit:
-            groups.append([])
-            tokens = 0
-        groups[-1].append(batch)
-        tokens += fed
-    for group in (group for group in groups if group):  # none where every row went through the tree
+    sizes = [sum(len(plan.fed[i]) for i in batch.tolist()) for batch in plan.batches]
+    # No group where every row went through the tree (no batch).
+    for group in by_tokens(plan.batches, sizes, getattr(model, "stream_tokens", None) or None):
         calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,
                                                        [plan.needed[i] for i in batch]) for batch in group]
         fed = sum(len(plan.fed[i]) for batch in group for i in batch.tolist())

@@ -35,7 +35,7 @@ import torch
 
 from klpipe.model.attention import cascade, packing
 from klpipe.model.attention.context_cache import ContextCache, Kept
-from klpipe.plan import Pass, Tree, Wanted
+from klpipe.plan import Pass, Tree, Wanted, by_tokens
 
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
@@ -71,7 +71,7 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     with torch.inference_mode():
         if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
             for group, release in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
-                fed = sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group)
+                fed = sum(_fed(tree, step) for step in group)
                 reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
                                                                     parent_of_kept, rows_of, wanted, temperature,
                                                                     results) for step in group], check_stop, fed)
@@ -109,21 +109,16 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         wave_of_kept.update((node, wave) for node in nodes if node in parents)
         latest = max(latest, wave)
         cut[latest][1].extend(int(node) for node in step.release)
-    return [(group, release if k == len(groups) - 1 else [])
-            for wave, release in cut for groups in [_by_tokens(tree, wave, limit)] for k, group in enumerate(groups)]
+    grouped = []
+    for wave, release in cut:  # a wave's release goes after its last group
+        groups = by_tokens(wave, [_fed(tree, step) for step in wave], limit)
+        grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
+    return grouped
 
 
-def _by_tokens(tree: Tree, wave: list[Pass], limit: int | None) -> list[list[Pass]]:
-    """`wave` cut into groups of at most `limit` fed tokens (a pass over it alone; None: one group)."""
-    cut, tokens = [[]], 0
-    for step in wave:
-        fed = int((tree.end - tree.start)[step.nodes].sum())
-        if limit is not None and cut[-1] and tokens + fed > limit:
-            cut.append([])
-            tokens = 0
-        cut[-1].append(step)
-        tokens += fed
-    return cut
+def _fed(tree: Tree, step: Pass) -> int:
+    """The tokens `step` feeds: its nodes' own."""
+    return int((tree.end - tree.start)[step.nodes].sum())
 
 
 def pass_layout(reference) -> str:
