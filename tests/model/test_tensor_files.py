@@ -1,14 +1,17 @@
 """Tensors read from safetensors files by positioned reads (klpipe/model/tensor_files.py), held to safetensors' own
-reader, and a damaged file refused in one line before any tensor of it is used."""
+reader, and a damaged file refused in one line before any tensor of it is used; a layer read in one direct read
+where its tensors lie together, and a buffer read into again only once nothing sees it."""
 
 import json
+import mmap
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from klpipe.errors import ModelError
-from klpipe.model.tensor_files import TensorFiles
+from klpipe.model.tensor_files import Buffers, TensorFiles
 
 
 def test_every_dtype_reads_as_safetensors_reads_it(tmp_path):
@@ -66,3 +69,94 @@ def test_a_file_cut_short_is_refused_before_a_read(tmp_path):
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises(ModelError, match="lie outside the file"):
         TensorFiles([path])
+
+
+def written(path, tensors: dict, offsets: dict | None = None) -> None:
+    """A safetensors file of `tensors` (name -> tensor), laid out by hand: each at `offsets[name]` bytes into the
+    data where given (gaps zero-filled), else right after the one before. safetensors' writer cannot place a tensor
+    at an offset its dtype does not divide."""
+    header, data = {}, bytearray()
+    for name, tensor in tensors.items():
+        start = (offsets or {}).get(name, len(data))
+        data.extend(bytes(start - len(data)))
+        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        dtype = {torch.float32: "F32", torch.uint8: "U8", torch.bfloat16: "BF16"}[tensor.dtype]
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [start, start + len(raw)]}
+        data.extend(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # as safetensors pads it: the data starts 8-byte aligned
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(data))
+
+
+def direct_io_here(directory) -> bool:
+    """Whether the file system under `directory` takes O_DIRECT reads (ext4 and xfs do; some tmpfs do not)."""
+    probe = directory / "probe"
+    probe.write_bytes(bytes(8192))
+    try:
+        fd = os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    try:
+        buffer = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT asks
+        return os.preadv(fd, [buffer], 4096) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_layer_read_together_is_read_in_one_read_past_the_page_cache(tmp_path):
+    if not direct_io_here(tmp_path):
+        pytest.skip("this file system takes no O_DIRECT read, so the direct path cannot be held to anything here")
+    generator = torch.Generator().manual_seed(1)
+    # A layer between two others in one file, its tensors of mixed sizes, not multiples of the 4 KiB block.
+    tensors = {"a.w": torch.randn(1000, generator=generator), "layer.q": torch.randn(37, 41, generator=generator),
+               "layer.n": torch.randn(4, generator=generator).bfloat16(),
+               "layer.up": torch.randn(300, 7, generator=generator), "z.w": torch.randn(999, generator=generator)}
+    written(tmp_path / "model.safetensors", tensors)
+    files, buffers = TensorFiles([tmp_path / "model.safetensors"]), Buffers()
+    try:
+        got = files.read_together(["layer.q", "layer.n", "layer.up"], buffers)
+        assert files.direct_reads == 1
+        for name, tensor in got.items():
+            assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name]), name
+    finally:
+        files.close()
+
+
+@pytest.mark.parametrize("offsets, why", [
+    ({"layer.b": 3 + 4096 * 8}, "scattered: a gap of 32 KiB between the layer's two tensors"),
+    ({"layer.b": 3}, "a float32 tensor at an offset 4 does not divide"),
+])
+def test_a_layer_the_direct_read_cannot_take_is_read_through_the_page_cache(tmp_path, offsets, why):
+    tensors = {"layer.a": torch.arange(3, dtype=torch.uint8), "layer.b": torch.randn(50, 50)}
+    written(tmp_path / "model.safetensors", tensors, offsets)
+    files, buffers = TensorFiles([tmp_path / "model.safetensors"]), Buffers()
+    try:
+        got = files.read_together(["layer.a", "layer.b"], buffers)
+        assert files.direct_reads == 0, why
+        assert all(torch.equal(got[name], tensors[name]) for name in tensors)
+        assert got["layer.b"].data_ptr() % 64 == 0  # side by side, each aligned as torch aligns its own
+    finally:
+        files.close()
+
+
+def test_a_kept_buffer_is_never_read_into_while_anything_still_sees_it():
+    buffers = Buffers(count=2)
+    first, second = buffers.take(1000), buffers.take(1000)
+    first.fill_(1)
+    second.fill_(2)
+    weight = first[100:200].view(torch.float32)  # a layer's parameter: a view of the buffer, the buffer let go
+    del first
+    third = buffers.take(1000)  # both kept buffers are seen: new memory, never theirs
+    third.fill_(3)
+    assert weight.untyped_storage().data_ptr() != third.untyped_storage().data_ptr()
+    assert (weight.view(torch.uint8) == 1).all() and (second == 2).all() and buffers.reused == 0
+    first_memory = weight.untyped_storage().data_ptr()
+    del weight, third
+    again = buffers.take(600, align=4096)  # the first buffer, free now: read into again, at a 4 KiB boundary
+    assert buffers.reused == 1 and again.data_ptr() % 4096 == 0
+    assert again.untyped_storage().data_ptr() == first_memory
+    larger = buffers.take(5000)  # the second is still seen (`second`), the first (`again`) too: new memory
+    assert buffers.reused == 1 and larger.untyped_storage().data_ptr() not in (first_memory,
+                                                                               second.untyped_storage().data_ptr())
