@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
-from klpipe.model.tensor_files import TensorFiles
+from klpipe.model.tensor_files import Buffers, TensorFiles
 
 
 @dataclass
@@ -88,6 +88,7 @@ class WeightStore:
         self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
                                                weight_mapping=mapping, device_map={"": "cpu"})
         self._files = TensorFiles(weight_files(directory))  # read a tensor at a time; closed with the store
+        self._buffers = Buffers(2)  # the layer that computes and the one read behind it
         entries = {key: entry for key, entry in self._files.entries.items() if key not in skipped}
         # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
         # renaming applies only after its guard key).
@@ -96,6 +97,8 @@ class WeightStore:
         converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
         layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
         self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint tensors (Entry)
+        self._sources: dict[str, str] = {}  # model key -> the checkpoint key it is only a renaming of
+        self._plans: dict[int, list] = {}  # layer -> how its later loads go without the loader (_plan)
         targets = set()  # every model key some checkpoint key loads (a split's every part)
         unexpected = set()
         by_pattern = {source: c for c in converters for source in c.source_patterns}
@@ -105,6 +108,8 @@ class WeightStore:
                 renamed, source = rename_source_key(key, [], [], model.base_model_prefix, meta)
             found = layer_key.match(renamed)
             self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = entries[key]
+            if source is None:  # renamed only (no converter): the fast path may load it (_plan)
+                self._sources[renamed] = key
             patterns = by_pattern[source].target_patterns if source is not None else [None]
             parts = {renamed.replace(patterns[0], p) if p else renamed for p in patterns}
             targets |= parts & meta.keys()
@@ -147,13 +152,19 @@ class WeightStore:
                                  "random weights")
 
     def _load(self, part: int | None) -> None:
-        """Part `part`'s checkpoint tensors into the model (transformers' own loader), refusing what does not fit."""
+        """Part `part`'s checkpoint tensors into the model (transformers' own loader, or, for a layer loaded before,
+        its plan), refusing what does not fit."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         entries = self.parts.get(part, {})
-        tensors = {key: self._files.read(key) for key in entries}
+        if part in self._plans:
+            self._load_planned(part, entries)
+            return
+        # A layer's tensors go into one of the two buffers kept for layers (tensor_files.Buffers); the resident
+        # part, read once, into memory of its own.
+        tensors = ({key: self._files.read(key) for key in entries} if part is None
+                   else self._files.read_together(entries, self._buffers))
         info, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config)
-        del tensors  # the model's parameters hold what they need (the same buffer, or a converted copy)
         self.model._adjust_missing_and_unexpected_keys(info)  # the keys from_pretrained knows to leave (legacy RoPE)
         wrong = sorted(info.unexpected_keys | info.mismatched_keys)
         if wrong or info.conversion_errors:
@@ -167,6 +178,45 @@ class WeightStore:
                 raise ModelError(f"{type(self.model).__name__}: {len(missing)} missing keys loading layer {part} "
                                  f"({', '.join(missing[:3])}); refusing to run with random weights")
             self.layers[part].requires_grad_(False)
+            plan = self._plan(part, tensors)
+            if plan is not None:
+                self._plans[part] = plan
+        del tensors  # the model's parameters hold what they need (the same buffer, or a converted copy)
+        self.reads += sum(entry.nbytes for entry in entries.values())
+
+    def _plan(self, part: int, tensors: dict) -> list | None:
+        """How layer `part` loads again without transformers' loader, which rebuilds the whole model's key sets and a
+        thread pool for every call (36 ms a layer against 9 ms for its read, measured on the 2.5 GiB Llama of
+        benchmarks/bench_stream.py): each parameter's checkpoint key and dtype, where the loader only renamed it and
+        maybe cast it. Held to what the loader made just now: each parameter contiguous and equal, bit for bit, to
+        its checkpoint tensor cast to its dtype; a layer with anything else (fused experts, split or fused
+        projections, a tensor made or reshaped) has no plan and goes through the loader every time."""
+        layer = self.layers[part]
+        names = {id(module): name for name, module in layer.named_modules()}
+        plan = []
+        for module, name, is_buffer, _ in self._meta[part]:
+            now = _current(module, name)
+            path = ".".join(p for p in (self.layers_path, str(part), names[id(module)], name) if p)
+            read = tensors.get(self._sources.get(path))
+            if (read is None or read.shape != now.shape or not now.is_contiguous()
+                    or type(now) is not (torch.Tensor if is_buffer else torch.nn.Parameter)
+                    or not torch.equal(read.to(now.dtype), now)):
+                return None
+            plan.append((module, name, is_buffer, self._sources[path], now.dtype))
+        return plan
+
+    def _load_planned(self, part: int, entries: dict) -> None:
+        """Layer `part` loaded by its plan (_plan): each tensor read, cast to its parameter's dtype where the loader
+        cast it, and put in its module as the loader puts it."""
+        tensors = self._files.read_together(entries, self._buffers)
+        for module, name, is_buffer, key, dtype in self._plans[part]:
+            value = tensors[key].to(dtype)
+            if is_buffer:
+                module._buffers[name] = value
+            else:
+                value = torch.nn.Parameter(value, requires_grad=False)
+                value._is_hf_initialized = True  # as transformers' loader marks what it loaded
+                module._parameters[name] = value
         self.reads += sum(entry.nbytes for entry in entries.values())
 
     def _finish(self) -> None:
