@@ -92,17 +92,19 @@ class ReferenceModel:
 
     @classmethod
     def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
-             streamed: bool = False) -> ReferenceModel:
+             streamed: bool = False, trim_above: int | None = None) -> ReferenceModel:
         """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
         layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
 
         `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
         the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
-        forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py)."""
+        forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py), and the
+        memory they free goes back to the kernel once the process holds more than `trim_above` bytes (allocator.py;
+        None: always)."""
         if streamed:
             from klpipe.model import streamed as streamed_model
 
-            return streamed_model.reference(cls, spec, compile, adapters)
+            return streamed_model.reference(cls, spec, compile, adapters, trim_above)
         model, device, dtype = loading.load_model(spec)
         if adapters:
             attached = lora.Adapters(model, default)

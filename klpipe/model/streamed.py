@@ -138,7 +138,7 @@ def weights_directory(spec):
         raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
 
 
-def reference(cls, spec, compile: str, adapters: tuple):
+def reference(cls, spec, compile: str, adapters: tuple, trim_above: int | None = None):
     """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
     the chunked head, packing), before any row."""
     from klpipe.model import loading
@@ -148,6 +148,7 @@ def reference(cls, spec, compile: str, adapters: tuple):
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
                          f"with {refused} yet")
     model, device, dtype, streamer = load(spec)
+    streamer.trim_above = trim_above  # before the checks' forwards, which stream too
     model_ = cls(model, device, dtype)
     model_.streamer = streamer
     with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so

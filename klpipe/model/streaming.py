@@ -62,8 +62,9 @@ weights either fit (the in-memory path) or stream; a budget too small for the re
 activations is refused before anything runs, naming the smallest budget that would work.
 
 **Memory between layers** (allocator.py): each pass's thread frees its layer's activations; glibc's malloc would
-keep them in the thread's arena, so the passes share one arena and it is trimmed after each pass's turn. What a
-thread holds of its own (its stack, OpenMP team, BLAS buffers: 11 to 14 MiB measured) the budget counts per pass.
+keep them in the thread's arena, so the passes share one arena, trimmed after a pass's turn when the process is
+over its allowance. What a thread holds of its own (its stack, OpenMP team, BLAS buffers: 11 to 14 MiB measured)
+the budget counts per pass.
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (about 9 reads of the weights at load, one more per forward of the tree's probe at the first chunk that
@@ -121,6 +122,9 @@ class LayerMajor:
         self._current = threading.local()  # the _Pass a thread runs, in a group
         self._back = threading.Semaphore(0)
         self._abandon = False
+        # The process's own resident memory above which what it freed is handed back to the kernel (allocator.trim);
+        # None: always. A run sets it from its budget, less room for its widest pass (precompute/budget.py).
+        self.trim_above: int | None = None
         self.layer_reads = 0  # layers read since load
         self.groups = 0  # groups run layer-major since load
         self.read_seconds = 0.0  # spent reading layers, in the background or not
@@ -158,13 +162,13 @@ class LayerMajor:
             self._ahead = None
             if layer != k:
                 store.release(layer)
+        for other in range(len(store.layers)):  # before layer k is read: its buffer may be one of theirs
+            if other != k and store.loaded(other):
+                store.release(other)
         if not store.loaded(k):
             self._read(k)
         self.waited_seconds += time.perf_counter() - started
-        for other in range(len(store.layers)):
-            if other != k and store.loaded(other):
-                store.release(other)
-        allocator.trim()  # the layers just freed given back (allocator.py)
+        allocator.trim(self.trim_above)  # the layers just freed given back, where the process is over (allocator.py)
         self._read_ahead(k + 1)
 
     def _read_ahead(self, k: int) -> None:
@@ -263,9 +267,10 @@ class LayerMajor:
         here, so that no other pass runs on after it."""
         step.go.release()
         self._back.acquire()
-        # What the pass freed (its layer's activations) given back now, before the next pass allocates its own:
-        # otherwise a group's passes together hold a layer's activations several times over (allocator.py).
-        allocator.trim()
+        # What the pass freed (its layer's activations) given back now if the process is over its allowance, before
+        # the next pass allocates its own: otherwise a group's passes could together hold a layer's activations
+        # several times over. Under it, the free pages stay for the next pass to reuse (allocator.py).
+        allocator.trim(self.trim_above)
         if step.error is not None and not self._abandon and not isinstance(step.error, _Abandoned):
             raise step.error
 

@@ -142,6 +142,9 @@ class Streamed:
     tokens: int  # fed tokens a layer-major group of passes may hold
     cache_mib: int  # the prefix tree's kept keys and values (its --max-cache-mib, less where the budget is short)
     policy: bool = False  # whether a --policy with weights of its own streams too (else it is held in memory)
+    # The own resident memory above which the streamer hands freed memory back to the kernel (model/allocator.py): the
+    # budget less the room one pass needs at its widest. Below it, freed pages stay for reuse (no faults).
+    trim_above: int | None = None
 
 
 def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
@@ -191,4 +194,4 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
         + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
         + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))
-    return Streamed(tokens, cache >> 20, policy_streams)
+    return Streamed(tokens, cache >> 20, policy_streams, limit.bytes - activations)

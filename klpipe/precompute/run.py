@@ -157,15 +157,18 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             # input should fail in seconds, not after hours of compute.
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
+            trim_above = streamed.trim_above if streamed is not None else None
             model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
-                                                  default=models.reference_side, streamed=streamed is not None)
+                                                  default=models.reference_side, streamed=streamed is not None,
+                                                  trim_above=trim_above)
             model.stream_tokens = streamed.tokens if streamed is not None else None
             model.stream_cache_mib = streamed.cache_mib if streamed is not None else None
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
             policy = (model if models.policy_side is not None
                       else reference.ReferenceModel.load(models.policy_spec, compile=config.compile,
-                                                         streamed=streamed is not None and streamed.policy)
+                                                         streamed=streamed is not None and streamed.policy,
+                                                         trim_above=trim_above)
                       if models.policy_spec is not None else None)
             if policy is not None and policy.streamer is not None:
                 policy.stream_tokens, policy.stream_cache_mib = streamed.tokens, streamed.cache_mib

@@ -138,7 +138,10 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
     assert f"it needs at least {budget.fmt(smallest)} " in str(caught.value)
     assert not list(tmp_path.iterdir())  # nothing written: no output, no work directory
     # One byte more streams (the weights do not fit it); the model's weights more stay in memory.
-    assert budget.decide(config_for(tmp_path, max_memory=str(smallest)), resolve(config), 256, lambda line: None)
+    streamed = budget.decide(config_for(tmp_path, max_memory=str(smallest)), resolve(config), 256, lambda line: None)
+    assert streamed is not None
+    # Freed memory goes back to the kernel once the process holds more than the budget less one pass's widest.
+    assert streamed.trim_above == smallest - activations(TINY_GEMMA, 256)
     in_memory = smallest - resident - 2 * largest + weights
     assert budget.decide(config_for(tmp_path, max_memory=str(in_memory)), resolve(config), 256,
                          lambda line: None) is None
