@@ -15,9 +15,9 @@ matmul peak at the same thread count (torch.mm of 2,048 x 2,048 fp32). Needs roo
 Run: `python benchmarks/bench_stream.py [--layers 44] [--tokens 4096] [--limit MiB]`. Passes are 512 tokens
 (`--max-tokens-per-batch 512`), so that one pass's activations fit beside two layers in the cgroup.
 
-Measured on a quiet machine (2 CPU cores), the defaults, twice: streamed scoring 46.0 s and 37.0 s against 25.6 s
-and 27.1 s in memory (56% and 73%), whole runs 79.7 s and 74.3 s against 41.8 s and 42.9 s; 7,657 MiB read in
-3 groups, 98-99% of it hidden by the clock. docs/precompute.md, Weights larger than memory, says where the rest goes.
+Measured (2 CPU cores), the defaults, twice: streamed scoring 30.0 s and 32.3 s against 27.1 s and 27.0 s in memory
+(90% and 84%), whole runs 51.4 s and 55.1 s against 44.3 s and 43.1 s; 7,657 MiB read in 3 groups, 98% of it
+hidden by the clock. docs/precompute.md, Weights larger than memory, says where the rest goes.
 """
 
 from __future__ import annotations

@@ -68,8 +68,9 @@ the budget counts per pass.
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (about 9 reads of the weights at load, one more per forward of the tree's probe at the first chunk that
-shares); on CPU the background read takes some CPU time from the compute; a model a little over the budget still
-reads every layer, where the spare memory could keep some resident.
+shares); a model a little over the budget still reads every layer, where the spare memory could keep some
+resident. The read itself takes little CPU from the compute: one O_DIRECT read a layer into a buffer kept for the
+run (tensor_files.py), loaded again by its plan rather than transformers' loader (weight_store.py).
 
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
