@@ -69,10 +69,11 @@ class Adapters:
         """Every module an adapter changes (compiled.py leaves them eager: a hook or a swap per side)."""
         return {path for adapter in self.adapters.values() for path in (*adapter.updates, *adapter.saved)}
 
-    def add(self, name: str, path: str, config: dict) -> None:
+    def add(self, name: str, path: str, config: dict, weight_of=None) -> None:
         """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
-        until `activate` (or `use`) names it."""
-        adapter = read(name, path, config, self.model)
+        until `activate` (or `use`) names it. `weight_of(module_path, module)`: the adapted Linear's base weight,
+        loaded (a streamed model's are on meta between forwards: streamed.py loads its layer); its own by default."""
+        adapter = read(name, path, config, self.model, weight_of)
         self.adapters[name] = adapter
         modules = dict(self.model.named_modules())
         for module_path in adapter.updates:
@@ -122,9 +123,25 @@ class Adapters:
             self.activate(self.default)
 
 
-def read(name: str, path: str, config: dict, model: torch.nn.Module) -> Adapter:
+def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None) -> Adapters:
+    """`adapters` ((name, folder, checked config)) hooked into `model`, `default` active; LoRA on the LM head refused
+    (the chunked head reads the head's weight, not its forward: the update would be lost)."""
+    attached = Adapters(model, default)
+    for name, path, config in adapters:
+        attached.add(name, path, config, weight_of)
+    attached.activate(default)
+    head = model.get_output_embeddings()
+    adapted_head = [a.path for a in attached.adapters.values() if any(model.get_submodule(p) is head for p in a.updates)]
+    if adapted_head:
+        raise ModelError(f"{adapted_head[0]}: LoRA on the LM head, which klpipe does not apply (merge it with PEFT's "
+                         "merge_and_unload, or train the head as modules_to_save)")
+    return attached
+
+
+def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None) -> Adapter:
     """The adapter's tensors, checked against the model: every key a Linear's update or a module's replacement of
-    the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks)."""
+    the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks).
+    `weight_of`: as Adapters.add's."""
     from safetensors import safe_open
 
     adapter = Adapter(name, path)
@@ -147,6 +164,10 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module) -> Adapter:
         module_path, _, attribute = local.rpartition(".")
         if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
             current = getattr(modules[module_path], attribute, None)
+            if isinstance(current, torch.nn.Parameter) and current.is_meta:  # a streamed layer's: its store swaps it
+                raise ModelError(f"{path}: modules_to_save replaces {module_path}.{attribute}, inside a decoder layer "
+                                 "that streams from its files, which klpipe does not run yet (merge the adapter with "
+                                 "PEFT's merge_and_unload and pass the merged model)")
             if not isinstance(current, torch.nn.Parameter) or current.shape != tensor.shape:
                 raise ModelError(f"{path}: {key} is {tuple(tensor.shape)}, and the base's {module_path}.{attribute} "
                                  f"{_shape(current)}: an adapter for another base model")
@@ -156,13 +177,14 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module) -> Adapter:
         raise ModelError(f"{path}: holds {key}, which klpipe does not apply (LoRA on Linear layers and "
                          "modules_to_save only; merge it with PEFT's merge_and_unload and pass the merged model)")
     for module_path, found in sorted(parts.items()):
-        adapter.updates[module_path] = _update(path, module_path, found, config, modules.get(module_path))
+        adapter.updates[module_path] = _update(path, module_path, found, config, modules.get(module_path),
+                                               weight_of or (lambda _, module: module.weight))
     if not adapter.updates and not adapter.saved:
         raise ModelError(f"{path}: holds no LoRA weights")
     return adapter
 
 
-def _update(path: str, module_path: str, found: dict, config: dict, module) -> LoraUpdate:
+def _update(path: str, module_path: str, found: dict, config: dict, module, weight_of) -> LoraUpdate:
     if not isinstance(module, torch.nn.Linear):
         what = "no such module" if module is None else type(module).__name__
         raise ModelError(f"{path}: adapts {module_path}, which in the base model is {what}: an adapter for another "
@@ -178,7 +200,8 @@ def _update(path: str, module_path: str, found: dict, config: dict, module) -> L
                          "another base model")
     alpha = _pattern(config.get("alpha_pattern") or {}, module_path, config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    device = module.weight.device
+    weight = weight_of(module_path, module)  # loaded: its device is the one the hook's inputs come on
+    device = weight.device
     down, up = down.to(device), up.to(device)
     dora = None
     if config.get("use_dora"):
@@ -187,7 +210,7 @@ def _update(path: str, module_path: str, found: dict, config: dict, module) -> L
             raise ModelError(f"{path}: {module_path} is a DoRA layer without its magnitude vector of "
                              f"{module.out_features}")
         with torch.no_grad():  # ‖W + s·B A‖ per output row, once: (out,)
-            norm = torch.linalg.vector_norm(module.weight.float() + scaling * (up @ down), dim=1)
+            norm = torch.linalg.vector_norm(weight.float() + scaling * (up @ down), dim=1)
         dora = magnitude.float().to(device) / norm
     elif "lora_magnitude_vector" in found:
         raise ModelError(f"{path}: {module_path} holds a DoRA magnitude vector and its config says use_dora false")

@@ -104,21 +104,10 @@ class ReferenceModel:
         if streamed:
             from klpipe.model import streamed as streamed_model
 
-            return streamed_model.reference(cls, spec, compile, adapters, trim_above)
+            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above)
         model, device, dtype = loading.load_model(spec)
-        if adapters:
-            attached = lora.Adapters(model, default)
-            for name, path, config in adapters:
-                attached.add(name, path, config)
-            attached.activate(default)
-            head = model.get_output_embeddings()
-            adapted_head = [a.path for a in attached.adapters.values()
-                            if any(model.get_submodule(p) is head for p in a.updates)]
-            if adapted_head:  # the chunked head reads the head's weight, not its forward: the update would be lost
-                raise ModelError(f"{adapted_head[0]}: LoRA on the LM head, which klpipe does not apply (merge it with "
-                                 "PEFT's merge_and_unload, or train the head as modules_to_save)")
         reference = cls(model, device, dtype)
-        reference.adapters = attached if adapters else None
+        reference.adapters = lora.attach(model, adapters, default) if adapters else None
         with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
             reference.check_head()
         reference.slow_kernels = tuple(missing)

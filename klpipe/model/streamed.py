@@ -7,6 +7,7 @@ budget is decided before anything loads; `reference` loads it streamed and check
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -138,20 +139,56 @@ def weights_directory(spec):
         raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
 
 
-def reference(cls, spec, compile: str, adapters: tuple, trim_above: int | None = None):
+def reference(cls, spec, compile: str, adapters: tuple, default: str | None = None, trim_above: int | None = None):
     """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
-    the chunked head, packing), before any row."""
-    from klpipe.model import loading
+    the chunked head, packing, each adapter's side), before any row.
 
-    refused = "LoRA adapters" if adapters else "--compile on" if compile == "on" else None
-    if refused is not None:
+    LoRA adapters hook the layers' Linears as in memory (lora.py): their tensors stay resident (the budget counts
+    them: adapter_bytes), the base weights stream under them, and the hooks run as each layer computes. A DoRA
+    layer's norm needs its base weight once, at load: each layer is loaded for it in turn, then freed."""
+    from klpipe.model import loading, lora
+
+    if compile == "on":
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
-                         f"with {refused} yet")
+                         "with --compile on yet")
     model, device, dtype, streamer = load(spec)
     streamer.trim_above = trim_above  # before the checks' forwards, which stream too
     model_ = cls(model, device, dtype)
     model_.streamer = streamer
+    if adapters:
+        store = streamer.store
+        layer_of = re.compile(re.escape(store.layers_path) + r"\.(\d+)\.")
+
+        def weight_of(module_path: str, module):
+            found = layer_of.match(module_path + ".")
+            if found is not None and not store.loaded(int(found.group(1))):
+                streamer.ensure(int(found.group(1)))  # this layer loaded, every other freed
+            return module.weight
+
+        try:
+            model_.adapters = lora.attach(model, adapters, default, weight_of)
+        finally:
+            streamer.release_all()
     with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
         model_.check_head()
     model_.slow_kernels = tuple(missing)
+    model_.check_sides()
     return model_
+
+
+def adapter_bytes(adapters: tuple) -> int:
+    """What LoRA adapters ((name, folder, config)) hold resident beside a streamed base, read off their files'
+    headers: every tensor at 4 bytes an element (the updates are kept in fp32, lora.py), nothing read but that."""
+    from pathlib import Path
+
+    from klpipe.model.lora import WEIGHTS_FILE
+    from klpipe.model.tensor_files import TensorFiles
+
+    total = 0
+    for _, path, _ in adapters:
+        files = TensorFiles([Path(path).expanduser() / WEIGHTS_FILE])
+        try:
+            total += sum(4 * max(entry.nbytes // entry.dtype.itemsize, 1) for entry in files.entries.values())
+        finally:
+            files.close()
+    return total

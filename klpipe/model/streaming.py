@@ -75,9 +75,13 @@ run (tensor_files.py), loaded again by its plan rather than transformers' loader
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
 
-Not streamed yet, each refused in one line: `--compile on`, LoRA adapters, `--dtype float64`,
-`--trust-remote-code`, a GPU, a quantized checkpoint (its tensors mean something only through transformers'
-quantizer), layers that are not one list of decoder layers or that share weights.
+LoRA and DoRA adapters (`--model`'s, `--policy`'s) hook the layers' Linears as in memory, their tensors resident
+(streamed.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
+
+Not streamed yet, each refused in one line: `--compile on`, `--dtype float64`, `--trust-remote-code`, a GPU, a
+quantized checkpoint (its tensors mean something only through transformers' quantizer), an adapter's
+modules_to_save inside a decoder layer (the store swaps those parameters), layers that are not one list of decoder
+layers or that share weights.
 """
 
 from __future__ import annotations

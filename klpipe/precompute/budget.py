@@ -163,12 +163,15 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
     footprint = resident_bytes()
     beside = policy.weights if policy is not None else 0
-    if sizes is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
-                                    sizes.activations, beside):
+    if sizes is None:
         return None
-    refused = ("a LoRA adapter --policy" if models.policy_side is not None
-               else "a LoRA adapter --model" if models.adapters else "--compile on" if config.compile == "on"
-               else "--dtype float64" if config.dtype == "float64" else "a GPU" if device != "cpu" else None)
+    # LoRA adapters over the reference (--model's, --policy's) stay resident, in memory or streamed beside it.
+    adapters = streamed.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
+    sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
+    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside):
+        return None
+    refused = ("--compile on" if config.compile == "on" else "--dtype float64" if config.dtype == "float64"
+               else "a GPU" if device != "cpu" else None)
     if refused is not None:
         raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from klpipe.cache import read_provenance
@@ -296,3 +297,60 @@ def test_shards_of_an_adapter_run_are_the_whole_run_cut(tmp_path):
     assert sum(part.num_rows for part in parts) == whole.num_rows and all(part.num_rows for part in parts)
     for column in ("ref_logprobs", "policy_logprobs"):
         assert sum((part.column(column).to_pylist() for part in parts), []) == whole.column(column).to_pylist()
+
+
+def streaming_budget(monkeypatch, adapters) -> int:
+    """The smallest budget that streams the tiny Gemma 4 with `adapters` resident (4 bytes an element, as lora.py
+    keeps them), this process counted as tests/precompute/test_budget.py counts it."""
+    from klpipe.precompute import budget
+    from tests.precompute.test_budget import FOOTPRINT, activations, sizes_in_memory
+
+    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    held = sum(4 * tensor.numel() for adapter in adapters
+               for tensor in load_file(adapter / "adapter_model.safetensors").values())
+    streams = FOOTPRINT + budget.GROWTH + resident + held + 2 * largest + activations(TINY_GEMMA, 256)
+    assert streams < FOOTPRINT + budget.GROWTH + weights + held + activations(TINY_GEMMA, 256)
+    return streams
+
+
+@pytest.mark.parametrize("case", ["lora-policy", pytest.param("dora-policy-sft-reference", marks=pytest.mark.slow)])
+def test_adapters_over_a_streamed_base_give_the_in_memory_run(tmp_path, monkeypatch, case):
+    # The base's decoder layers stream from their files under a budget too small for its weights; the adapters stay
+    # resident and hook each layer's Linears as it computes. Both columns equal the same adapters over the base in
+    # memory (1e-5) and PEFT's merge of them.
+    if case == "lora-policy":
+        reference, policy = TINY_GEMMA, save_adapter(TINY_GEMMA, tmp_path / "lora", rank=4)
+    else:  # a DoRA policy (its norm needs each base layer once, at load) under an SFT adapter as the reference
+        reference = save_adapter(TINY_GEMMA, tmp_path / "sft", rank=8, targets=MLP, seed=1)
+        policy = save_adapter(TINY_GEMMA, tmp_path / "dora", rank=4, dora=True, modules_to_save=["lm_head"], seed=2)
+    streams = streaming_budget(monkeypatch, [a for a in (reference, policy) if a is not TINY_GEMMA])
+    rows, lines = bare_rollouts(tmp_path), []
+    # The tree's cache as small as the smallest budget leaves a streamed run (none), in both runs: the same plan.
+    streamed = run(tmp_path, [rows], reference, policy, name="streamed.parquet", log=lines.append,
+                   max_memory=str(streams), max_tokens_per_batch=256, chunk_rows=5, max_cache_mib=0)
+    assert any("its decoder layers stream from their files" in line for line in lines), lines
+    assert streamed.streamed["groups"] >= 1
+    in_memory = run(tmp_path, [rows], reference, policy, name="memory.parquet", max_tokens_per_batch=256, chunk_rows=5,
+                    max_cache_mib=0)
+    got, expected = pq.read_table(streamed.output), pq.read_table(in_memory.output)
+    for column in ("ref_logprobs", "policy_logprobs"):
+        gap = max(float(np.max(np.abs(np.array(a) - np.array(b))))
+                  for a, b in zip(got.column(column).to_pylist(), expected.column(column).to_pylist(), strict=True)
+                  if a)
+        assert gap <= 1e-5, f"{column}: streamed differs from in memory by {gap:.3g}"
+    base = TINY_GEMMA if case == "lora-policy" else reference
+    assert_at_oracle(got, "policy_logprobs", merged(TINY_GEMMA, policy))
+    if base is not TINY_GEMMA:
+        assert_at_oracle(got, "ref_logprobs", merged(TINY_GEMMA, reference))
+    assert mean_gap(got) > 0.05  # the policy's adapter moved the logprobs
+
+
+def test_modules_to_save_inside_a_streamed_layer_is_refused_in_one_line(tmp_path, monkeypatch):
+    adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=ATTENTION, modules_to_save=["down_proj"])
+    streams = streaming_budget(monkeypatch, [adapter])
+    with pytest.raises(ModelError) as caught:
+        run(tmp_path, [bare_rollouts(tmp_path)], TINY_GEMMA, adapter, max_cache_mib=0, max_tokens_per_batch=256,
+            max_memory=str(streams))
+    assert "inside a decoder layer that streams from its files" in str(caught.value)
+    assert "\n" not in str(caught.value)
