@@ -25,8 +25,11 @@ from tests.helpers import free_ports
 REGION = "us-east-1"
 ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
 DENY_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Deny", "Action": "s3:*", "Resource": "*"}]}
+# S3 authorises a listing (ListObjectsV2) as s3:ListBucket; moto from 5.2.6 asks for s3:ListObjectsV2: both named,
+# so the reader may read and list under either, and nothing more.
 READ_ONLY = {"Version": "2012-10-17", "Statement": [
-    {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:HeadObject", "s3:HeadBucket"], "Resource": "*"}]}
+    {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:ListObjectsV2", "s3:HeadObject",
+                                   "s3:HeadBucket"], "Resource": "*"}]}
 
 
 @dataclass
