@@ -69,11 +69,14 @@ class Adapters:
         """Every module an adapter changes (compiled.py leaves them eager: a hook or a swap per side)."""
         return {path for adapter in self.adapters.values() for path in (*adapter.updates, *adapter.saved)}
 
-    def add(self, name: str, path: str, config: dict, weight_of=None) -> None:
+    def add(self, name: str, path: str, config: dict, weight_of=None, device=None) -> None:
         """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
-        until `activate` (or `use`) names it. `weight_of(module_path, module)`: the adapted Linear's base weight,
-        loaded (a streamed model's are on meta between forwards: streamed.py loads its layer); its own by default."""
-        adapter = read(name, path, config, self.model, weight_of)
+        until `activate` (or `use`) names it.
+
+        A streamed model's Linears hold meta weights between forwards (streamed.py): `device` is where they compute,
+        and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA layer's
+        norm reads (streamed.py loads its layer). By default, each Linear's own weight and its device."""
+        adapter = read(name, path, config, self.model, weight_of, device)
         self.adapters[name] = adapter
         modules = dict(self.model.named_modules())
         for module_path in adapter.updates:
@@ -123,12 +126,13 @@ class Adapters:
             self.activate(self.default)
 
 
-def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None) -> Adapters:
+def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None, device=None) -> Adapters:
     """`adapters` ((name, folder, checked config)) hooked into `model`, `default` active; LoRA on the LM head refused
-    (the chunked head reads the head's weight, not its forward: the update would be lost)."""
+    (the chunked head reads the head's weight, not its forward: the update would be lost). `weight_of`, `device`: as
+    Adapters.add's."""
     attached = Adapters(model, default)
     for name, path, config in adapters:
-        attached.add(name, path, config, weight_of)
+        attached.add(name, path, config, weight_of, device)
     attached.activate(default)
     head = model.get_output_embeddings()
     adapted_head = [a.path for a in attached.adapters.values() if any(model.get_submodule(p) is head for p in a.updates)]
@@ -138,10 +142,10 @@ def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_
     return attached
 
 
-def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None) -> Adapter:
+def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None, device=None) -> Adapter:
     """The adapter's tensors, checked against the model: every key a Linear's update or a module's replacement of
     the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks).
-    `weight_of`: as Adapters.add's."""
+    `weight_of`, `device`: as Adapters.add's."""
     from safetensors import safe_open
 
     adapter = Adapter(name, path)
@@ -178,13 +182,13 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
                          "modules_to_save only; merge it with PEFT's merge_and_unload and pass the merged model)")
     for module_path, found in sorted(parts.items()):
         adapter.updates[module_path] = _update(path, module_path, found, config, modules.get(module_path),
-                                               weight_of or (lambda _, module: module.weight))
+                                               weight_of or (lambda _, module: module.weight), device)
     if not adapter.updates and not adapter.saved:
         raise ModelError(f"{path}: holds no LoRA weights")
     return adapter
 
 
-def _update(path: str, module_path: str, found: dict, config: dict, module, weight_of) -> LoraUpdate:
+def _update(path: str, module_path: str, found: dict, config: dict, module, weight_of, device) -> LoraUpdate:
     if not isinstance(module, torch.nn.Linear):
         what = "no such module" if module is None else type(module).__name__
         raise ModelError(f"{path}: adapts {module_path}, which in the base model is {what}: an adapter for another "
@@ -200,8 +204,9 @@ def _update(path: str, module_path: str, found: dict, config: dict, module, weig
                          "another base model")
     alpha = _pattern(config.get("alpha_pattern") or {}, module_path, config.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    weight = weight_of(module_path, module)  # loaded: its device is the one the hook's inputs come on
-    device = weight.device
+    # Where the hook's inputs come: the Linear's own weight's device, or, while a streamed layer's is on meta, the
+    # device its layers load to (a plain update needs nothing else of the base: no layer is read for it).
+    device = module.weight.device if not module.weight.is_meta else torch.device(device)
     down, up = down.to(device), up.to(device)
     dora = None
     if config.get("use_dora"):
@@ -209,6 +214,7 @@ def _update(path: str, module_path: str, found: dict, config: dict, module, weig
         if magnitude is None or magnitude.shape != (module.out_features,):
             raise ModelError(f"{path}: {module_path} is a DoRA layer without its magnitude vector of "
                              f"{module.out_features}")
+        weight = weight_of(module_path, module)  # loaded
         with torch.no_grad():  # ‖W + s·B A‖ per output row, once: (out,)
             norm = torch.linalg.vector_norm(weight.float() + scaling * (up @ down), dim=1)
         dora = magnitude.float().to(device) / norm

@@ -7,7 +7,6 @@ budget is decided before anything loads; `reference` loads it streamed and check
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +143,9 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     the chunked head, packing, each adapter's side), before any row.
 
     LoRA adapters hook the layers' Linears as in memory (lora.py): their tensors stay resident (the budget counts
-    them: adapter_bytes), the base weights stream under them, and the hooks run as each layer computes. A DoRA
-    layer's norm needs its base weight once, at load: each layer is loaded for it in turn, then freed."""
+    them: adapter_bytes), the base weights stream under them, and the hooks run as each layer computes. A plain
+    update reads nothing of the base at load; a DoRA layer's norm needs its base weight once: each layer is loaded
+    for it in turn, then freed."""
     from klpipe.model import loading, lora
 
     if compile == "on":
@@ -157,16 +157,15 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     model_.streamer = streamer
     if adapters:
         store = streamer.store
-        layer_of = re.compile(re.escape(store.layers_path) + r"\.(\d+)\.")
 
         def weight_of(module_path: str, module):
-            found = layer_of.match(module_path + ".")
-            if found is not None and not store.loaded(int(found.group(1))):
-                streamer.ensure(int(found.group(1)))  # this layer loaded, every other freed
+            k = store.layer_of(module_path)
+            if k is not None and not store.loaded(k):
+                streamer.ensure(k)  # this layer loaded, every other freed
             return module.weight
 
         try:
-            model_.adapters = lora.attach(model, adapters, default, weight_of)
+            model_.adapters = lora.attach(model, adapters, default, weight_of, device)
         finally:
             streamer.release_all()
     with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so

@@ -95,7 +95,7 @@ class WeightStore:
         meta = model.state_dict()
         renamings = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightRenaming)]
         converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
-        layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
+        self._layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
         self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint tensors (Entry)
         self._sources: dict[str, str] = {}  # model key -> the checkpoint key it is only a renaming of
         self._plans: dict[int, list] = {}  # layer -> how its later loads go without the loader (_plan)
@@ -106,8 +106,7 @@ class WeightStore:
             renamed, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
             if renamed not in meta and key in meta:  # as the loader does: a key already the model's stays it
                 renamed, source = rename_source_key(key, [], [], model.base_model_prefix, meta)
-            found = layer_key.match(renamed)
-            self.parts.setdefault(int(found.group(1)) if found else None, {})[key] = entries[key]
+            self.parts.setdefault(self.layer_of(renamed), {})[key] = entries[key]
             if source is None:  # renamed only (no converter): the fast path may load it (_plan)
                 self._sources[renamed] = key
             patterns = by_pattern[source].target_patterns if source is not None else [None]
@@ -246,6 +245,12 @@ class WeightStore:
         """Layer k's tensors into the model, read from the files now."""
         with self._lock:
             self._load(k)
+
+    def layer_of(self, path: str) -> int | None:
+        """The decoder layer that `path` (a module's or a tensor's, as the model names them) lies in; None: outside
+        the layers, resident."""
+        found = self._layer_key.match(path + ".")
+        return int(found.group(1)) if found is not None else None
 
     def loaded(self, k: int) -> bool:
         return bool(self._meta[k]) and not _current(self._meta[k][0][0], self._meta[k][0][1]).is_meta

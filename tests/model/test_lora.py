@@ -354,3 +354,28 @@ def test_modules_to_save_inside_a_streamed_layer_is_refused_in_one_line(tmp_path
             max_memory=str(streams))
     assert "inside a decoder layer that streams from its files" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
+    # A plain update needs nothing of the base weight (its device is where the layers load to); DoRA's per-row norm
+    # needs each adapted Linear's weight once. The streamed layers are read for that alone.
+    from klpipe.model import ModelSpec, lora, streamed
+
+    adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj"], dora=dora)
+    model, device, _, streamer = streamed.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    store, asked = streamer.store, []
+
+    def weight_of(module_path, module):
+        asked.append(store.layer_of(module_path))
+        streamer.ensure(asked[-1])
+        return module.weight
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    attached = lora.attach(model, (("policy", str(adapter), config),), None, weight_of, device)
+    streamer.release_all()
+    layers = list(range(len(store.layers)))
+    assert asked == (layers if dora else [])
+    assert streamer.layer_reads == (len(layers) if dora else 0)
+    update = attached.adapters["policy"].updates[f"{store.layers_path}.0.self_attn.q_proj"]
+    assert update.down.device == torch.device("cpu") and (update.dora is not None) == dora

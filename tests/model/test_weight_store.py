@@ -63,3 +63,14 @@ def test_a_bfloat16_checkpoint_streamed_in_float32_is_cast_as_the_loader_casts_i
             assert parameter.dtype == torch.float32 and torch.equal(parameter, expected), name
     finally:
         store.release(1)
+
+
+def test_layer_of_names_the_decoder_layer_a_path_lies_in():
+    model = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"), streamed=True)
+    store = model.streamer.store
+    assert store.layers_path == "model.layers"
+    assert store.layer_of("model.layers.1.self_attn.q_proj") == 1
+    assert store.layer_of("model.layers.1") == 1
+    assert store.layer_of("model.layers.10.mlp.up_proj.weight") == 10
+    assert store.layer_of("model.embed_tokens") is None
+    assert store.layer_of("model.layers_norm.1.weight") is None  # a prefix of the path alone is not the list
