@@ -19,7 +19,7 @@ Trimming has a price: every page handed back is faulted in and zeroed again by t
 it. Trimmed after each pass's turn, a 2.5 GiB Llama streamed under 850 MiB spent 36.5 s of system time (10.0M
 page faults) against 4.8 s in memory, and scored at 76% of the in-memory speed; never trimmed, 12.4 s and 84%,
 but its resident set peaked at 932 MiB, over the budget. So `trim(above=...)` trims only once the process holds more
-than the run allows (its own resident memory, from /proc/self/statm: about 10 µs): the free pages are kept for reuse
+than the run allows (its own resident memory: process_memory.own): the free pages are kept for reuse
 while there is room, and given back when there is not.
 """
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
+
+from klpipe import process_memory
 
 M_ARENA_MAX = -8  # glibc's malloc.h
 
@@ -52,23 +53,10 @@ def one_arena() -> None:
 
 
 def trim(above: int | None = None) -> bool:
-    """The free pages of every arena given back to the kernel; with `above`, only once this process's resident set
-    is over `above` bytes. Whether it trimmed."""
+    """The free pages of every arena given back to the kernel; with `above`, only once this process's own resident
+    memory (process_memory.own: what it allocated, which a trim can lower) is over `above` bytes. Whether it trimmed."""
     libc = _glibc()
-    if libc is None or (above is not None and resident() <= above):
+    if libc is None or (above is not None and process_memory.own() <= above):
         return False
     libc.malloc_trim(0)
     return True
-
-
-def resident() -> int:
-    """This process's own resident memory now, in bytes: its resident set less the pages it shares with the files
-    they were read from (its libraries' code: a memory cgroup charges them once, to whoever read them first, and may
-    drop them); 0 where the kernel does not say."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            fields = statm.read().split()
-        pages = int(fields[1]) - int(fields[2])
-    except (OSError, ValueError, IndexError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")

@@ -20,11 +20,11 @@ between layers (per token the residual stream and its kin, per pass its thread's
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from klpipe import process_memory
 from klpipe.errors import InputError
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -84,15 +84,6 @@ def available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def resident_bytes() -> int:
-    """This process's resident set now."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 @dataclass
 class Budget:
     bytes: int
@@ -109,7 +100,7 @@ def find(max_memory: str | None) -> Budget | None:
     free = available()
     if free is None:
         return None
-    return Budget(free + resident_bytes(), f"the machine's available memory ({fmt(free + resident_bytes())})")
+    return Budget(free + process_memory.resident(), f"the machine's available memory ({fmt(free + process_memory.resident())})")
 
 
 def fmt(size: int) -> str:
@@ -161,7 +152,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
     policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
-    footprint = resident_bytes()
+    footprint = process_memory.resident()
     beside = policy.weights if policy is not None else 0
     if sizes is None:
         return None

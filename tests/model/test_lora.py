@@ -302,10 +302,11 @@ def test_shards_of_an_adapter_run_are_the_whole_run_cut(tmp_path):
 def streaming_budget(monkeypatch, adapters) -> int:
     """The smallest budget that streams the tiny Gemma 4 with `adapters` resident (4 bytes an element, as lora.py
     keeps them), this process counted as tests/precompute/test_budget.py counts it."""
+    from klpipe import process_memory
     from klpipe.precompute import budget
     from tests.precompute.test_budget import FOOTPRINT, activations, sizes_in_memory
 
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     held = sum(4 * tensor.numel() for adapter in adapters
                for tensor in load_file(adapter / "adapter_model.safetensors").values())

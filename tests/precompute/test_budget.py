@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe import cache
+from klpipe import cache, process_memory
 from klpipe.errors import InputError
 from klpipe.precompute import budget
 from klpipe.precompute.config import PrecomputeConfig
@@ -129,7 +129,7 @@ def config_for(tmp_path, name="out.parquet", **options) -> PrecomputeConfig:
 
 
 def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     smallest = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     config = config_for(tmp_path, max_memory=str(smallest - 1))
@@ -151,7 +151,7 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
     ("compile", "on", "--compile on"),
     ("dtype", "float64", "--dtype float64")])
 def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, option, value, words):
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     element = 8 if value == "float64" else 4
     streams = str(FOOTPRINT + budget.GROWTH + (resident + 2 * largest) * element // 4
@@ -165,7 +165,7 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("sharing", ["off", "on"])
 def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch, sharing):
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     assert streams < FOOTPRINT + budget.GROWTH + weights + activations(TINY_GEMMA, 256)
@@ -201,7 +201,7 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
                                                                                       policy_streams):
     """The reference streams; the policy (weights of its own) is held in memory where it fits beside the
     reference's smallest part, else streams too; both columns equal the run in memory."""
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     policy_weights, policy_resident, policy_largest = sizes_in_memory(POLICY)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
@@ -224,7 +224,7 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
 
 
 def test_a_budget_too_small_for_both_streamed_is_refused_in_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(budget, "resident_bytes", lambda: FOOTPRINT)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     with pytest.raises(InputError) as caught:
