@@ -159,12 +159,13 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     # LoRA adapters over the reference (--model's, --policy's) stay resident, in memory or streamed beside it.
     adapters = streamed.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
+    weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
     if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside):
         return None
     refused = ("--compile on" if config.compile == "on" else "--dtype float64" if config.dtype == "float64"
                else "a GPU" if device != "cpu" else None)
     if refused is not None:
-        raise InputError(f"the reference's weights ({fmt(sizes.weights)}) do not fit {limit.source}, and streaming "
+        raise InputError(f"the reference's {weights} do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
     held = sizes.resident + 2 * sizes.largest_layer + beside
     activations = sizes.activations
@@ -184,7 +185,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     per_token = sizes.kept_per_token + streamed.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
     with_policy = " with the policy's" if models.policy_spec is not None else ""
-    log(f"{models.spec.name}: its weights ({fmt(sizes.weights)}){with_policy} do not fit {limit.source}: its "
+    log(f"{models.spec.name}: its {weights}{with_policy} do not fit {limit.source}: its "
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
         + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
         + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))

@@ -331,6 +331,7 @@ def test_adapters_over_a_streamed_base_give_the_in_memory_run(tmp_path, monkeypa
     streamed = run(tmp_path, [rows], reference, policy, name="streamed.parquet", log=lines.append,
                    max_memory=str(streams), max_tokens_per_batch=256, chunk_rows=5, max_cache_mib=0)
     assert any("its decoder layers stream from their files" in line for line in lines), lines
+    assert any("its weights and adapters (" in line for line in lines), lines  # the bytes it names count both
     assert streamed.streamed["groups"] >= 1
     in_memory = run(tmp_path, [rows], reference, policy, name="memory.parquet", max_tokens_per_batch=256, chunk_rows=5,
                     max_cache_mib=0)
