@@ -94,6 +94,31 @@ class TensorFiles:
             done += count
         return buffer.view(entry.dtype).reshape(entry.shape)
 
+    def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Rows `rows` (ascending, distinct) of the 2-D tensor `name`, read now: (len(rows), width) in its dtype. Each
+        run of consecutive rows is one positioned read; a row outside the tensor is an IndexError, as indexing it."""
+        entry = self.entries[name]
+        count, width = entry.shape
+        if rows and not 0 <= rows[0] <= rows[-1] < count:
+            raise IndexError(f"{name}: row {rows[0] if rows[0] < 0 else rows[-1]} of a table of {count}")
+        row_bytes = width * entry.dtype.itemsize
+        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)  # (rows x row bytes,)
+        view = memoryview(out.numpy())
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            done, total = 0, (end - start) * row_bytes
+            while done < total:
+                got = os.preadv(entry.fd, [view[start * row_bytes + done:end * row_bytes]],
+                                entry.offset + rows[start] * row_bytes + done)
+                if got <= 0:
+                    raise ModelError(f"a safetensors file ended {total - done} bytes short of {name}'s rows")
+                done += got
+            start = end
+        return out.view(entry.dtype).reshape(len(rows), width)  # (rows, width)
+
     def read_together(self, names: Iterable[str], buffers: Buffers) -> dict[str, torch.Tensor]:
         """The tensors `names`, read now into one of `buffers`'s buffers: in one direct read where they lie
         together, else one by one through the page cache, side by side (each aligned as torch aligns its own)."""

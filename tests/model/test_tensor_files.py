@@ -160,3 +160,19 @@ def test_a_kept_buffer_is_never_read_into_while_anything_still_sees_it():
     larger = buffers.take(5000)  # the second is still seen (`second`), the first (`again`) too: new memory
     assert buffers.reused == 1 and larger.untyped_storage().data_ptr() not in (first_memory,
                                                                                second.untyped_storage().data_ptr())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_are_the_tables_rows(tmp_path, dtype):
+    table = torch.randn(40, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    save_file({"before": torch.ones(3), "table": table}, tmp_path / "t.safetensors")
+    files = TensorFiles([tmp_path / "t.safetensors"])
+    try:
+        for rows in ([], [0], [39], [2, 3, 4, 9, 10, 20, 39], list(range(40))):
+            got = files.read_rows("table", rows)
+            assert got.dtype == dtype and got.shape == (len(rows), 6) and torch.equal(got, table[rows]), rows
+        for rows in ([40], [-1, 3], [3, 41]):
+            with pytest.raises(IndexError):
+                files.read_rows("table", rows)
+    finally:
+        files.close()
