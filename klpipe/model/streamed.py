@@ -86,7 +86,7 @@ class Measure:
     """What the budget compares (precompute/budget.py), in bytes at the run's dtype, read off the meta-built model."""
 
     weights: int
-    resident: int  # outside the decoder layers
+    resident: int  # outside the decoder layers, but for the embedding tables left in their files (table_rows.py)
     largest_layer: int
     activations: int  # one pass of `tokens` tokens, at its widest (activation_bytes)
     kept_per_token: int  # what a pass waiting between layers holds per token: the residual stream and its kin
@@ -95,6 +95,7 @@ class Measure:
 def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
     config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
+    from klpipe.model.table_rows import streamable
     from klpipe.model.weight_store import decoder_layers
 
     if spec.trust_remote_code:
@@ -107,9 +108,11 @@ def measure(spec, tokens: int) -> Measure | None:
     if quantized(model.config):  # its sizes are the quantizer's: it loads as before
         return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
+    in_files = in_layers | {id(t) for t in tables}
     unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     weights = sum(t.numel() * t.element_size() for t in unique.values())
-    resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_layers)
+    resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_files)
     largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
                    for layer in layers), default=0)
     config = architecture.text_config(model.config)
@@ -117,7 +120,10 @@ def measure(spec, tokens: int) -> Measure | None:
     per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0) * int(config.num_hidden_layers)
     element = torch.empty((), dtype=dtype).element_size()
     intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
-    return Measure(weights, resident, largest, activation_bytes(hidden, intermediate, per_layer, tokens, element),
+    # A table's rows a pass reads stand in for it during its forward: one row a token at most, at the run's dtype.
+    rows = tokens * sum(t.shape[1] * t.element_size() for t in tables)
+    return Measure(weights, resident, largest,
+                   activation_bytes(hidden, intermediate, per_layer, tokens, element) + rows,
                    element * (4 * hidden + per_layer))
 
 

@@ -6,9 +6,11 @@ function `from_pretrained` loads every checkpoint with: the same key renamings (
 legacy names), the same conversions (MoE experts stored one by one, fused into one 3-D tensor at load), the same
 dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is handed, and when:
 
-    at load      every key outside the decoder layers (embeddings, Gemma's per-layer embeddings, the final norm,
-                 the head): resident for the run; then the non-persistent buffers (RoPE's frequencies) made and
-                 initialised, and the tied weights tied, as from_pretrained finishes a model
+    at load      every key outside the decoder layers (the embeddings, the final norm, the head): resident for
+                 the run; then the non-persistent buffers (RoPE's frequencies) made and initialised, and the tied
+                 weights tied, as from_pretrained finishes a model
+    per forward  the rows a forward needs of an embedding table it only gathers from (Gemma's per-layer
+                 embeddings: table_rows.py), read from the files, cast as the loader casts the table
     per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
                  read into memory the process owns, nothing mapped), converted into the layer's parameters;
                  `release(k)` puts the meta parameters back, so the layer's tensors are freed
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
+from klpipe.model import table_rows
 from klpipe.model.tensor_files import Buffers, TensorFiles
 
 
@@ -39,8 +42,9 @@ class Sizes:
     """What the streamed model holds, in bytes at the run's dtype (the budget's inputs: precompute/budget.py)."""
 
     weights: int  # every parameter
-    resident: int  # those outside the decoder layers, kept for the run
+    resident: int  # those outside the decoder layers and the tables, kept for the run
     layers: list[int] = field(default_factory=list)  # each decoder layer's
+    tables: int = 0  # the embedding tables left in their files, read row by row (table_rows.py)
 
     @property
     def largest_layer(self) -> int:
@@ -121,10 +125,22 @@ class WeightStore:
         self._check_keys(unexpected, {k for k in meta if k.startswith(self.layers_path + ".")
                                       and tensors[k] not in loaded and k not in tied})
         self._lock = threading.Lock()  # a layer loads in the background while another computes
-        self.reads = 0  # bytes read from the checkpoint since load
+        self.reads = 0  # bytes read from the checkpoint since load, tables' rows included
         self._meta: list[list] = [[] for _ in self.layers]
+        # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
+        # stay in their files too: each forward reads the rows it needs (table_rows.py).
+        tables = {}
+        for path, module in table_rows.streamable(model, self.layers).items():
+            source = self._sources.get(f"{path}.weight")
+            if source not in self.parts[None]:
+                raise ModelError(f"{type(model).__name__}: {path} is converted at load, which streaming its rows "
+                                 "does not run yet")
+            tables[path] = (source, module, self.parts[None].pop(source))
         self._load(None)
-        self._finish()
+        self._finish(tables)
+        self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
+            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count)
+            for path, (source, module, _) in tables.items()]
         # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
         # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
         self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()
@@ -218,10 +234,10 @@ class WeightStore:
                 module._parameters[name] = value
         self.reads += sum(entry.nbytes for entry in entries.values())
 
-    def _finish(self) -> None:
+    def _finish(self, tables: dict) -> None:
         """What from_pretrained does once the weights are in: the non-persistent buffers made and initialised (RoPE's
-        frequencies, computed from the config), the tied weights tied. The layers' parameters stay on meta, where
-        initialising them costs nothing."""
+        frequencies, computed from the config), the tied weights tied. The layers' parameters and the `tables` left
+        in their files stay on meta, where initialising them costs nothing."""
         model = self.model
         model._move_missing_keys_from_meta_to_device(set(), None, None, None)
         model._initialize_missing_keys(False)
@@ -229,7 +245,7 @@ class WeightStore:
         model.eval()
         model.requires_grad_(False)
         resident = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                    if t.is_meta and not n.startswith(self.layers_path + ".")]
+                    if t.is_meta and not n.startswith(self.layers_path + ".") and n.removesuffix(".weight") not in tables]
         if resident:
             raise ModelError(f"{type(model).__name__}: {len(resident)} missing keys loading it streamed "
                              f"({', '.join(resident[:3])}); refusing to run with random weights")
@@ -239,7 +255,13 @@ class WeightStore:
         resident = sum(t.numel() * t.element_size() for t in {id(t): t for t in
                                                              [*self.model.parameters(), *self.model.buffers()]
                                                              if not t.is_meta}.values())
-        return Sizes(weights=resident + sum(layers), resident=resident, layers=layers)
+        tables = sum(t.meta.numel() * t.dtype.itemsize for t in self.tables)
+        return Sizes(weights=resident + sum(layers) + tables, resident=resident, layers=layers, tables=tables)
+
+    def _count(self, nbytes: int) -> None:
+        """`nbytes` more read (a table's rows, in a pass's thread while a layer may load in the background)."""
+        with self._lock:
+            self.reads += nbytes
 
     def load(self, k: int) -> None:
         """Layer k's tensors into the model, read from the files now."""

@@ -52,13 +52,20 @@ def layer_count(model) -> int:
 def test_the_decoder_layers_stay_in_their_files(pair):
     name, in_memory, streamed, _ = pair
     store = streamed.streamer.store
-    # Every decoder layer's weights on the meta device between forwards; the rest loaded, and nothing else.
+    # Every decoder layer's weights on the meta device between forwards, and Gemma's per-layer embeddings (read row by
+    # row); the rest loaded, and nothing else.
+    tables = {n for n, _ in streamed.model.named_modules() if n.endswith("embed_tokens_per_layer")}
+    assert {t.path for t in store.tables} == tables
     assert all(p.is_meta for p in store.layers.parameters())
-    assert not any(p.is_meta for n, p in streamed.model.named_parameters() if not n.startswith(store.layers_path))
+    assert all(streamed.model.get_submodule(n).weight.is_meta for n in tables)
+    assert not any(p.is_meta for n, p in streamed.model.named_parameters()
+                   if not n.startswith(store.layers_path) and n.removesuffix(".weight") not in tables)
     tensors = {id(t): t for t in [*in_memory.model.parameters(), *in_memory.model.buffers()]}.values()
     own = sum(t.numel() * t.element_size() for t in tensors)
     assert store.sizes.weights == own  # the store's sizes are the model's in memory, tensor for tensor
-    assert store.sizes.resident + sum(store.sizes.layers) == own and len(store.sizes.layers) >= 2
+    table = sum(in_memory.model.get_submodule(n).weight.nbytes for n in tables)
+    assert store.sizes.tables == table and (table > 0) == name.startswith("tiny-gemma4")
+    assert store.sizes.resident + sum(store.sizes.layers) + table == own and len(store.sizes.layers) >= 2
 
 
 def test_streamed_rows_match_the_model_in_memory_and_the_oracle(pair):

@@ -99,13 +99,16 @@ def test_a_budget_too_small_for_one_layer_says_the_smallest_that_works():
 
 
 def sizes_in_memory(path) -> tuple[int, int, int]:
-    """(weights, outside the layers, largest layer) of the model as transformers loads it in memory."""
+    """(weights, outside the layers and Gemma's per-layer embeddings (read row by row), largest layer) of the model as
+    transformers loads it in memory."""
     from klpipe.model import ModelSpec, ReferenceModel
 
     model = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu")).model
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     layers = model.model.layers
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    if getattr(model.model, "embed_tokens_per_layer", None) is not None:
+        in_layers.add(id(model.model.embed_tokens_per_layer.weight))
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     resident = sum(t.numel() * t.element_size() for key, t in tensors.items() if key not in in_layers)
     largest = max(sum(t.numel() * t.element_size() for t in layer.state_dict().values()) for layer in layers)
@@ -114,13 +117,24 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 
 def activations(path, tokens: int, element: int = 4) -> int:
     """streamed.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
-    + the per-layer inputs of every layer, per token, and the head's 64 MiB."""
+    + the per-layer inputs of every layer, twice (the inputs, and the rows of the per-layer table read for them), per
+    token, and the head's 64 MiB."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config", config)
     per_layer = (text.get("hidden_size_per_layer_input") or 0) * text["num_hidden_layers"]
-    return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + per_layer) + 64 * MIB
+    return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + 2 * per_layer) + 64 * MIB
+
+
+def table_bytes(path) -> tuple[int, int]:
+    """(the whole table, one row) of Gemma's per-layer embeddings at fp32, from the checkpoint's header: what a streamed
+    run leaves in its file and reads row by row."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as weights:
+        shape = weights.get_slice(next(k for k in weights.keys() if "embed_tokens_per_layer" in k)).get_shape()
+    return 4 * shape[0] * shape[1], 4 * shape[1]
 
 
 def config_for(tmp_path, name="out.parquet", **options) -> PrecomputeConfig:
@@ -174,14 +188,21 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     streamed = precompute(config_for(tmp_path, "streamed.parquet", max_memory=str(streams), prefix_sharing=sharing,
                                      max_cache_mib=0), log=lines.append)
     assert any("its decoder layers stream from their files" in line for line in lines), lines
-    # Each group read every layer's tensors once, as the checkpoint stores them; nothing else.
+    # Each group read every layer's tensors once, as the checkpoint stores them, and of the per-layer embedding table
+    # only rows (fp32 here), one per distinct token of each forward at most; nothing else.
+    import json
+
     from safetensors import safe_open
 
     with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
         layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)
+    config = json.loads((TINY_GEMMA / "config.json").read_text())
+    text = config.get("text_config", config)
+    row = 4 * text["num_hidden_layers"] * text["hidden_size_per_layer_input"]
     assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
     if sharing == "off":  # (on: the tree's probe reads the weights once per forward too, at the first chunk)
-        assert streamed.streamed["bytes_read"] == streamed.streamed["groups"] * layer_bytes
+        rows = streamed.streamed["bytes_read"] - streamed.streamed["groups"] * layer_bytes
+        assert 0 < rows <= streamed.forward.padded_tokens * row and rows % row == 0
     else:
         assert streamed.forward.tree_rows > 0  # the tree ran, streamed
     in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing=sharing, max_cache_mib=0),
@@ -211,8 +232,11 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
                                 prefix_sharing="off"), log=lines.append)
     said = next(line for line in lines if "stream from their files" in line)
     assert ("and so do the policy's" in said) == policy_streams and ("policy held in memory" in said) != policy_streams
-    per_group = sum(t for t in [weights - resident] + ([policy_weights - policy_resident] if policy_streams else []))
-    assert got.streamed["bytes_read"] == got.streamed["groups"] // (2 if policy_streams else 1) * per_group
+    # Each group read every layer once; the per-layer tables' rows besides, one per distinct token of a forward at most.
+    (table, row), streaming = table_bytes(TINY_GEMMA), [TINY_GEMMA] + ([POLICY] if policy_streams else [])
+    per_group = weights - resident - table + (policy_weights - policy_resident - table if policy_streams else 0)
+    rows = got.streamed["bytes_read"] - got.streamed["groups"] // len(streaming) * per_group
+    assert 0 < rows <= len(streaming) * got.forward.padded_tokens * row and rows % row == 0
     expected = precompute(config_for(tmp_path, "memory.parquet", policy=str(POLICY), prefix_sharing="off"),
                           log=lambda line: None)
     for column in (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS):
