@@ -125,6 +125,8 @@ class WeightStore:
         self._check_keys(unexpected, {k for k in meta if k.startswith(self.layers_path + ".")
                                       and tensors[k] not in loaded and k not in tied})
         self._lock = threading.Lock()  # a layer loads in the background while another computes
+        # The byte count alone: a pass's table read must not wait for the layer read the other lock is held across.
+        self._counting = threading.Lock()
         self.reads = 0  # bytes read from the checkpoint since load, tables' rows included
         self._meta: list[list] = [[] for _ in self.layers]
         # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
@@ -197,7 +199,7 @@ class WeightStore:
             if plan is not None:
                 self._plans[part] = plan
         del tensors  # the model's parameters hold what they need (the same buffer, or a converted copy)
-        self.reads += sum(entry.nbytes for entry in entries.values())
+        self._count(sum(entry.nbytes for entry in entries.values()))
 
     def _plan(self, part: int, tensors: dict) -> list | None:
         """How layer `part` loads again without transformers' loader, which rebuilds the whole model's key sets and a
@@ -232,7 +234,7 @@ class WeightStore:
                 value = torch.nn.Parameter(value, requires_grad=False)
                 value._is_hf_initialized = True  # as transformers' loader marks what it loaded
                 module._parameters[name] = value
-        self.reads += sum(entry.nbytes for entry in entries.values())
+        self._count(sum(entry.nbytes for entry in entries.values()))
 
     def _finish(self, tables: dict) -> None:
         """What from_pretrained does once the weights are in: the non-persistent buffers made and initialised (RoPE's
@@ -260,7 +262,7 @@ class WeightStore:
 
     def _count(self, nbytes: int) -> None:
         """`nbytes` more read (a table's rows, in a pass's thread while a layer may load in the background)."""
-        with self._lock:
+        with self._counting:
             self.reads += nbytes
 
     def load(self, k: int) -> None:
