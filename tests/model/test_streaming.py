@@ -68,6 +68,20 @@ def test_the_decoder_layers_stay_in_their_files(pair):
     assert store.sizes.resident + sum(store.sizes.layers) + table == own and len(store.sizes.layers) >= 2
 
 
+def test_the_causality_probe_reads_each_layer_once_for_all_its_rows(pair):
+    # Its rows (the probe and three cuts of it) are passes of one layer-major group: the model's own forward of each,
+    # as in memory, the weights read once rather than once a row.
+    from klpipe.model import probes
+
+    name, in_memory, streamed, _ = pair
+    rows = [(np.array([3]), np.arange(5, 5 + n) % in_memory.vocab_size) for n in (40, 31, 20)]
+    reads = streamed.streamer.layer_reads
+    got = probes.own_rows(streamed, rows)
+    assert streamed.streamer.layer_reads - reads == layer_count(streamed)
+    for a, b in zip(got, probes.own_logprobs(in_memory.model, rows), strict=True):
+        assert a.shape == b.shape and float(np.max(np.abs(a - b))) <= SAME
+
+
 def test_streamed_rows_match_the_model_in_memory_and_the_oracle(pair):
     name, in_memory, streamed, oracle = pair
     rows = chunk(in_memory.vocab_size)
