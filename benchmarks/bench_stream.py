@@ -15,9 +15,10 @@ matmul peak at the same thread count (torch.mm of 2,048 x 2,048 fp32). Needs roo
 Run: `python benchmarks/bench_stream.py [--layers 44] [--tokens 4096] [--limit MiB]`. Passes are 512 tokens
 (`--max-tokens-per-batch 512`), so that one pass's activations fit beside two layers in the cgroup.
 
-Measured (2 CPU cores), the defaults, twice: streamed scoring 30.0 s and 32.3 s against 27.1 s and 27.0 s in memory
-(90% and 84%), whole runs 51.4 s and 55.1 s against 44.3 s and 43.1 s; 7,657 MiB read in 3 groups, 98% of it
-hidden by the clock. docs/precompute.md, Weights larger than memory, says where the rest goes.
+Measured (2 CPU cores, quiet, matmul peak 328 GFLOP/s), the defaults, twice: streamed scoring 24.3 s and 24.9 s
+against 22.3 s and 22.1 s in memory (92% and 89%), whole runs 40.0 s and 41.8 s against 35.0 s and 33.6 s (88% and
+80%); 7,657 MiB read in 3 groups, 98% of it hidden by the clock. docs/precompute.md, Weights larger than memory,
+says where the rest goes.
 """
 
 from __future__ import annotations
