@@ -75,22 +75,61 @@ def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: 
 
 
 def own_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]], block: int | None = None) -> list[np.ndarray]:
-    """own_logprobs of `rows`; for a model whose layers stream (streaming.py), each row a pass of one layer-major
-    group, so that each layer is read once for them all rather than once per row: the same forwards, in another
-    order (a load-time probe of four rows read a 2.5 GiB model four times)."""
+    """own_logprobs of `rows`: those `prefetch` ran already, taken (once) from its memo; for a model whose layers
+    stream (streaming.py), the others each a pass of one layer-major group, so that each layer is read once for them
+    all rather than once per row: the same forwards, in another order."""
+    memo = getattr(reference, "own_memo", None) or {}
+    found = [memo.pop(_key(row, block), None) for row in rows]
+    missing = [row for row, value in zip(rows, found, strict=True) if value is None]
     streamer = getattr(reference, "streamer", None)
-    if streamer is None or len(rows) < 2:
-        return own_logprobs(reference.model, rows, block=block)
-    calls = [functools.partial(own_logprobs, reference.model, [row], block=block) for row in rows]
-    return [found[0] for found in streamer.run(calls)]
+    if streamer is None or len(missing) < 2:
+        computed = own_logprobs(reference.model, missing, block=block) if missing else []
+    else:
+        calls = [functools.partial(own_logprobs, reference.model, [row], block=block) for row in missing]
+        computed = [values[0] for values in streamer.run(calls)]
+    computed = iter(computed)
+    return [value if value is not None else next(computed) for value in found]
+
+
+def _key(row: tuple[np.ndarray, np.ndarray], block: int | None) -> tuple:
+    return row[0].tobytes(), row[1].tobytes(), block
+
+
+def prefetch(reference) -> None:
+    """A streamed model's load-time probes by its own forward (the oracle's row, the causality probe's, packing's),
+    run as passes of one layer-major group before any of them is asked for (own_rows takes them from the memo): each
+    of its layers read once for all of them, not once per probe (a 2.5 GiB model was read 6 times at load, now 4).
+    Run only while nothing of klpipe's is installed, as those probes are; where the group fails, each probe runs
+    alone after, and fails in its own words."""
+    from klpipe.model.attention import packing
+
+    if getattr(reference, "streamer", None) is None:
+        return
+    wanted = [([oracle_row(reference)], None), (causal_rows(reference), reference.head.rows)]
+    if packing.refusal(reference) is None:
+        wanted.append(([packing.probe_row(reference)], reference.head.rows))
+    calls = [(row, block) for rows, block in wanted for row in rows]
+    try:
+        results = reference.streamer.run([functools.partial(own_logprobs, reference.model, [row], block=block)
+                                          for row, block in calls])
+    except Exception:  # noqa: BLE001 - each probe runs alone after, and says what failed
+        reference.streamer.release_all()
+        return
+    reference.own_memo = {_key(row, block): values[0] for (row, block), values in zip(calls, results, strict=True)}
+
+
+def oracle_row(reference) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle's probe: PROBE_LENGTH ids drawn from a fixed seed, fed as a one-token prompt and a response."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()
+    return ids[:1], ids[1:]
 
 
 def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()
+    prompt, response = oracle_row(reference)
     try:
-        return Oracle(ids, own_logprobs(reference.model, [(ids[:1], ids[1:])])[0])
+        return Oracle(np.concatenate([prompt, response]), own_rows(reference, [(prompt, response)])[0])
     except Exception as exc:  # noqa: BLE001 - the model's own code fails: nothing klpipe computes could be right
         cause = config_cause(reference.model) or f"{type(exc).__name__}: {first_line(exc)}"
         name = type(reference.model).__name__
@@ -124,6 +163,18 @@ def check_causal(reference) -> None:
 
     Seen in transformers' DSA families (DeepSeek-V3.2, GLM-MoE-DSA, A.X K2, dots3: the indexer's top-k picks among
     every key slot), DeepSeek-V4 and HY-V4, and XLM, XLNet and CPM-Ant (tests/matrix.py)."""
+    whole, *shorter = own_rows(reference, causal_rows(reference), block=reference.head.rows)
+    found = max(float(np.max(np.abs(values - whole[: len(values)]))) for values in shorter)
+    if found <= reference.probe_tolerance:
+        return
+    reference.own_forward = NOT_CAUSAL
+    reference.notes.append(f"{type(reference.model).__name__}: its forward is not causal (a position's logprobs move "
+                           f"by {found:.3g} when later tokens are added); each row runs alone, whole, by the model's "
+                           "own forward")
+
+
+def causal_rows(reference) -> list[tuple[np.ndarray, np.ndarray]]:
+    """check_causal's probe, whole and cut at three places."""
     from klpipe.model.architecture import text_config
 
     # Long enough that a sparse attention picking its top-k keys has more slots than k to pick from (DeepSeek-V3.2's
@@ -135,14 +186,7 @@ def check_causal(reference) -> None:
     ids = torch.randint(0, reference.vocab_size, (length,), generator=torch.Generator().manual_seed(1)).numpy()
     cuts = (length - 1, length - length // 4, length // 2)
     rows = [(ids[:1], ids[1:])] + [(ids[:1], ids[1:cut]) for cut in cuts]
-    whole, *shorter = own_rows(reference, rows, block=reference.head.rows)
-    found = max(float(np.max(np.abs(values - whole[: len(values)]))) for values in shorter)
-    if found <= reference.probe_tolerance:
-        return
-    reference.own_forward = NOT_CAUSAL
-    reference.notes.append(f"{type(reference.model).__name__}: its forward is not causal (a position's logprobs move "
-                           f"by {found:.3g} when later tokens are added); each row runs alone, whole, by the model's "
-                           "own forward")
+    return rows
 
 
 def gap(reference, oracle: Oracle) -> float:

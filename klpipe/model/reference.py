@@ -74,6 +74,7 @@ class ReferenceModel:
             wide.install(self.body)
         # LoRA adapters over these weights (lora.py), one active per side; None: the weights alone.
         self.adapters: lora.Adapters | None = None
+        self.own_memo: dict = {}  # load-time probes' own-forward logprobs run ahead (probes.prefetch), until used
         self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
         self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
         self.stream_cache_mib: int | None = None  # the prefix tree's cache where it streams (precompute/budget.py)
@@ -184,14 +185,18 @@ class ReferenceModel:
         where it agrees with it (probes.py)."""
         if self.cascade:
             raise RuntimeError("the oracle is the model as transformers loaded it: check before use_cascade")
-        self.oracle = probes.take_oracle(self)
-        probes.check_causal(self)
-        if self.own_forward is not None:
-            self.padded_why = packing.NOT_CAUSAL
-            return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
-        probes.check_head(self, self.oracle)
-        probes.check_padding(self, self.oracle)
-        self.padded_why = packing.check(self)
+        probes.prefetch(self)  # a streamed model: its own-forward probes below in one read of its layers
+        try:
+            self.oracle = probes.take_oracle(self)
+            probes.check_causal(self)
+            if self.own_forward is not None:
+                self.padded_why = packing.NOT_CAUSAL
+                return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
+            probes.check_head(self, self.oracle)
+            probes.check_padding(self, self.oracle)
+            self.padded_why = packing.check(self)
+        finally:
+            self.own_memo = {}  # valid only while nothing of klpipe's is installed
 
     def use_cascade(self) -> str | None:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the

@@ -69,8 +69,8 @@ over its allowance. What a thread holds of its own (its stack, OpenMP team, BLAS
 the budget counts per pass.
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
-layer (6 reads of the weights at load, one more per forward of the tree's probe at the first chunk that shares; the
-causality probe's four rows run as one group: probes.own_rows); a model a little over the budget still reads every layer, where the spare memory could keep some
+layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
+probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); a model a little over the budget still reads every layer, where the spare memory could keep some
 resident. The read itself takes little CPU from the compute: one O_DIRECT read a layer into a buffer kept for the
 run (tensor_files.py), loaded again by its plan rather than transformers' loader (weight_store.py).
 

@@ -82,6 +82,32 @@ def test_the_causality_probe_reads_each_layer_once_for_all_its_rows(pair):
         assert a.shape == b.shape and float(np.max(np.abs(a - b))) <= SAME
 
 
+def test_the_load_time_probes_by_the_models_own_forward_read_each_layer_once(pair):
+    # The oracle's row, the causality probe's and packing's run ahead as one group (probes.prefetch); each probe then
+    # takes its own from the memo, once, and reads nothing.
+    from klpipe.model import probes
+    from klpipe.model.attention import packing
+
+    name, in_memory, streamed, _ = pair
+    block = streamed.head.rows
+    wanted = [(probes.oracle_row(streamed), None)] + [(row, block) for row in probes.causal_rows(streamed)]
+    if packing.refusal(streamed) is None:
+        wanted.append((packing.probe_row(streamed), block))
+    reads = streamed.streamer.layer_reads
+    try:
+        probes.prefetch(streamed)
+        assert streamed.streamer.layer_reads - reads == layer_count(streamed)
+        assert len(streamed.own_memo) == len(wanted)
+        reads = streamed.streamer.layer_reads
+        for row, row_block in wanted:
+            (got,) = probes.own_rows(streamed, [row], block=row_block)
+            (expected,) = probes.own_logprobs(in_memory.model, [row], block=row_block)
+            assert got.shape == expected.shape and float(np.max(np.abs(got - expected))) <= SAME
+        assert streamed.streamer.layer_reads == reads and streamed.own_memo == {}
+    finally:
+        streamed.own_memo = {}
+
+
 def test_streamed_rows_match_the_model_in_memory_and_the_oracle(pair):
     name, in_memory, streamed, oracle = pair
     rows = chunk(in_memory.vocab_size)

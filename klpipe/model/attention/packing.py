@@ -338,6 +338,22 @@ def probe_length(config) -> int:
     return max([PROBE_LENGTH] + [span + 8 for span in spans])
 
 
+def _probe(reference) -> tuple[np.ndarray, np.ndarray]:
+    """(the probe's ids, the row packed before it): fixed seeds, the probe as long as probe_length."""
+    from klpipe.model.architecture import text_config
+
+    length = probe_length(text_config(reference.model.config))
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, reference.vocab_size, (length,), generator=generator).numpy()
+    return ids, torch.randint(0, reference.vocab_size, (length // 2 + 3,), generator=generator).numpy()
+
+
+def probe_row(reference) -> tuple[np.ndarray, np.ndarray]:
+    """The row `check` runs by the model's own forward first (probes.prefetch runs it ahead on a streamed model)."""
+    ids = _probe(reference)[0]
+    return ids[:1], ids[1:]
+
+
 def enable(model) -> None:
     model.set_attn_implementation(NAME)
 
@@ -349,19 +365,14 @@ def disable(model, implementation: str) -> None:
 def check(reference) -> str | None:
     """Switch `reference` to packed rows where they reproduce the model's own forward; None if so, else the reason
     (the model is left as it was). Call after the oracle is taken and before the cascade is installed."""
-    from klpipe.model.architecture import text_config
-    from klpipe.model.probes import own_logprobs
+    from klpipe.model.probes import own_rows
 
     why = refusal(reference)
     if why is not None:
         return why
-    config = text_config(reference.model.config)
-    length = probe_length(config)
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, reference.vocab_size, (length,), generator=generator).numpy()
-    other = torch.randint(0, reference.vocab_size, (length // 2 + 3,), generator=generator).numpy()
-    half = length // 2
-    expected = own_logprobs(reference.model, [(ids[:1], ids[1:])], block=reference.head.rows)[0]  # (L - 1,)
+    ids, other = _probe(reference)
+    half = len(ids) // 2
+    expected = own_rows(reference, [(ids[:1], ids[1:])], block=reference.head.rows)[0]  # (L - 1,)
     enable(reference.model)
     reference.packed, reference.padded_why = True, CHECKING
     try:
