@@ -74,6 +74,17 @@ def activation_bytes(hidden: int, intermediate: int, per_layer_input: int, token
     return tokens * element * (8 * hidden + 3 * intermediate + per_layer_input) + FIXED_ACTIVATIONS
 
 
+def widest_mlp(config, layers: torch.nn.ModuleList) -> int:
+    """The widest MLP a decoder layer runs, for activation_bytes: the config's `intermediate_size` (Gemma 3n's is one
+    per layer: the largest), or wider where a layer's own Linears are (Gemma 4's double-wide MLPs in its KV-shared
+    layers); 4 x hidden where the config names none. Routed experts (3-D parameters) count by the config's."""
+    sizes = getattr(config, "intermediate_size", None)
+    if isinstance(sizes, (list, tuple)):
+        sizes = max(sizes, default=None)
+    linears = [max(m.in_features, m.out_features) for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    return max([int(sizes or 4 * int(config.hidden_size))] + linears)
+
+
 def quantized(config) -> bool:
     """A checkpoint whose tensors need a quantizer to mean anything (fp8 with scales, bitsandbytes, GPTQ): the
     store's plain loader would read them as numbers, wrong ones."""
@@ -119,7 +130,7 @@ def measure(spec, tokens: int) -> Measure | None:
     hidden = int(config.hidden_size)
     per_layer = int(getattr(config, "hidden_size_per_layer_input", 0) or 0) * int(config.num_hidden_layers)
     element = torch.empty((), dtype=dtype).element_size()
-    intermediate = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    intermediate = widest_mlp(config, layers)
     # A table's rows a pass reads stand in for it during its forward: one row a token at most, at the run's dtype.
     rows = tokens * sum(t.shape[1] * t.element_size() for t in tables)
     return Measure(weights, resident, largest,

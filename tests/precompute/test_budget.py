@@ -266,3 +266,40 @@ def test_the_command_line_refuses_a_budget_too_small_in_one_line(tmp_path):
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("Error: --max-memory 1M is too small for this model even streamed"), result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_config_with_an_mlp_width_per_layer_is_sized_by_the_widest_and_runs(tmp_path, monkeypatch):
+    # Gemma 3n's configs name one intermediate size per layer (a list), which the budget read as one number: the run
+    # stopped on a TypeError before any row, on every CPU. One pass is sized by the widest layer's MLP, and the run
+    # gives the same numbers in memory and streamed.
+    import torch
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    from klpipe.model import ModelSpec, streamed
+    from tests.helpers import agent_rollouts
+
+    config = Gemma3nTextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=32,
+                               hidden_size_per_layer_input=8, intermediate_size=[64, 64, 96, 64], num_hidden_layers=4,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, laurel_rank=4,
+                               altup_num_inputs=2, num_kv_shared_layers=2, sliding_window=16,
+                               layer_types=["sliding_attention", "full_attention"] * 2,
+                               activation_sparsity_pattern=[0.0] * 4)
+    torch.manual_seed(0)
+    Gemma3nForCausalLM(config).save_pretrained(tmp_path / "gemma3n")
+    sizes = streamed.measure(ModelSpec(str(tmp_path / "gemma3n"), dtype="float32", device="cpu"), 256)
+    # 8 x hidden + 3 x the widest MLP + the per-layer inputs (4 layers of 8), and as many of the per-layer table's
+    # rows, per token at fp32; the head's 64 MiB.
+    assert sizes.activations == 256 * 4 * (8 * 32 + 3 * 96 + 32) + 256 * 4 * 32 + 64 * MIB
+    rows = agent_rollouts(tmp_path / "rows.parquet", tasks=2, group=3, turns=2)
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
+    tight = FOOTPRINT + budget.GROWTH + sizes.resident + 2 * sizes.largest_layer + sizes.activations
+    outputs = []
+    for name, limit in (("memory", None), ("streamed", str(tight))):
+        lines = []
+        result = precompute(PrecomputeConfig(inputs=[rows], output=tmp_path / f"{name}.parquet",
+                                             model=str(tmp_path / "gemma3n"), device="cpu", progress="none",
+                                             max_tokens_per_batch=256, max_memory=limit, max_cache_mib=0),
+                            log=lines.append)
+        assert any("stream from their files" in line for line in lines) == (limit is not None), lines
+        outputs.append(pq.read_table(result.output).column(cache.REF_LOGPROBS).to_pylist())
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(*outputs, strict=True) if a) <= 1e-5
