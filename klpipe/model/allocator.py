@@ -3,14 +3,15 @@
 A streamed model lives near its memory budget (streaming.py), so what the process holds must be what it
 computes. glibc's malloc keeps two kinds of memory the tensors have let go of:
 
-    arenas      each thread that allocates gets an arena of its own (up to 8 per core); a layer-major group
-                runs each pass in a thread of its own, and each pass's freed activations stay in its arena
-                (measured: +200 MiB of RSS on a 2.5 GiB Llama streamed over 8 passes of 512 tokens)
+    arenas      each thread that allocates gets an arena of its own (up to 8 per core); when a layer-major
+                group ran each pass in a thread of its own, each pass's freed activations stayed in its arena
+                (measured: +200 MiB of RSS on a 2.5 GiB Llama streamed over 8 passes of 512 tokens); the passes
+                are greenlets on one thread now, and the layer reader is the one other thread
     retention   freed blocks inside an arena are kept for reuse, and the threshold above which a block is
                 mapped on its own (and unmapped when freed) rises to the largest block freed, so a freed
                 layer's 16 MiB matrices stay held (another 180 MiB there)
 
-`one_arena` makes every later thread share the main arena (only one pass runs at a time: no contention),
+`one_arena` makes every later thread share the main arena (the reader and the passes rarely allocate at once),
 `trim` hands the arenas' free pages back to the kernel (malloc_trim: the kernel then counts them free, which a
 memory cgroup's limit is measured against). Elsewhere (musl, macOS) both do nothing: their allocators keep no
 per-thread arenas of this kind.

@@ -95,20 +95,16 @@ def _key(row: tuple[np.ndarray, np.ndarray], block: int | None) -> tuple:
     return row[0].tobytes(), row[1].tobytes(), block
 
 
-def prefetch(reference) -> None:
+def prefetch(reference, more: tuple = ()) -> None:
     """A streamed model's load-time probes by its own forward (the oracle's row, the causality probe's, packing's),
     run as passes of one layer-major group before any of them is asked for (own_rows takes them from the memo): each
     of its layers read once for all of them, not once per probe (a 2.5 GiB model was read 6 times at load, now 4).
     Run only while nothing of klpipe's is installed, as those probes are; where the group fails, each probe runs
-    alone after, and fails in its own words."""
-    from klpipe.model.attention import packing
-
+    alone after, and fails in its own words. `more`: other (row, block) to run with them (packing's, which this
+    module does not import)."""
     if getattr(reference, "streamer", None) is None:
         return
-    wanted = [([oracle_row(reference)], None), (causal_rows(reference), reference.head.rows)]
-    if packing.refusal(reference) is None:
-        wanted.append(([packing.probe_row(reference)], reference.head.rows))
-    calls = [(row, block) for rows, block in wanted for row in rows]
+    calls = [(oracle_row(reference), None), *((row, reference.head.rows) for row in causal_rows(reference)), *more]
     try:
         results = reference.streamer.run([functools.partial(own_logprobs, reference.model, [row], block=block)
                                           for row, block in calls])

@@ -185,7 +185,8 @@ class ReferenceModel:
         where it agrees with it (probes.py)."""
         if self.cascade:
             raise RuntimeError("the oracle is the model as transformers loaded it: check before use_cascade")
-        probes.prefetch(self)  # a streamed model: its own-forward probes below in one read of its layers
+        # A streamed model: its own-forward probes below in one read of its layers (packing's too, where it probes).
+        probes.prefetch(self, [(packing.probe_row(self), self.head.rows)] if packing.refusal(self) is None else [])
         try:
             self.oracle = probes.take_oracle(self)
             probes.check_causal(self)

@@ -61,9 +61,10 @@ def load(spec):
 FIXED_ACTIVATIONS = 64 << 20
 
 
-# What each pass of a group holds beyond its activations while it runs in a thread of its own: the thread's stack, its
-# OpenMP team and the BLAS library's per-thread packing buffers (measured 11 to 14 MiB per pass on 2 CPU cores, hidden
-# 256 and MLP 8,192, 512 tokens; freed when the thread ends).
+# What each pass of a group holds beyond its activations while it waits: measured 11 to 14 MiB per pass on 2 CPU cores
+# (hidden 256, MLP 8,192, 512 tokens) when each pass ran in a thread of its own (its stack, OpenMP team and BLAS
+# packing buffers). A pass is now a greenlet on the caller's thread (streaming.py), holding its saved stack alone:
+# the allowance stays, on the safe side.
 PASS_OVERHEAD = 16 << 20
 
 

@@ -22,9 +22,17 @@ parameters back.
 **How a forward runs.** Nothing of the model's forward is copied: a pre-forward hook on each of the body's decoder
 layers (the ModuleList holding most parameters, `layers` in every family) makes sure that layer is loaded. Each
 pass is the model's own forward (klpipe's rows run whole: `ReferenceModel.score_batch`, packed or padded), run in
-a thread of its own; only one runs at a time (a baton passed through semaphores, so torch's threads are never
-shared), and each gives the baton back at every layer's hook. The scheduler then resumes the passes waiting at the
-lowest layer, each until its next layer, so every pass goes through layer k before any goes through k + 1. Whatever
+a greenlet of its own on the caller's thread; a pass switches back to the scheduler at every layer's hook. The
+scheduler then resumes the passes waiting at the lowest layer, each until its next layer, so every pass goes
+through layer k before any goes through k + 1. Greenlets rather than threads: every pass computes on the one
+thread's OpenMP team. A thread per pass gave each pass a team of its own, idle while it waits; with more OpenMP
+threads than cores, libgomp stops spin-waiting between parallel regions, and every region then pays for waking its
+workers (an in-memory run with 8 idle teams in its process scored in 28.1 s against 24.3 s). Measured on
+bench_stream.py's model, alternating runs: streamed scoring 24.8 to 26.3 s against 26.8 to 27.4 s with threads,
+cgroup peak 546 to 557 MiB against 688 to 715 MiB (no thread stacks, teams or BLAS buffers per pass). Each greenlet
+has its own copy of the caller's context variables (klpipe's and transformers' per-forward state live in them), and
+the whole group runs in inference mode, so that the passes' own inference-mode guards, entered and left out of
+order as they take turns, save and restore one state. Whatever
 a forward keeps between layers stays in its own frame: the hidden states, RoPE's cos/sin, Gemma 4's per-layer
 inputs and its KV-shared layers' keys and values (a dict the body hands from layer to layer), a hybrid layer's
 conv and recurrent states. That is why no family needs code of its own here:
@@ -63,10 +71,10 @@ the process's own footprint and an estimate of the activations of one pass of `-
 weights either fit (the in-memory path) or stream; a budget too small for the resident part, two layers and the
 activations is refused before anything runs, naming the smallest budget that would work.
 
-**Memory between layers** (allocator.py): each pass's thread frees its layer's activations; glibc's malloc would
-keep them in the thread's arena, so the passes share one arena, trimmed after a pass's turn when the process is
-over its allowance. What a thread holds of its own (its stack, OpenMP team, BLAS buffers: 11 to 14 MiB measured)
-the budget counts per pass.
+**Memory between layers** (allocator.py): each pass frees its layer's activations, trimmed after a pass's turn
+when the process is over its allowance; every later thread (the reader's) allocates from the main arena. What a
+waiting pass holds of its own beyond its activations (its greenlet's saved stack) the budget counts per pass, as
+the 16 MiB a thread of its own held (PASS_OVERHEAD in streamed.py: on the safe side now).
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
@@ -89,11 +97,12 @@ layers or that share weights.
 from __future__ import annotations
 
 import contextvars
-import threading
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import greenlet
 import torch
 
 from klpipe.model import allocator
@@ -111,7 +120,7 @@ class _Pass:
         self.done = False
         self.result = None
         self.error: BaseException | None = None
-        self.go = threading.Semaphore(0)
+        self.greenlet: greenlet.greenlet | None = None
 
 
 class LayerMajor:
@@ -123,11 +132,10 @@ class LayerMajor:
 
     def __init__(self, store: WeightStore):
         self.store = store
-        allocator.one_arena()  # before any pass's thread: see allocator.py
+        allocator.one_arena()  # before the reader's thread: see allocator.py
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
         self._ahead: tuple[int, object] | None = None  # (layer, its read's future)
-        self._current = threading.local()  # the _Pass a thread runs, in a group
-        self._back = threading.Semaphore(0)
+        self._steps: dict = {}  # greenlet -> the _Pass it runs, in a group
         self._abandon = False
         # The process's own resident memory above which what it freed is handed back to the kernel (allocator.trim);
         # None: always. A run sets it from its budget, less room for its widest pass (precompute/budget.py).
@@ -143,18 +151,17 @@ class LayerMajor:
 
     def _after_last(self, module, args, output) -> None:
         """A forward on its own is over once its last layer is: nothing stays loaded (a group frees at its end)."""
-        if getattr(self._current, "step", None) is None:
+        if self._steps.get(greenlet.getcurrent()) is None:
             self.release_all()
 
     def _make_hook(self, k: int):
         def hook(module, args):
-            step = getattr(self._current, "step", None)
+            step = self._steps.get(greenlet.getcurrent())
             if step is None:  # a forward on its own: this layer now, the next in the background
                 self.ensure(k)
                 return
             step.at = k
-            self._back.release()  # the baton back to the scheduler
-            step.go.acquire()
+            step.greenlet.parent.switch()  # back to the scheduler, until it resumes this pass
             if self._abandon:
                 raise _Abandoned()
         return hook
@@ -230,7 +237,7 @@ class LayerMajor:
                 self.store.release(k)
 
     def run(self, calls: list, between=lambda: None, tokens: int = 0) -> list:
-        """Each of `calls` (no arguments; each runs forwards of the model) in a thread of its own, layer-major:
+        """Each of `calls` (no arguments; each runs forwards of the model) in a greenlet of its own, layer-major:
         every call's forward through layer k before any call's through k + 1. Their results, in order.
 
         `between` runs after each layer (a stop asked for raises there, and the group stops). `tokens`: the fed
@@ -239,41 +246,44 @@ class LayerMajor:
         self.groups += 1
         self.tokens += tokens
         started = time.perf_counter()
-        inference = torch.is_inference_mode_enabled()
-        threads = [threading.Thread(target=self._thread, args=(step, contextvars.copy_context(), inference),
-                                    name=f"klpipe-pass-{i}", daemon=True) for i, step in enumerate(steps)]
+        for step in steps:
+            step.greenlet = greenlet.greenlet(functools.partial(self._body, step))
+            step.greenlet.gr_context = contextvars.copy_context()  # each pass's own, as a thread's would be
+            self._steps[step.greenlet] = step
         self._abandon = False
-        for thread in threads:
-            thread.start()
         self._read_ahead(0)  # while the passes embed their rows
+        # Every pass runs on this thread, so its torch state is theirs: inference mode for the whole group, so that
+        # a pass's own inference-mode guards, entered and left out of order as the passes take turns, save and
+        # restore the same state.
         try:
-            for step in steps:  # each to its first layer (embeddings and what comes before it)
-                self._resume(step)
-            while not all(step.done for step in steps):
-                k = min(step.at for step in steps if not step.done)
-                self.ensure(k)
-                for step in steps:
-                    if not step.done and step.at == k:
-                        self._resume(step)
-                between()
+            with torch.inference_mode():
+                for step in steps:  # each to its first layer (embeddings and what comes before it)
+                    self._resume(step)
+                while not all(step.done for step in steps):
+                    k = min(step.at for step in steps if not step.done)
+                    self.ensure(k)
+                    for step in steps:
+                        if not step.done and step.at == k:
+                            self._resume(step)
+                    between()
         except BaseException:
             self._abandon = True
-            for step in steps:
-                if not step.done:
-                    self._resume(step)
+            with torch.inference_mode():
+                for step in steps:
+                    if not step.done:
+                        self._resume(step)
             raise
         finally:
-            for thread in threads:
-                thread.join()
+            for step in steps:
+                self._steps.pop(step.greenlet, None)
             self.release_all()
             self.group_seconds += time.perf_counter() - started
         return [step.result for step in steps]
 
     def _resume(self, step: _Pass) -> None:
-        """Hand `step` the baton and wait until it stops at its next layer or ends; its error, if it failed, raised
-        here, so that no other pass runs on after it."""
-        step.go.release()
-        self._back.acquire()
+        """Run `step` until it stops at its next layer or ends; its error, if it failed, raised here, so that no other
+        pass runs on after it."""
+        step.greenlet.switch()
         # What the pass freed (its layer's activations) given back now if the process is over its allowance, before
         # the next pass allocates its own: otherwise a group's passes could together hold a layer's activations
         # several times over. Under it, the free pages stay for the next pass to reuse (allocator.py).
@@ -281,19 +291,15 @@ class LayerMajor:
         if step.error is not None and not self._abandon and not isinstance(step.error, _Abandoned):
             raise step.error
 
-    def _thread(self, step: _Pass, context, inference: bool) -> None:
-        step.go.acquire()  # the first turn
-        self._current.step = step
+    def _body(self, step: _Pass) -> None:
         try:
             if self._abandon:
                 raise _Abandoned()
-            with torch.inference_mode(inference):
-                step.result = context.run(step.call)
+            step.result = step.call()
         except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it
             step.error = exc
         finally:
             step.done = True
-            self._back.release()
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -8,10 +8,10 @@ tests/architectures.py, a MoE (experts stored one by one, fused at load), Qwen3-
 MoE) and Llama 4 (chunked attention, NoPE layers, MoE every other layer).
 """
 
-import threading
 
 import numpy as np
 import pytest
+import torch
 
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute.logprobs import plan_chunk, run_plan
@@ -95,7 +95,7 @@ def test_the_load_time_probes_by_the_models_own_forward_read_each_layer_once(pai
         wanted.append((packing.probe_row(streamed), block))
     reads = streamed.streamer.layer_reads
     try:
-        probes.prefetch(streamed)
+        probes.prefetch(streamed, wanted[len(probes.causal_rows(streamed)) + 1:])
         assert streamed.streamer.layer_reads - reads == layer_count(streamed)
         assert len(streamed.own_memo) == len(wanted)
         reads = streamed.streamer.layer_reads
@@ -325,9 +325,11 @@ def llama():
 
 
 def test_every_pass_goes_through_a_layer_before_any_goes_through_the_next(llama):
-    seen = []
+    import greenlet
+
+    seen = []  # (layer, the pass's greenlet): every pass runs on this thread, in a greenlet of its own
     hooks = [layer.register_forward_pre_hook(lambda module, args, k=k: seen.append(
-        (k, threading.current_thread().name))) for k, layer in enumerate(llama.streamer.store.layers)]
+        (k, greenlet.getcurrent()))) for k, layer in enumerate(llama.streamer.store.layers)]
     rng = np.random.default_rng(0)
     rows = [(rng.integers(0, 512, n), rng.integers(0, 512, 4)) for n in (5, 9, 14)]
     try:
@@ -337,7 +339,21 @@ def test_every_pass_goes_through_a_layer_before_any_goes_through_the_next(llama)
             hook.remove()
     layers = [k for k, _ in seen]
     assert layers == sorted(layers) and len(seen) == 3 * len(llama.streamer.store.layers)
-    assert [name for k, name in seen if k == 0] == ["klpipe-pass-0", "klpipe-pass-1", "klpipe-pass-2"]
+    first = [g for k, g in seen if k == 0]  # the passes in their order, the same through every layer
+    assert len(set(first)) == 3 and greenlet.getcurrent() not in first
+    assert all([g for k, g in seen if k == layer] == first for layer in set(layers))
+
+
+def recorded(calls: list) -> tuple[list, list]:
+    """(`calls`, each noting the greenlet it runs in first; the greenlets noted)."""
+    import greenlet
+
+    passes = []
+
+    def noted(call):
+        passes.append(greenlet.getcurrent())
+        return call()
+    return [lambda call=call: noted(call) for call in calls], passes
 
 
 def test_a_failing_pass_stops_its_group_and_its_error_is_raised(llama):
@@ -346,11 +362,12 @@ def test_a_failing_pass_stops_its_group_and_its_error_is_raised(llama):
 
     def fails():
         llama.score_batch([(row[0], np.array([10_000]))])  # a token past the vocabulary: the head refuses it
-    calls = [lambda: llama.score_batch([row]), fails, lambda: llama.score_batch([row])]
+    calls, passes = recorded([lambda: llama.score_batch([row]), fails, lambda: llama.score_batch([row])])
     with pytest.raises(Exception) as caught:
         llama.streamer.run(calls)
     assert not isinstance(caught.value, SystemExit)
-    assert not any(t.name.startswith("klpipe-pass-") for t in threading.enumerate())  # every pass ended
+    assert len(passes) == 3 and all(g.dead for g in passes)  # every pass ended
+    assert not torch.is_inference_mode_enabled()  # the caller's torch state as it was
     assert not any(llama.streamer.store.loaded(k) for k in range(len(llama.streamer.store.layers)))
     # The model still runs afterwards.
     assert llama.streamer.run([lambda: llama.score_batch([row])])[0][0].shape == (3,)
@@ -365,9 +382,10 @@ def test_a_stop_between_layers_abandons_the_group(llama):
 
     def stop():
         raise Stop()
+    calls, passes = recorded([lambda: llama.score_batch([row])] * 2)
     with pytest.raises(Stop):
-        llama.streamer.run([lambda: llama.score_batch([row])] * 2, between=stop)
-    assert not any(t.name.startswith("klpipe-pass-") for t in threading.enumerate())
+        llama.streamer.run(calls, between=stop)
+    assert len(passes) == 2 and all(g.dead for g in passes) and not torch.is_inference_mode_enabled()
 
 
 @pytest.mark.slow
