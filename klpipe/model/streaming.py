@@ -78,9 +78,10 @@ the 16 MiB a thread of its own held (PASS_OVERHEAD in streamed.py: on the safe s
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
-probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); a model a little over the budget still reads every layer, where the spare memory could keep some
-resident. The read itself takes little CPU from the compute: one O_DIRECT read a layer into a buffer kept for the
-run (tensor_files.py), loaded again by its plan rather than transformers' loader (weight_store.py).
+probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); a model a little over
+the budget still reads every layer, where the spare memory could keep some resident. The read itself takes little
+CPU from the compute: one O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded again by
+its plan rather than transformers' loader (weight_store.py).
 
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).

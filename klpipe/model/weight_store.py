@@ -247,7 +247,8 @@ class WeightStore:
         model.eval()
         model.requires_grad_(False)
         resident = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                    if t.is_meta and not n.startswith(self.layers_path + ".") and n.removesuffix(".weight") not in tables]
+                    if t.is_meta and not n.startswith(self.layers_path + ".")
+                    and n.removesuffix(".weight") not in tables]
         if resident:
             raise ModelError(f"{type(model).__name__}: {len(resident)} missing keys loading it streamed "
                              f"({', '.join(resident[:3])}); refusing to run with random weights")
