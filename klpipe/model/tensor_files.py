@@ -85,13 +85,7 @@ class TensorFiles:
         """The tensor `name`, read now into `into` (uint8, its size in bytes) or a buffer of its own."""
         entry = self.entries[name]
         buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into  # (bytes,)
-        view = memoryview(buffer.numpy())
-        done = 0
-        while done < entry.nbytes:
-            count = os.preadv(entry.fd, [view[done:]], entry.offset + done)
-            if count <= 0:
-                raise ModelError(f"a safetensors file ended {entry.nbytes - done} bytes short of a tensor's end")
-            done += count
+        _read_into(entry.fd, memoryview(buffer.numpy()), entry.offset, "a tensor's end")
         return buffer.view(entry.dtype).reshape(entry.shape)
 
     def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
@@ -109,13 +103,8 @@ class TensorFiles:
             end = start + 1
             while end < len(rows) and rows[end] == rows[end - 1] + 1:
                 end += 1
-            done, total = 0, (end - start) * row_bytes
-            while done < total:
-                got = os.preadv(entry.fd, [view[start * row_bytes + done:end * row_bytes]],
-                                entry.offset + rows[start] * row_bytes + done)
-                if got <= 0:
-                    raise ModelError(f"a safetensors file ended {total - done} bytes short of {name}'s rows")
-                done += got
+            _read_into(entry.fd, view[start * row_bytes:end * row_bytes], entry.offset + rows[start] * row_bytes,
+                       f"{name}'s rows")
             start = end
         return out.view(entry.dtype).reshape(len(rows), width)  # (rows, width)
 
@@ -167,6 +156,17 @@ class TensorFiles:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+def _read_into(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """`view` filled from `fd` at `offset` by positioned reads (a read may return less than asked); a file that ends
+    first is refused, naming `what` it was read for."""
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise ModelError(f"a safetensors file ended {len(view) - done} bytes short of {what}")
+        done += count
 
 
 ALIGN = 64  # bytes: torch's CPU allocator aligns every tensor so (its vector kernels assume no less)
