@@ -81,14 +81,18 @@ def own_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]], block: int | 
     memo = getattr(reference, "own_memo", None) or {}
     found = [memo.pop(_key(row, block), None) for row in rows]
     missing = [row for row, value in zip(rows, found, strict=True) if value is None]
-    streamer = getattr(reference, "streamer", None)
-    if streamer is None or len(missing) < 2:
+    if getattr(reference, "streamer", None) is None or len(missing) < 2:
         computed = own_logprobs(reference.model, missing, block=block) if missing else []
     else:
-        calls = [functools.partial(own_logprobs, reference.model, [row], block=block) for row in missing]
-        computed = [values[0] for values in streamer.run(calls)]
+        computed = _as_group(reference, [(row, block) for row in missing])
     computed = iter(computed)
     return [value if value is not None else next(computed) for value in found]
+
+
+def _as_group(reference, calls: list[tuple[tuple[np.ndarray, np.ndarray], int | None]]) -> list[np.ndarray]:
+    """own_logprobs of each (row, block) of `calls`, each row a pass of one layer-major group of the streamed model."""
+    return [values[0] for values in reference.streamer.run(
+        [functools.partial(own_logprobs, reference.model, [row], block=block) for row, block in calls])]
 
 
 def _key(row: tuple[np.ndarray, np.ndarray], block: int | None) -> tuple:
@@ -106,12 +110,11 @@ def prefetch(reference, more: tuple = ()) -> None:
         return
     calls = [(oracle_row(reference), None), *((row, reference.head.rows) for row in causal_rows(reference)), *more]
     try:
-        results = reference.streamer.run([functools.partial(own_logprobs, reference.model, [row], block=block)
-                                          for row, block in calls])
+        results = _as_group(reference, calls)
     except Exception:  # noqa: BLE001 - each probe runs alone after, and says what failed
         reference.streamer.release_all()
         return
-    reference.own_memo = {_key(row, block): values[0] for (row, block), values in zip(calls, results, strict=True)}
+    reference.own_memo = {_key(row, block): values for (row, block), values in zip(calls, results, strict=True)}
 
 
 def oracle_row(reference) -> tuple[np.ndarray, np.ndarray]:
