@@ -15,8 +15,8 @@ of a class whose forward is `nn.Embedding`'s own or Gemma's scaled one (`super()
 that computes its ids inside its forward (OPT's learned positions) would be handed the wrong ones. Its checkpoint
 tensor must be one the loader only renames (no conversion), else the run is refused in one line.
 
-A forward of a streamed model runs one pass at a time (streaming.py's baton is passed only at decoder layers), so a
-table stands in for one forward at a time.
+A streamed group's passes take turns only at decoder layers (streaming.py), so a table stands in for one forward
+at a time.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class TableRows:
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
-        self._hooks = (module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after))
+        module.register_forward_pre_hook(self._before)
+        module.register_forward_hook(self._after)
 
     def _before(self, module, args):
         ids = args[0]
@@ -78,10 +79,6 @@ class TableRows:
 
     def _after(self, module, args, output):
         module._parameters["weight"] = self.meta
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 def dtype_of(key: str, meta: torch.Tensor, dtype_plan: dict) -> torch.dtype:

@@ -137,12 +137,13 @@ class WeightStore:
             if source not in self.parts[None]:
                 raise ModelError(f"{type(model).__name__}: {path} is converted at load, which streaming its rows "
                                  "does not run yet")
-            tables[path] = (source, module, self.parts[None].pop(source))
+            del self.parts[None][source]
+            tables[path] = (source, module)
         self._load(None)
         self._finish(tables)
         self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
             f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count)
-            for path, (source, module, _) in tables.items()]
+            for path, (source, module) in tables.items()]
         # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
         # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
         self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()

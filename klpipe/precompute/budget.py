@@ -100,7 +100,8 @@ def find(max_memory: str | None) -> Budget | None:
     free = available()
     if free is None:
         return None
-    return Budget(free + process_memory.resident(), f"the machine's available memory ({fmt(free + process_memory.resident())})")
+    total = free + process_memory.resident()
+    return Budget(total, f"the machine's available memory ({fmt(total)})")
 
 
 def fmt(size: int) -> str:
