@@ -122,7 +122,10 @@ def measure(spec, tokens: int) -> Measure | None:
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
     in_files = in_layers | {id(t) for t in tables}
-    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    # A tied head is the input embeddings' weight once loaded; built on meta it is a tensor of its own: not counted.
+    mapping = getattr(model, "all_tied_weights_keys", None) or {}
+    ties = {id(t) for name, t in model.named_parameters(remove_duplicate=False) if name in mapping}
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in ties}
     weights = sum(t.numel() * t.element_size() for t in unique.values())
     resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_files)
     largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])

@@ -17,7 +17,7 @@ from klpipe.precompute import budget
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.models import resolve
 from klpipe.precompute.run import precompute
-from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_LLAMA, run_cli
+from tests.helpers import ROLLOUTS, TINY_GEMMA, TINY_GEMMA_MM, TINY_LLAMA, run_cli
 
 MIB = 1 << 20
 FOOTPRINT = 300 * MIB  # the process, as the tests fix it
@@ -135,6 +135,16 @@ def table_bytes(path) -> tuple[int, int]:
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as weights:
         shape = weights.get_slice(next(k for k in weights.keys() if "embed_tokens_per_layer" in k)).get_shape()
     return 4 * shape[0] * shape[1], 4 * shape[1]
+
+
+def test_a_tied_head_is_counted_once_in_the_sizes_read_off_the_config():
+    # Before anything loads, the budget's sizes come from the model built on meta, where a tied head (the multimodal
+    # Gemma 4's) is a tensor of its own until from_pretrained ties it: counted once, as it is once loaded.
+    from klpipe.model import ModelSpec, streamed
+
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA_MM)
+    sizes = streamed.measure(ModelSpec(str(TINY_GEMMA_MM), dtype="float32", device="cpu"), 256)
+    assert (sizes.weights, sizes.resident, sizes.largest_layer) == (weights, resident, largest)
 
 
 def config_for(tmp_path, name="out.parquet", **options) -> PrecomputeConfig:
