@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
+from klpipe.model.table_rows import Resting
 
 WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's, in the folder: never its pickled adapter_model.bin
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own path to the base model
@@ -168,10 +169,13 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
         module_path, _, attribute = local.rpartition(".")
         if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
             current = getattr(modules[module_path], attribute, None)
-            if isinstance(current, torch.nn.Parameter) and current.is_meta:  # a streamed layer's: its store swaps it
-                raise ModelError(f"{path}: modules_to_save replaces {module_path}.{attribute}, inside a decoder layer "
-                                 "that streams from its files, which klpipe does not run yet (merge the adapter with "
-                                 "PEFT's merge_and_unload and pass the merged model)")
+            # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter.
+            if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting)):
+                where = ("an embedding table read from its file row by row" if isinstance(current, Resting)
+                         else "inside a decoder layer that streams from its files")
+                raise ModelError(f"{path}: modules_to_save replaces {module_path}.{attribute}, {where}, which klpipe "
+                                 "does not run yet (merge the adapter with PEFT's merge_and_unload and pass the "
+                                 "merged model)")
             if not isinstance(current, torch.nn.Parameter) or current.shape != tensor.shape:
                 raise ModelError(f"{path}: {key} is {tuple(tensor.shape)}, and the base's {module_path}.{attribute} "
                                  f"{_shape(current)}: an adapter for another base model")

@@ -11,8 +11,9 @@ chunk's passes layer-major, as FlexGen does:
 
 **Where the weights stay** (weight_store.py). The model is built on the meta device from its config, as
 `from_pretrained` builds it, and transformers' own loader puts into it, at load, everything outside the decoder
-layers (the embeddings, the final norm, the head): resident for the run. Gemma's per-layer embedding table stays in
-its file too, and each forward reads the rows its tokens name (table_rows.py). Each layer's
+layers (the final norm, the head, tied input embeddings): resident for the run. Embedding tables a forward only
+gathers from stay in their files, and each forward reads the rows its tokens name (table_rows.py): the input
+embeddings where the head does not share them (Llama 3.1 70B's: 2 GiB in bf16), Gemma's per-layer table. Each layer's
 tensors stay in the safetensors files, read when the layer is asked for (tensor_files.py: positioned reads, nothing
 mapped): no copy of the whole model is ever in RAM, and what the page cache keeps of the files the kernel may drop
 (a memory cgroup counts the page cache, but reclaims it before it kills). Layer k is read into its own modules by
@@ -41,7 +42,7 @@ conv and recurrent states. That is why no family needs code of its own here:
                          inside it); a layer over the budget alone is refused by the budget, below
     KV-shared layers     read the keys of an earlier layer from the forward's own dict, kept per pass
     per-layer embeddings  left in the file, a forward's rows read (table_rows.py): Gemma 4 E2B's table is 2.3B of
-                         its 5.0B parameters, and a streamed E2B's smallest budget falls from 6.9 to 2.5 GiB (bf16)
+                         its 4.6B parameters, and a streamed E2B's smallest budget falls from 6.2 to 1.9 GiB (bf16)
     hybrid layers        their states live in the pass's own forward; rows run whole start from zero states
     shared blocks        a module several depths call (Zamba) would be freed under another depth: refused
     out-of-order calls   a pass that asks for an earlier layer again gets it read again: slower, never wrong

@@ -1,7 +1,7 @@
 """An embedding table of a streamed model left in its file: each forward reads only the rows its ids name.
 
 Gemma 4 E2B looks up, besides its token embeddings, a per-layer embedding for every token (`embed_tokens_per_layer`,
-262,144 x 35 x 256): 2.3B of its 5.0B parameters, 4.7 GB in bf16, of which a pass of 4,096 tokens reads at most 4,096
+262,144 x 35 x 256): 2.3B of its 4.6B parameters, 4.7 GB in bf16, of which a pass of 4,096 tokens reads at most 4,096
 rows (73 MB). A streamed model (streaming.py) keeps such a table in its safetensors file: before the table's own
 forward, the distinct ids of its input are read (tensor_files.read_rows: one positioned read per run of consecutive
 ids), cast as transformers' loader casts the whole table, and stand in as the table; the ids are renumbered into it.
@@ -9,11 +9,16 @@ The module's own forward then runs as in memory (its scale, Gemma's `embed_scale
 have gathered: `table[ids]` equals `rows[inverse]`, bit for bit, where `rows = table[unique(ids)]`. After the forward
 the meta weight is put back, and the rows are freed.
 
-Which tables: an `nn.Embedding` outside the decoder layers that is not the model's input embeddings (their device is
-the input's: reference.py and probes.py read it) and whose weight nothing else shares (a tied head reads every row),
-of a class whose forward is `nn.Embedding`'s own or Gemma's scaled one (`super().forward(ids) * scale`): a subclass
-that computes its ids inside its forward (OPT's learned positions) would be handed the wrong ones. Its checkpoint
-tensor must be one the loader only renames (no conversion), else the run is refused in one line.
+Which tables: an `nn.Embedding` outside the decoder layers whose weight nothing else shares (a tied head reads every
+row), of a class whose forward is `nn.Embedding`'s own or Gemma's scaled one (`super().forward(ids) * scale`): a
+subclass that computes its ids inside its forward (OPT's learned positions) would be handed the wrong ones. Its
+checkpoint tensor must be one the loader only renames (no conversion), else the run is refused in one line.
+
+The model's input embeddings qualify too where the head does not share them (Llama 3.1 8B's are 1 GB in bf16, 70B's
+2.1 GB). A model's own code reads their weight's device and dtype outside their forward (Llama 4 moves its ids to
+the weight's device; klpipe's input device is read off it), so between forwards they hold a `Resting` weight rather
+than a meta one: the table's shape, dtype and device, one element of memory, and an error for anything that would
+read its values. Whatever reads the table outside its forward fails loudly; it never computes on a stand-in.
 
 A streamed group's passes take turns only at decoder layers (streaming.py), so a table stands in for one forward
 at a time.
@@ -37,10 +42,8 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str,
     """path -> module: the tables of `model` a streamed run leaves in their files (see the docstring); read off the
     model as built (meta), before any weight is."""
     inside = {id(m) for m in layers.modules()}
-    shared = {id(model.get_input_embeddings().weight)}
     head = model.get_output_embeddings()
-    if head is not None:
-        shared.add(id(head.weight))
+    shared = {id(head.weight)} if head is not None else set()
     counts: dict[int, int] = {}
     for _, parameter in model.named_parameters(remove_duplicate=False):
         counts[id(parameter)] = counts.get(id(parameter), 0) + 1
@@ -53,18 +56,53 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str,
             and f"{path}.weight" not in tied}
 
 
+class Resting(torch.Tensor):
+    """The weight of a table between forwards: its shape, dtype and device, held in one element; reading anything
+    else of it (its values, a view, a copy) raises, so that no code outside the table's forward computes on it."""
+
+    _metadata = None  # what may be read of it: filled on first use (torch's descriptors)
+
+    @staticmethod
+    def like(meta: torch.Tensor, dtype: torch.dtype, device) -> Resting:
+        return torch.zeros((), dtype=dtype, device=device).expand(meta.shape).as_subclass(Resting)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.metadata():
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func is torch.Tensor.detach:  # a state_dict (transformers' loader takes the model's): another stand-in
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {})).as_subclass(Resting)
+        raise ModelError(f"an embedding table left in its file was read outside its forward "
+                         f"({getattr(func, '__name__', func)}); streaming this model's tables does not run yet")
+
+    @classmethod
+    def metadata(cls) -> set:
+        if cls._metadata is None:
+            t = torch.Tensor
+            cls._metadata = {t.device.__get__, t.dtype.__get__, t.shape.__get__, t.ndim.__get__, t.is_meta.__get__,
+                             t.requires_grad.__get__, t.is_cuda.__get__, t.size, t.dim, t.numel, t.element_size,
+                             t.is_floating_point, t.__repr__}
+        return cls._metadata
+
+
 class TableRows:
     """Table `module` (at `path`) read row by row from checkpoint tensor `key` of `files`, as `dtype`: hooks that
     stand the rows a forward needs in for its weight, and put the meta weight back after; `count(nbytes)` is told
-    what each forward read."""
+    what each forward read; `resting`: between forwards the weight is a Resting stand-in rather than the meta one."""
 
-    def __init__(self, files, key: str, path: str, module: torch.nn.Embedding, dtype: torch.dtype, count=None):
+    def __init__(self, files, key: str, path: str, module: torch.nn.Embedding, dtype: torch.dtype, count=None,
+                 resting: bool = False):
         entry = files.entries[key]
         if entry.shape != tuple(module.weight.shape):
             raise ModelError(f"{key} is {entry.shape} in the checkpoint, and the model's {path} "
                              f"{tuple(module.weight.shape)}: the checkpoint does not match the model class")
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
+        if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)
+            self.meta = Resting.like(module.weight, dtype, "cpu")
+            module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
         module.register_forward_pre_hook(self._before)
         module.register_forward_hook(self._after)

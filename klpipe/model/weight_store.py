@@ -6,11 +6,12 @@ function `from_pretrained` loads every checkpoint with: the same key renamings (
 legacy names), the same conversions (MoE experts stored one by one, fused into one 3-D tensor at load), the same
 dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is handed, and when:
 
-    at load      every key outside the decoder layers (the embeddings, the final norm, the head): resident for
+    at load      every key outside the decoder layers (the final norm, the head, tied embeddings): resident for
                  the run; then the non-persistent buffers (RoPE's frequencies) made and initialised, and the tied
                  weights tied, as from_pretrained finishes a model
-    per forward  the rows a forward needs of an embedding table it only gathers from (Gemma's per-layer
-                 embeddings: table_rows.py), read from the files, cast as the loader casts the table
+    per forward  the rows a forward needs of an embedding table it only gathers from (the input embeddings where
+                 the head does not share them, Gemma's per-layer embeddings: table_rows.py), read from the files,
+                 cast as the loader casts the table
     per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
                  read into memory the process owns, nothing mapped), converted into the layer's parameters;
                  `release(k)` puts the meta parameters back, so the layer's tensors are freed
@@ -141,8 +142,9 @@ class WeightStore:
             tables[path] = (source, module)
         self._load(None)
         self._finish(tables)
+        inputs = model.get_input_embeddings()
         self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
-            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count)
+            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs)
             for path, (source, module) in tables.items()]
         # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
         # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
@@ -258,7 +260,8 @@ class WeightStore:
         layers = [sum(t.numel() * t.element_size() for _, _, _, t in meta) for meta in self._meta]  # meta: as loaded
         resident = sum(t.numel() * t.element_size() for t in {id(t): t for t in
                                                              [*self.model.parameters(), *self.model.buffers()]
-                                                             if not t.is_meta}.values())
+                                                             if not t.is_meta
+                                                             and not isinstance(t, table_rows.Resting)}.values())
         tables = sum(t.meta.numel() * t.dtype.itemsize for t in self.tables)
         return Sizes(weights=resident + sum(layers) + tables, resident=resident, layers=layers, tables=tables)
 

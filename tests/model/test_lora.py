@@ -358,6 +358,18 @@ def test_modules_to_save_inside_a_streamed_layer_is_refused_in_one_line(tmp_path
     assert "\n" not in str(caught.value)
 
 
+def test_modules_to_save_replacing_a_table_read_row_by_row_is_refused_in_one_line(tmp_path, monkeypatch):
+    # The tiny Gemma 4's head is untied: streamed, its input embeddings are read from the file row by row, and the
+    # adapter's replacement would be read by nothing.
+    adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=ATTENTION, modules_to_save=["embed_tokens"])
+    streams = streaming_budget(monkeypatch, [adapter])
+    with pytest.raises(ModelError) as caught:
+        run(tmp_path, [bare_rollouts(tmp_path)], TINY_GEMMA, adapter, max_cache_mib=0, max_tokens_per_batch=256,
+            max_memory=str(streams))
+    assert "replaces model.embed_tokens.weight, an embedding table read from its file row by row" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
     # A plain update needs nothing of the base weight (its device is where the layers load to); DoRA's per-row norm

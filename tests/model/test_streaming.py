@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from klpipe.errors import ModelError
 from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model.table_rows import Resting
 from klpipe.precompute.logprobs import plan_chunk, run_plan
 from tests import helpers
 from tests.architectures import ARCHITECTURES, save_tiny
@@ -52,19 +54,31 @@ def layer_count(model) -> int:
 def test_the_decoder_layers_stay_in_their_files(pair):
     name, in_memory, streamed, _ = pair
     store = streamed.streamer.store
-    # Every decoder layer's weights on the meta device between forwards, and Gemma's per-layer embeddings (read row by
-    # row); the rest loaded, and nothing else.
+    # Every decoder layer's weights on the meta device between forwards, Gemma's per-layer embeddings (read row by
+    # row) too, and the input embeddings where the head does not share them; the rest loaded, and nothing else.
     tables = {n for n, _ in streamed.model.named_modules() if n.endswith("embed_tokens_per_layer")}
-    assert {t.path for t in store.tables} == tables
+    model = in_memory.model
+    inputs = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    untied = model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert {t.path for t in store.tables} == tables | ({inputs} if untied else set())
     assert all(p.is_meta for p in store.layers.parameters())
     assert all(streamed.model.get_submodule(n).weight.is_meta for n in tables)
+    resting = streamed.model.get_input_embeddings().weight
+    # Untied input embeddings rest as a stand-in that says its device and dtype, and refuses to be read.
+    assert isinstance(resting, Resting) == untied
+    if untied:
+        assert (resting.device, resting.dtype, resting.shape) == (torch.device("cpu"), torch.float32,
+                                                                   model.get_input_embeddings().weight.shape)
+        with pytest.raises(ModelError, match="read outside its forward"):
+            resting.sum()
+        tables.add(inputs)
     assert not any(p.is_meta for n, p in streamed.model.named_parameters()
                    if not n.startswith(store.layers_path) and n.removesuffix(".weight") not in tables)
     tensors = {id(t): t for t in [*in_memory.model.parameters(), *in_memory.model.buffers()]}.values()
     own = sum(t.numel() * t.element_size() for t in tensors)
     assert store.sizes.weights == own  # the store's sizes are the model's in memory, tensor for tensor
     table = sum(in_memory.model.get_submodule(n).weight.nbytes for n in tables)
-    assert store.sizes.tables == table and (table > 0) == name.startswith("tiny-gemma4")
+    assert store.sizes.tables == table and (table > 0) == (name.startswith("tiny-gemma4") or untied)
     assert store.sizes.resident + sum(store.sizes.layers) + table == own and len(store.sizes.layers) >= 2
 
 

@@ -1,5 +1,5 @@
-"""Gemma's per-layer embedding table left in its file by a streamed model (klpipe/model/table_rows.py): each forward
-reads the rows its ids name, and gives, bit for bit, what the table loaded whole by transformers gives; which tables
+"""Embedding tables left in their files by a streamed model (klpipe/model/table_rows.py: Gemma's per-layer table,
+input embeddings the head does not share): each forward reads the rows its ids name, and gives, bit for bit, what the table loaded whole by transformers gives; which tables
 are left so is decided by the model's own modules."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from klpipe.model import ModelSpec, ReferenceModel, streamed
 from klpipe.model.architecture import decoder_body
-from klpipe.model.table_rows import streamable
+from klpipe.model.table_rows import Resting, streamable
 from klpipe.model.weight_store import decoder_layers
 from tests.architectures import save_tiny
 from tests.helpers import TINY_GEMMA, TINY_GEMMA_MM, TINY_LLAMA
@@ -36,24 +36,34 @@ def test_rows_read_give_the_table_loaded_whole(tmp_path, path, checkpoint, dtype
     spec = ModelSpec(str(path), dtype=dtype, device="cpu")
     model, in_memory = ReferenceModel.load(spec, streamed=True), ReferenceModel.load(spec)
     store = model.streamer.store
-    (table,) = store.tables
-    module, whole = model.model.get_submodule(table.path), in_memory.model.get_submodule(table.path)
-    before = store.reads
-    got = module(ids(module.num_embeddings))
-    expected = whole(ids(module.num_embeddings))
-    assert got.dtype == expected.dtype == getattr(torch, dtype) and torch.equal(got, expected)
-    assert module.weight.is_meta  # the rows are freed once the forward is over
-    # 10 distinct ids read, at the checkpoint's dtype
-    assert store.reads - before == 10 * module.embedding_dim * (checkpoint or torch.float32).itemsize
+    inputs = model.model.get_input_embeddings()
+    # Gemma 4's per-layer table, and its input embeddings where its head is untied (the committed tiny one's; the
+    # multimodal one ties them, as the hub's checkpoints do)
+    whole_model = in_memory.model
+    untied = whole_model.get_output_embeddings().weight is not whole_model.get_input_embeddings().weight
+    assert untied != (path == TINY_GEMMA_MM)
+    assert len(store.tables) == 1 + untied
+    assert any(model.model.get_submodule(t.path) is inputs for t in store.tables) == untied
+    for table in store.tables:
+        module, whole = model.model.get_submodule(table.path), in_memory.model.get_submodule(table.path)
+        before = store.reads
+        got = module(ids(module.num_embeddings))
+        expected = whole(ids(module.num_embeddings))
+        assert got.dtype == expected.dtype == getattr(torch, dtype) and torch.equal(got, expected)
+        # the rows are freed once the forward is over: meta again, or the input embeddings' stand-in
+        assert module.weight.is_meta != (module is inputs)
+        assert module.weight is table.meta and (module is not inputs or isinstance(module.weight, Resting))
+        # 10 distinct ids read, at the checkpoint's dtype
+        assert store.reads - before == 10 * module.embedding_dim * (checkpoint or torch.float32).itemsize
 
 
 def test_an_id_past_the_table_is_refused_as_the_table_refuses_it():
     model = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), streamed=True)
-    (table,) = model.streamer.store.tables
-    module = model.model.get_submodule(table.path)
-    with pytest.raises(IndexError):
-        module(torch.tensor([[1, module.num_embeddings]]))
-    assert module.weight.is_meta
+    for table in model.streamer.store.tables:
+        module = model.model.get_submodule(table.path)
+        with pytest.raises(IndexError):
+            module(torch.tensor([[1, module.num_embeddings]]))
+        assert module.weight is table.meta
 
 
 def built(path):
@@ -62,12 +72,13 @@ def built(path):
 
 
 def test_only_tables_a_forward_gathers_rows_of_are_left_in_their_files(tmp_path):
-    # Gemma 4's per-layer table; never the input embeddings (their device is the input's), a tied head's, or a
-    # table whose class computes its own ids (OPT's learned positions add an offset inside their forward).
+    # Gemma 4's per-layer table, input embeddings the head does not share; never a tied head's, or a table whose
+    # class computes its own ids (OPT's learned positions add an offset inside their forward).
     model, layers = built(TINY_GEMMA)
-    assert set(streamable(model, layers)) == {"model.embed_tokens_per_layer"}
-    assert streamable(*built(TINY_LLAMA)) == {}
-    assert streamable(*built(save_tiny("gemma3", tmp_path / "gemma3"))) == {}  # scaled, but the input embeddings
+    assert set(streamable(model, layers)) == {"model.embed_tokens_per_layer", "model.embed_tokens"}
+    assert set(streamable(*built(TINY_LLAMA))) == {"model.embed_tokens"}
+    assert set(streamable(*built(save_tiny("gemma3", tmp_path / "gemma3")))) == {"model.embed_tokens"}  # scaled
+    assert set(streamable(*built(TINY_GEMMA_MM))) == {"model.embed_tokens_per_layer"}  # the input ones tied to the head
 
     class Positions(torch.nn.Embedding):
         def forward(self, mask):  # ids made inside: the rows it needs are not its argument's
@@ -75,4 +86,4 @@ def test_only_tables_a_forward_gathers_rows_of_are_left_in_their_files(tmp_path)
 
     table = model.model.embed_tokens_per_layer
     model.model.embed_tokens_per_layer = Positions(table.num_embeddings, table.embedding_dim, device="meta")
-    assert streamable(model, layers) == {}
+    assert set(streamable(model, layers)) == {"model.embed_tokens"}

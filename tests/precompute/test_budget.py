@@ -94,13 +94,23 @@ def test_a_budget_too_small_for_one_layer_says_the_smallest_that_works():
     with pytest.raises(InputError) as caught:
         budget.streams(limit, 400 * MIB - budget.GROWTH + 128 * MIB, 10 << 30, 20 * MIB, 40 * MIB, 100 * MIB)
     assert str(caught.value) == ("--max-memory 600M is too small for this model even streamed one layer at a time: it "
-                                 "needs at least 728M (this process 528M, the embeddings and head 20M, two layers "
+                                 "needs at least 728M (this process 528M, the head and what stays loaded with it 20M, two layers "
                                  "80M, one pass's activations 100M)")
 
 
+def untied(path) -> bool:
+    """Whether the model's head has a weight of its own (its config says so): its input embeddings are then a table
+    a streamed run reads row by row too."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config.get("text_config", config)
+    return not text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
+
+
 def sizes_in_memory(path) -> tuple[int, int, int]:
-    """(weights, outside the layers and Gemma's per-layer embeddings (read row by row), largest layer) of the model as
-    transformers loads it in memory."""
+    """(weights, outside the layers and the tables read row by row (Gemma's per-layer embeddings, untied input
+    embeddings), largest layer) of the model as transformers loads it in memory."""
     from klpipe.model import ModelSpec, ReferenceModel
 
     model = ReferenceModel.load(ModelSpec(str(path), dtype="float32", device="cpu")).model
@@ -109,6 +119,8 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     if getattr(model.model, "embed_tokens_per_layer", None) is not None:
         in_layers.add(id(model.model.embed_tokens_per_layer.weight))
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        in_layers.add(id(model.get_input_embeddings().weight))
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     resident = sum(t.numel() * t.element_size() for key, t in tensors.items() if key not in in_layers)
     largest = max(sum(t.numel() * t.element_size() for t in layer.state_dict().values()) for layer in layers)
@@ -118,32 +130,38 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 def activations(path, tokens: int, element: int = 4) -> int:
     """streamed.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
     + the per-layer inputs of every layer, twice (the inputs, and the rows of the per-layer table read for them), per
-    token, and the head's 64 MiB."""
+    token, the input embeddings' rows where they are read row by row (untied), and the head's 64 MiB."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config", config)
     per_layer = (text.get("hidden_size_per_layer_input") or 0) * text["num_hidden_layers"]
-    return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + 2 * per_layer) + 64 * MIB
+    inputs = text["hidden_size"] if untied(path) else 0
+    return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + 2 * per_layer
+                               + inputs) + 64 * MIB
 
 
 def table_bytes(path) -> tuple[int, int]:
-    """(the whole table, one row) of Gemma's per-layer embeddings at fp32, from the checkpoint's header: what a streamed
-    run leaves in its file and reads row by row."""
+    """(the tables, one row of each) at fp32, from the checkpoint's header: what a streamed run leaves in its file and
+    reads row by row (Gemma's per-layer embeddings, and the input embeddings where the head is untied); a forward
+    reads the same ids' rows of each."""
     from safetensors import safe_open
 
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as weights:
-        shape = weights.get_slice(next(k for k in weights.keys() if "embed_tokens_per_layer" in k)).get_shape()
-    return 4 * shape[0] * shape[1], 4 * shape[1]
+        names = [k for k in weights.keys() if "embed_tokens_per_layer" in k
+                 or (untied(path) and k.endswith("embed_tokens.weight"))]
+        shapes = [weights.get_slice(name).get_shape() for name in names]
+    return sum(4 * a * b for a, b in shapes), sum(4 * b for _, b in shapes)
 
 
-def test_a_tied_head_is_counted_once_in_the_sizes_read_off_the_config():
-    # Before anything loads, the budget's sizes come from the model built on meta, where a tied head (the multimodal
-    # Gemma 4's) is a tensor of its own until from_pretrained ties it: counted once, as it is once loaded.
+@pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA, TINY_GEMMA_MM], ids=["llama", "gemma4", "gemma4-tied"])
+def test_the_sizes_read_off_the_config_are_the_model_in_memorys(path):
+    # Before anything loads, the budget's sizes come from the model built on meta: a tied head (the multimodal Gemma
+    # 4's) is counted once, as it is once loaded; untied input embeddings are not kept (read row by row).
     from klpipe.model import ModelSpec, streamed
 
-    weights, resident, largest = sizes_in_memory(TINY_GEMMA_MM)
-    sizes = streamed.measure(ModelSpec(str(TINY_GEMMA_MM), dtype="float32", device="cpu"), 256)
+    weights, resident, largest = sizes_in_memory(path)
+    sizes = streamed.measure(ModelSpec(str(path), dtype="float32", device="cpu"), 256)
     assert (sizes.weights, sizes.resident, sizes.largest_layer) == (weights, resident, largest)
 
 
@@ -199,16 +217,13 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
                                      max_cache_mib=0), log=lines.append)
     assert any("its decoder layers stream from their files" in line for line in lines), lines
     # Each group read every layer's tensors once, as the checkpoint stores them, and of the per-layer embedding table
-    # only rows (fp32 here), one per distinct token of each forward at most; nothing else.
-    import json
-
+    # and the (untied) input embeddings only rows (fp32 here), one of each per distinct token of a forward at most;
+    # nothing else.
     from safetensors import safe_open
 
     with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
         layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)
-    config = json.loads((TINY_GEMMA / "config.json").read_text())
-    text = config.get("text_config", config)
-    row = 4 * text["num_hidden_layers"] * text["hidden_size_per_layer_input"]
+    _, row = table_bytes(TINY_GEMMA)
     assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
     if sharing == "off":  # (on: the tree's probe reads the weights once per forward too, at the first chunk)
         rows = streamed.streamed["bytes_read"] - streamed.streamed["groups"] * layer_bytes
