@@ -5,11 +5,16 @@ the rows padded through transformers as TRL does.
     python benchmarks/bench_gpu.py --tokens 200000   # a quick look
     python benchmarks/bench_gpu.py --model qwen3_5 --tokens 500000   # the hybrid, below
     python benchmarks/bench_gpu.py --dry-run         # the same script on CPU, a tiny shape: CI runs it
+    python benchmarks/bench_gpu.py --shapes grpo --runners auto --compile off   # and the streamed row: a quick one
 
 Where the tree runs, each runner prints which way its attention calls went (cascade.CALLS: in place, "cascade", or
 "gathered") and the kernel each part of the cascade ran on (lse_attention.CALLS: cuda_flash, efficient, or math
 where no kernel passed its probe for that kind of call, with the probe's reason).
     benchmarks/gpu_run.sh                            # on a lent GPU machine: the wheel it needs, then the run
+
+Last, the streamed row (benchmarks/gpu_stream.py, `--stream off` leaves it out): a stack of Llama 3.1 70B's decoder
+layers whose weights stay in pinned host memory, run layer-major with each layer copied on a copy stream while the one
+before computes, against the same stack resident: the measurement the GPU path of streaming starts from.
 
 Two shapes of rows (--shapes): `grpo`, GRPO groups of 8 sharing a prompt of ~1,900 tokens (1,500-2,300); `agent`,
 below. Three runners each: `auto` and `off` (klpipe.precompute end to end), and `padded`, the contender: the rows
@@ -360,6 +365,9 @@ def main() -> None:
                         help="comma-separated --compile modes each of auto and off runs under (a runner compiled "
                              "is labelled RUNNER+c; its load, where the compile happens, is not in its seconds)")
     parser.add_argument("--model", choices=["gemma4-e2b", "qwen3_5"], default="gemma4-e2b")
+    parser.add_argument("--stream", choices=["on", "off"], default="on",
+                        help="the streamed row (benchmarks/gpu_stream.py): a 70B-shaped stack of layers from pinned "
+                             "host memory, layer-major on a copy stream, against it resident")
     parser.add_argument("--dry-run", action="store_true", help="on CPU, a tiny model and short rows: checks the script")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -396,6 +404,10 @@ def main() -> None:
                    for result in ([run_padded(rollouts, peak)] if runner == "padded" else
                                   [run(rollouts, runner, peak, mode) for mode in args.compile.split(",")])]
         report(results, peak)
+    if args.stream == "on":
+        import gpu_stream  # benchmarks/gpu_stream.py
+
+        gpu_stream.main(DRY, DEVICE)
     print(f"\nwhole run {time.perf_counter() - started:.0f}s", flush=True)
 
 

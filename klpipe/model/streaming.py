@@ -52,7 +52,7 @@ its hook, the next read in the background, the one before freed.
 
 **Double buffering.** While the passes run layer k, layer k + 1 is read on a background thread; at most two layers
 are loaded at once. On CUDA the same shape holds with a copy stream and pinned staging buffers (not built yet: CPU
-only for now, refused on a GPU).
+only for now, refused on a GPU; benchmarks/gpu_stream.py measures that mechanism alone on a lent device).
 
 **Hidden states between layers.** Each pass holds its own activations while it waits; a chunk's batches are cut
 into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), and each group
