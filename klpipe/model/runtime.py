@@ -11,6 +11,11 @@ def device_memory_bytes(device: str) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
+def device_free_bytes(device: str) -> int:
+    """The memory CUDA device `device` has free now (what this process and others hold left out)."""
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
 def library_versions() -> dict[str, str]:
     """The versions that move the numbers, as the cache's provenance records them."""
     return {"torch": torch.__version__, "transformers": transformers.__version__}

@@ -127,6 +127,20 @@ def streams(budget: Budget | None, footprint: int, weights: int, resident: int, 
     return True
 
 
+def refuse_beyond_device(models, device: str, max_tokens: int) -> None:
+    """Refuse, in one line, a reference (and a --policy with weights of its own, held beside it) whose weights alone
+    exceed CUDA device `device`'s free memory: streaming to a GPU is not built yet (model/streaming.py)."""
+    from klpipe.model import runtime, streamed
+
+    sizes = [streamed.measure(spec, max_tokens) for spec in (models.spec, models.policy_spec) if spec is not None]
+    weights = sum(size.weights for size in sizes if size is not None)
+    free = runtime.device_free_bytes(device)
+    if weights > free:
+        what = "reference's and the policy's" if len(sizes) > 1 else "reference's"
+        raise InputError(f"the {what} weights ({fmt(weights)}) do not fit {device}'s free memory ({fmt(free)}), and "
+                         "streaming them to a GPU does not run yet (--device cpu streams them from their files)")
+
+
 @dataclass
 class Streamed:
     """How a streamed run shares what the budget leaves after the weights' part."""
@@ -146,9 +160,14 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     loads, a budget too small for streaming and what does not stream yet."""
     from klpipe.model import resolve_device, streamed  # torch lives behind this import
 
-    device = resolve_device(models.spec.device)[0]
+    device, device_map = resolve_device(models.spec.device)
     if config.max_memory is None and device != "cpu":
-        return None  # a GPU's budget is its own memory: streaming to a GPU is not built yet
+        # A GPU's budget is its own memory. Streaming to a GPU is not built yet: weights that cannot fit its free
+        # memory are refused now, in one line, rather than by an out-of-memory error after minutes of loading. Only
+        # where they certainly cannot (the weights alone): the activations' estimate is the CPU's.
+        if device_map is None:
+            refuse_beyond_device(models, device, max_tokens)
+        return None
     limit = find(config.max_memory)
     sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.

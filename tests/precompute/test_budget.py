@@ -205,6 +205,31 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, 
     assert "\n" not in str(caught.value)
 
 
+def test_weights_beyond_a_gpus_free_memory_are_refused_before_anything_loads(tmp_path, monkeypatch):
+    # No GPU here: the device and what torch would say of its free memory stand in; the weights are the real model's.
+    import klpipe.model
+    from klpipe.model import runtime
+
+    weights, _, _ = sizes_in_memory(TINY_GEMMA)
+    device_map = None
+    monkeypatch.setattr(klpipe.model, "resolve_device", lambda device: ("cuda:0", device_map))
+    asked = []
+    monkeypatch.setattr(runtime, "device_free_bytes", lambda device: asked.append(device) or free)
+    config = config_for(tmp_path)
+    free = weights - 1
+    with pytest.raises(InputError) as caught:
+        budget.decide(config, resolve(config), 256, lambda line: None)
+    assert str(caught.value) == (f"the reference's weights ({budget.fmt(weights)}) do not fit cuda:0's free memory "
+                                 f"({budget.fmt(free)}), and streaming them to a GPU does not run yet (--device cpu "
+                                 "streams them from their files)")
+    free = weights  # they fit: in memory, as before
+    assert budget.decide(config, resolve(config), 256, lambda line: None) is None
+    assert asked == ["cuda:0", "cuda:0"]
+    device_map, free = "auto", 0  # spread over several GPUs by accelerate: not one device's memory to compare
+    assert budget.decide(config, resolve(config), 256, lambda line: None) is None
+    assert asked == ["cuda:0", "cuda:0"]
+
+
 @pytest.mark.parametrize("sharing", ["off", "on"])
 def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch, sharing):
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
