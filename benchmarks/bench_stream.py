@@ -15,10 +15,11 @@ matmul peak at the same thread count (torch.mm of 2,048 x 2,048 fp32). Needs roo
 Run: `python benchmarks/bench_stream.py [--layers 44] [--tokens 4096] [--limit MiB]`. Passes are 512 tokens
 (`--max-tokens-per-batch 512`), so that one pass's activations fit beside two layers in the cgroup.
 
-Measured (2 CPU cores, quiet, matmul peak 328 GFLOP/s), the defaults, twice: streamed scoring 24.3 s and 24.9 s
-against 22.3 s and 22.1 s in memory (92% and 89%), whole runs 40.0 s and 41.8 s against 35.0 s and 33.6 s (88% and
-80%); 7,657 MiB read in 3 groups, 98% of it hidden by the clock. docs/precompute.md, Weights larger than memory,
-says where the rest goes.
+Measured (2 CPU cores, matmul peak 276 to 348 GFLOP/s), the defaults, five runs over two days with the passes as
+greenlets: streamed scoring 80%, 91%, 95%, 101% and 81% of in memory (median 91%), whole runs 77% to 119%; in memory
+alone moved from 21.1 to 26.1 s between runs, so one pair says little. Every run read 7,657 MiB in 3 groups (7,667
+since the input embeddings' rows are read too), 98% of it hidden by the clock, the cgroup's peak 545 to 557 MiB.
+docs/precompute.md, Weights larger than memory, says where the rest goes.
 """
 
 from __future__ import annotations
