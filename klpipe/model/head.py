@@ -109,6 +109,7 @@ class LMHead:
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
         # (benchmarks/bench_head.py, docs/benchmarks.md); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
+        self.streamed = None  # a streamed model's head left in its file (head_rows.HeadRows): streamed.py sets it
 
     @property
     def weight(self) -> torch.Tensor:
@@ -141,6 +142,8 @@ class LMHead:
             logits = softcap · tanh(logits / softcap) / temperature
             torch.log_softmax(logits, -1)[rows, targets]
         """
+        if self.streamed is not None and self.module.weight is self.streamed.meta:  # not an adapter's head, active
+            return streamed_logprobs(self, hidden, targets, temperature, rows)
         if not self.fused:
             return blocked_logprobs(self._logits, self.rows, self.weight.device, hidden, targets, temperature, rows)
         return fused_logprobs(self, hidden, targets, temperature, rows)
@@ -232,6 +235,47 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
         picked = hidden[rows]  # (M, H)
     out = head._target_logits(picked, targets, temperature) - lse[rows]  # (M,)
     return to_host(out)
+
+
+def streamed_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      rows: torch.Tensor | None) -> torch.Tensor:
+    """fused_logprobs with the head's weight read from its file a block of rows at a time (head_rows.py): each block
+    once, its columns in the fused head's vocabulary blocks, so that every row's online log-sum-exp takes the same
+    steps in the same order as in memory; each target's logit off the block that holds its row."""
+    if hidden.dtype != head.weight.dtype and hidden.dtype.is_floating_point:  # as fused_logprobs rounds it
+        hidden = hidden.to(head.weight.dtype)
+    hidden = hidden.float() if hidden.dtype != torch.float32 else hidden  # CPU only (streaming.py), as fused widens
+    n, blocks, width = hidden.shape[0], head.blocks, head.blocks.vocab
+    rows = torch.arange(n) if rows is None else rows.cpu()
+    targets = targets.cpu()
+    if len(targets) and not 0 <= int(targets.min()) <= int(targets.max()) < head.vocab_size:
+        # In memory the weight's indexing refuses it; here no block would hold its row.
+        raise IndexError(f"a target token outside the vocabulary of {head.vocab_size}")
+    best = torch.full((n,), -torch.inf, dtype=torch.float32)  # (N,) running max
+    total = torch.zeros(n, dtype=torch.float32)  # (N,) Σ exp(z - best)
+    target_logits = torch.full((targets.shape[0],), torch.nan, dtype=torch.float32)  # (M,) each set by its block
+    bias = head.bias
+    for low, block in head.streamed.blocks(hidden.device, multiple=width):  # (r, H) rows low .. low + r - 1
+        for sub in range(0, block.shape[0], width):
+            part_weight = block[sub:sub + width]
+            start_col = low + sub
+            part_bias = None if bias is None else bias[start_col:start_col + part_weight.shape[0]]
+            for start in range(0, n, blocks.rows):
+                part = hidden[start:start + blocks.rows]  # (r, H)
+                logits = head._transform(_fp32_matmul(part, part_weight, part_bias), temperature)  # (r, v) fp32
+                end = start + part.shape[0]
+                new_best = torch.maximum(best[start:end], logits.amax(dim=1))
+                total[start:end].mul_(torch.exp(best[start:end] - new_best))
+                total[start:end].add_(logits.sub_(new_best[:, None]).exp_().sum(dim=1))
+                best[start:end] = new_best
+        inside = torch.nonzero((targets >= low) & (targets < low + block.shape[0])).flatten()  # (m,)
+        if len(inside):
+            picked = block[targets[inside] - low].float()  # (m, H) the targets' rows of the weight
+            logits = torch.einsum("mh,mh->m", hidden[rows[inside]].float(), picked)
+            if bias is not None:
+                logits += bias[targets[inside]].float()
+            target_logits[inside] = head._transform(logits, temperature)
+    return target_logits - (best + torch.log(total))[rows]
 
 
 class ModelHead:

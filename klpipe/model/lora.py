@@ -114,7 +114,8 @@ class Adapters:
         for module_path, base in self._base.items():
             own = saved.get(module_path, {})
             for key, parameter in base.items():
-                setattr(modules[module_path], key, own.get(key, parameter))
+                # Into the parameters' dict: a streamed head's own weight is a Resting stand-in, not a Parameter.
+                modules[module_path]._parameters[key] = own.get(key, parameter)
         self.active = name
 
     @contextmanager
@@ -169,14 +170,16 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
         module_path, _, attribute = local.rpartition(".")
         if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
             current = getattr(modules[module_path], attribute, None)
-            # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter.
-            if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting)):
-                where = ("an embedding table read from its file row by row" if isinstance(current, Resting)
+            # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter. A
+            # head read by blocks (head_rows.py) applies whichever weight is in place: the adapter's, where active.
+            head = modules[module_path] is model.get_output_embeddings()
+            if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting) and not head):
+                where = ("read from its file by rows as each forward needs them" if isinstance(current, Resting)
                          else "inside a decoder layer that streams from its files")
                 raise ModelError(f"{path}: modules_to_save replaces {module_path}.{attribute}, {where}, which klpipe "
                                  "does not run yet (merge the adapter with PEFT's merge_and_unload and pass the "
                                  "merged model)")
-            if not isinstance(current, torch.nn.Parameter) or current.shape != tensor.shape:
+            if not isinstance(current, torch.nn.Parameter | Resting) or current.shape != tensor.shape:
                 raise ModelError(f"{path}: {key} is {tuple(tensor.shape)}, and the base's {module_path}.{attribute} "
                                  f"{_shape(current)}: an adapter for another base model")
             replacement = torch.nn.Parameter(tensor.to(dtype=dtype, device=current.device), requires_grad=False)

@@ -98,7 +98,7 @@ class Measure:
     """What the budget compares (precompute/budget.py), in bytes at the run's dtype, read off the meta-built model."""
 
     weights: int
-    resident: int  # outside the decoder layers, but for the embedding tables left in their files (table_rows.py)
+    resident: int  # outside the decoder layers, but for the tables and the head left in their files
     largest_layer: int
     activations: int  # one pass of `tokens` tokens, at its widest (activation_bytes)
     kept_per_token: int  # what a pass waiting between layers holds per token: the residual stream and its kin
@@ -107,6 +107,7 @@ class Measure:
 def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
     config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
+    from klpipe.model import head_rows
     from klpipe.model.table_rows import streamable
     from klpipe.model.weight_store import decoder_layers
 
@@ -121,7 +122,10 @@ def measure(spec, tokens: int) -> Measure | None:
         return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
-    in_files = in_layers | {id(t) for t in tables}
+    head = head_rows.streamable(model, layers)  # left in its file, read a block at a time as it is applied
+    if head is not None and not head_rows.stored_as_is(head, checkpoint_keys(spec)):
+        head = None  # resident, as the store will keep it (or, where the files are not local yet, on the safe side)
+    in_files = in_layers | {id(t) for t in tables} | ({id(model.get_submodule(head).weight)} if head else set())
     # A tied head is the input embeddings' weight once loaded; built on meta it is a tensor of its own: not counted.
     mapping = getattr(model, "all_tied_weights_keys", None) or {}
     ties = {id(t) for name, t in model.named_parameters(remove_duplicate=False) if name in mapping}
@@ -137,9 +141,32 @@ def measure(spec, tokens: int) -> Measure | None:
     intermediate = widest_mlp(config, layers)
     # A table's rows a pass reads stand in for it during its forward: one row a token at most, at the run's dtype.
     rows = tokens * sum(t.shape[1] * t.element_size() for t in tables)
+    if head is not None:  # a block as read and as cast, each at most BLOCK_BYTES (head_rows.py), or the whole head
+        rows += 2 * min(head_rows.BLOCK_BYTES, model.get_submodule(head).weight.numel() * 4)
     return Measure(weights, resident, largest,
                    activation_bytes(hidden, intermediate, per_layer, tokens, element) + rows,
                    element * (4 * hidden + per_layer))
+
+
+def checkpoint_keys(spec) -> set[str]:
+    """The tensor names of a local checkpoint's safetensors files, from their headers alone (nothing fetched: for a
+    hub name, none)."""
+    from pathlib import Path
+
+    from klpipe.model import loading
+    from klpipe.model.tensor_files import TensorFiles
+    from klpipe.model.weight_store import weight_files
+
+    if not loading.is_local(spec.name):
+        return set()
+    try:
+        files = TensorFiles(weight_files(Path(spec.name).expanduser()))
+    except ModelError:
+        return set()
+    try:
+        return set(files.entries)
+    finally:
+        files.close()
 
 
 def weights_directory(spec):
@@ -176,6 +203,7 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     streamer.trim_above = trim_above  # before the checks' forwards, which stream too
     model_ = cls(model, device, dtype)
     model_.streamer = streamer
+    model_.head.streamed = streamer.store.head  # the chunked head reads the head's blocks, where they stream
     if adapters:
         store = streamer.store
 

@@ -7,13 +7,14 @@ chunk's passes layer-major, as FlexGen does:
     layer 0 ─ pass 1, pass 2, …, pass n      (layer 1 read in the background meanwhile)
     layer 1 ─ pass 1, pass 2, …, pass n      (layer 0 freed, layer 2 read)
     …
-    then each pass's final norm and head, as in memory
+    then each pass's final norm and head, as in memory (an untied head read from its file as it is applied)
 
 **Where the weights stay** (weight_store.py). The model is built on the meta device from its config, as
 `from_pretrained` builds it, and transformers' own loader puts into it, at load, everything outside the decoder
-layers (the final norm, the head, tied input embeddings): resident for the run. Embedding tables a forward only
-gathers from stay in their files, and each forward reads the rows its tokens name (table_rows.py): the input
-embeddings where the head does not share them (Llama 3.1 70B's: 2 GiB in bf16), Gemma's per-layer table. Each layer's
+layers (the final norm, a tied head's embeddings): resident for the run. Embedding tables a forward only gathers from
+stay in their files, and each forward reads the rows its tokens name (table_rows.py): the input embeddings where the
+head does not share them (Llama 3.1 70B's: 2 GiB in bf16), Gemma's per-layer table. So does an untied head, read a
+block at a time as each forward applies it (head_rows.py). Each layer's
 tensors stay in the safetensors files, read when the layer is asked for (tensor_files.py: positioned reads, nothing
 mapped): no copy of the whole model is ever in RAM, and what the page cache keeps of the files the kernel may drop
 (a memory cgroup counts the page cache, but reclaims it before it kills). Layer k is read into its own modules by
@@ -80,7 +81,8 @@ the 16 MiB a thread of its own held (PASS_OVERHEAD in streamed.py: on the safe s
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
 probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); a model a little over
-the budget still reads every layer, where the spare memory could keep some resident. The read itself takes little
+the budget still reads every layer, where the spare memory could keep some resident; an untied head is read once per
+pass, not once per group, through the page cache and not in the background (head_rows.py). The read itself takes little
 CPU from the compute: one O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded again by
 its plan rather than transformers' loader (weight_store.py).
 

@@ -6,12 +6,13 @@ function `from_pretrained` loads every checkpoint with: the same key renamings (
 legacy names), the same conversions (MoE experts stored one by one, fused into one 3-D tensor at load), the same
 dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is handed, and when:
 
-    at load      every key outside the decoder layers (the final norm, the head, tied embeddings): resident for
+    at load      every key outside the decoder layers (the final norm, a tied head's embeddings): resident for
                  the run; then the non-persistent buffers (RoPE's frequencies) made and initialised, and the tied
                  weights tied, as from_pretrained finishes a model
     per forward  the rows a forward needs of an embedding table it only gathers from (the input embeddings where
                  the head does not share them, Gemma's per-layer embeddings: table_rows.py), read from the files,
-                 cast as the loader casts the table
+                 cast as the loader casts the table; an untied head, a block of rows at a time as it is applied
+                 (head_rows.py)
     per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
                  read into memory the process owns, nothing mapped), converted into the layer's parameters;
                  `release(k)` puts the meta parameters back, so the layer's tensors are freed
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
-from klpipe.model import table_rows
+from klpipe.model import head_rows, table_rows
 from klpipe.model.tensor_files import Buffers, TensorFiles
 
 
@@ -45,7 +46,7 @@ class Sizes:
     weights: int  # every parameter
     resident: int  # those outside the decoder layers and the tables, kept for the run
     layers: list[int] = field(default_factory=list)  # each decoder layer's
-    tables: int = 0  # the embedding tables left in their files, read row by row (table_rows.py)
+    tables: int = 0  # left in their files, read by rows: embedding tables (table_rows.py), the head (head_rows.py)
 
     @property
     def largest_layer(self) -> int:
@@ -133,7 +134,12 @@ class WeightStore:
         # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
         # stay in their files too: each forward reads the rows it needs (table_rows.py).
         tables = {}
-        for path, module in table_rows.streamable(model, self.layers).items():
+        # So does an untied LM head, read a block of rows at a time as it is applied (head_rows.py).
+        head = head_rows.streamable(model, self.layers)
+        if head is not None and not head_rows.stored_as_is(head, entries):
+            head = None  # converted at load: resident, as the budget counted it (streamed.measure)
+        found = table_rows.streamable(model, self.layers)
+        for path, module in [*found.items(), *([(head, model.get_submodule(head))] if head else [])]:
             source = self._sources.get(f"{path}.weight")
             if source not in self.parts[None]:
                 raise ModelError(f"{type(model).__name__}: {path} is converted at load, which streaming its rows "
@@ -142,6 +148,11 @@ class WeightStore:
             tables[path] = (source, module)
         self._load(None)
         self._finish(tables)
+        self.head = None
+        if head is not None:
+            module = model.get_submodule(head)
+            dtype = table_rows.dtype_of(f"{head}.weight", module.weight, self.load_config.dtype_plan)
+            self.head = head_rows.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count)
         inputs = model.get_input_embeddings()
         self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
             f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs)
@@ -262,7 +273,7 @@ class WeightStore:
                                                              [*self.model.parameters(), *self.model.buffers()]
                                                              if not t.is_meta
                                                              and not isinstance(t, table_rows.Resting)}.values())
-        tables = sum(t.meta.numel() * t.dtype.itemsize for t in self.tables)
+        tables = sum(t.meta.numel() * t.dtype.itemsize for t in [*self.tables, *([self.head] if self.head else [])])
         return Sizes(weights=resident + sum(layers) + tables, resident=resident, layers=layers, tables=tables)
 
     def _count(self, nbytes: int) -> None:

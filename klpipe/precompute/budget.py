@@ -121,8 +121,8 @@ def streams(budget: Budget | None, footprint: int, weights: int, resident: int, 
     smallest = footprint + GROWTH + resident + 2 * largest_layer + activations
     if smallest > budget.bytes:
         raise InputError(f"{budget.source} is too small for this model even streamed one layer at a time: it "
-                         f"needs at least {fmt(smallest)} (this process {fmt(footprint + GROWTH)}, the head and what "
-                         f"stays loaded with it {fmt(resident)}, two layers {fmt(2 * largest_layer)}, one pass's "
+                         f"needs at least {fmt(smallest)} (this process {fmt(footprint + GROWTH)}, what stays loaded "
+                         f"beside the layers {fmt(resident)}, two layers {fmt(2 * largest_layer)}, one pass's "
                          f"activations {fmt(activations)})")
     return True
 

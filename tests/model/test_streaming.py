@@ -55,7 +55,8 @@ def test_the_decoder_layers_stay_in_their_files(pair):
     name, in_memory, streamed, _ = pair
     store = streamed.streamer.store
     # Every decoder layer's weights on the meta device between forwards, Gemma's per-layer embeddings (read row by
-    # row) too, and the input embeddings where the head does not share them; the rest loaded, and nothing else.
+    # row) too, and, where the head does not share the input embeddings, both (the head read a block at a time);
+    # the rest loaded, and nothing else.
     tables = {n for n, _ in streamed.model.named_modules() if n.endswith("embed_tokens_per_layer")}
     model = in_memory.model
     inputs = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
@@ -72,6 +73,11 @@ def test_the_decoder_layers_stay_in_their_files(pair):
         with pytest.raises(ModelError, match="read outside its forward"):
             resting.sum()
         tables.add(inputs)
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    assert (store.head is not None and store.head.path) == (untied and head)
+    assert isinstance(streamed.model.get_output_embeddings().weight, Resting) == untied
+    if untied:
+        tables.add(head)
     assert not any(p.is_meta for n, p in streamed.model.named_parameters()
                    if not n.startswith(store.layers_path) and n.removesuffix(".weight") not in tables)
     tensors = {id(t): t for t in [*in_memory.model.parameters(), *in_memory.model.buffers()]}.values()

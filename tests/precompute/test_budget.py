@@ -94,8 +94,8 @@ def test_a_budget_too_small_for_one_layer_says_the_smallest_that_works():
     with pytest.raises(InputError) as caught:
         budget.streams(limit, 400 * MIB - budget.GROWTH + 128 * MIB, 10 << 30, 20 * MIB, 40 * MIB, 100 * MIB)
     assert str(caught.value) == ("--max-memory 600M is too small for this model even streamed one layer at a time: it "
-                                 "needs at least 728M (this process 528M, the head and what stays loaded with it 20M, two layers "
-                                 "80M, one pass's activations 100M)")
+                                 "needs at least 728M (this process 528M, what stays loaded beside the layers 20M, "
+                                 "two layers 80M, one pass's activations 100M)")
 
 
 def untied(path) -> bool:
@@ -119,8 +119,8 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     if getattr(model.model, "embed_tokens_per_layer", None) is not None:
         in_layers.add(id(model.model.embed_tokens_per_layer.weight))
-    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        in_layers.add(id(model.get_input_embeddings().weight))
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:  # both read by rows
+        in_layers |= {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     resident = sum(t.numel() * t.element_size() for key, t in tensors.items() if key not in in_layers)
     largest = max(sum(t.numel() * t.element_size() for t in layer.state_dict().values()) for layer in layers)
@@ -130,15 +130,18 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 def activations(path, tokens: int, element: int = 4) -> int:
     """streamed.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
     + the per-layer inputs of every layer, twice (the inputs, and the rows of the per-layer table read for them), per
-    token, the input embeddings' rows where they are read row by row (untied), and the head's 64 MiB."""
+    token, the input embeddings' rows where they are read row by row (untied), the head's 64 MiB, and where the head
+    is untied, two of its blocks."""
     import json
 
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config", config)
     per_layer = (text.get("hidden_size_per_layer_input") or 0) * text["num_hidden_layers"]
     inputs = text["hidden_size"] if untied(path) else 0
+    # An untied head is read a block at a time: a block as read and as cast, each 32 MiB at most (or the whole head).
+    head = 2 * min(32 * MIB, 4 * text["vocab_size"] * text["hidden_size"]) if untied(path) else 0
     return tokens * element * (8 * text["hidden_size"] + 3 * text["intermediate_size"] + 2 * per_layer
-                               + inputs) + 64 * MIB
+                               + inputs) + 64 * MIB + head
 
 
 def table_bytes(path) -> tuple[int, int]:
@@ -152,6 +155,25 @@ def table_bytes(path) -> tuple[int, int]:
                  or (untied(path) and k.endswith("embed_tokens.weight"))]
         shapes = [weights.get_slice(name).get_shape() for name in names]
     return sum(4 * a * b for a, b in shapes), sum(4 * b for _, b in shapes)
+
+
+def head_bytes(path) -> int:
+    """An untied head's bytes in the checkpoint (a streamed run reads the whole of it for each forward's head, a block
+    at a time), from its header; 0 where the head is tied."""
+    from safetensors import safe_open
+
+    if not untied(path):
+        return 0
+    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as weights:
+        a, b = weights.get_slice("lm_head.weight").get_shape()
+    return 4 * a * b
+
+
+def rows_and_heads(extra: int, head: int, row: int, tokens: int) -> bool:
+    """Whether `extra` bytes read are whole reads of the head (`head` bytes; at least one where the head streams) and
+    rows of the tables (`row` bytes a token, one to `tokens` of them)."""
+    return any((extra - h * head) % row == 0 and 0 < (extra - h * head) // row <= tokens
+               for h in range(1 if head else 0, (extra // head if head else 0) + 1))
 
 
 @pytest.mark.parametrize("path", [TINY_LLAMA, TINY_GEMMA, TINY_GEMMA_MM], ids=["llama", "gemma4", "gemma4-tied"])
@@ -243,7 +265,7 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     assert any("its decoder layers stream from their files" in line for line in lines), lines
     # Each group read every layer's tensors once, as the checkpoint stores them, and of the per-layer embedding table
     # and the (untied) input embeddings only rows (fp32 here), one of each per distinct token of a forward at most;
-    # nothing else.
+    # the (untied) head once per forward; nothing else.
     from safetensors import safe_open
 
     with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
@@ -251,8 +273,8 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     _, row = table_bytes(TINY_GEMMA)
     assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
     if sharing == "off":  # (on: the tree's probe reads the weights once per forward too, at the first chunk)
-        rows = streamed.streamed["bytes_read"] - streamed.streamed["groups"] * layer_bytes
-        assert 0 < rows <= streamed.forward.padded_tokens * row and rows % row == 0
+        extra = streamed.streamed["bytes_read"] - streamed.streamed["groups"] * layer_bytes
+        assert rows_and_heads(extra, head_bytes(TINY_GEMMA), row, streamed.forward.padded_tokens)
     else:
         assert streamed.forward.tree_rows > 0  # the tree ran, streamed
     in_memory = precompute(config_for(tmp_path, "memory.parquet", prefix_sharing=sharing, max_cache_mib=0),
@@ -282,11 +304,14 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
                                 prefix_sharing="off"), log=lines.append)
     said = next(line for line in lines if "stream from their files" in line)
     assert ("and so do the policy's" in said) == policy_streams and ("policy held in memory" in said) != policy_streams
-    # Each group read every layer once; the per-layer tables' rows besides, one per distinct token of a forward at most.
+    # Each group read every layer once; the per-layer tables' rows besides, one per distinct token of a forward at most,
+    # and the head once per forward.
     (table, row), streaming = table_bytes(TINY_GEMMA), [TINY_GEMMA] + ([POLICY] if policy_streams else [])
-    per_group = weights - resident - table + (policy_weights - policy_resident - table if policy_streams else 0)
-    rows = got.streamed["bytes_read"] - got.streamed["groups"] // len(streaming) * per_group
-    assert 0 < rows <= len(streaming) * got.forward.padded_tokens * row and rows % row == 0
+    head = head_bytes(TINY_GEMMA)
+    layers = weights - resident - table - head
+    per_group = layers + (policy_weights - policy_resident - table - head if policy_streams else 0)
+    extra = got.streamed["bytes_read"] - got.streamed["groups"] // len(streaming) * per_group
+    assert rows_and_heads(extra, head, row, len(streaming) * got.forward.padded_tokens)
     expected = precompute(config_for(tmp_path, "memory.parquet", policy=str(POLICY), prefix_sharing="off"),
                           log=lambda line: None)
     for column in (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS):

@@ -1,0 +1,97 @@
+"""An untied LM head of a streamed model left in its file: read in blocks of vocabulary rows as it is applied.
+
+Llama 3.1 70B's head is 128,256 x 8,192: 2 GiB in bf16, Qwen2.5 32B's 1.5 GiB, kept for the run it is the largest
+thing a streamed model holds but its layers. A forward applies it once, after the last layer, to the positions whose
+logits it wants, so it can be read as it is applied, a block of rows (vocabulary entries) at a time, and no block
+need outlive its matmul:
+
+    the model's own forward   the head module's forward (nn.Linear's own, nothing else) runs block by block:
+                              the (n, V) logits are the blocks' logits side by side, as the model's head makes them
+                              (the load-time probes, the oracle, ModelHead and a row the model computes alone)
+    klpipe's chunked head     head.LMHead reads the blocks in vocabulary order, each block's columns in the fused
+                              head's own vocabulary blocks: the same online log-sum-exp, in the same order, as the head
+                              in memory; a target's logit is read off the block that holds its row
+
+A pass reads the head once, on its own, whatever the group (streaming.py groups its passes at decoder layers only):
+a pass of T tokens computes 2·V·H·T FLOPs on the head while it reads V·H·b bytes, the same ratio as a decoder layer,
+so the read costs about what a layer's would if the pass holds few response tokens. Between forwards the weight is a
+`Resting` stand-in (table_rows.py): its shape, dtype and device for the model's code, an error for anything that would
+read its values.
+
+Which heads: the model's output embeddings, an `nn.Linear` whose class forward is nn.Linear's own (a head that does
+more, Dory's learned logit scale, stays resident), not tied to the input embeddings (a tied head is their table,
+which each forward gathers from by rows), stored in the checkpoint under its own name (`lm_head.weight`), which the
+loader then only renames. The budget decides before anything loads, from the checkpoint's header alone, so a head
+stored under another name (Inkling 2's `unembed`, converted at load) stays resident, as the budget counted it. Its
+bias, if any, stays resident (V numbers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from klpipe.errors import ModelError
+from klpipe.model.table_rows import Resting
+
+# Bytes of the head's weight read at once: a 32 MiB block is 2,048 rows of 70B's (8,192 x bf16), 8,192 of a hidden of
+# 1,024 in fp32. Large enough that a read costs one positioned read of whole megabytes, small beside a layer.
+BLOCK_BYTES = 32 << 20
+
+
+def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | None:
+    """The path of `model`'s head if a streamed run leaves it in its file (see the docstring), else None; read off the
+    model as built (meta), before any weight is."""
+    head = model.get_output_embeddings()
+    if type(head).forward is not torch.nn.Linear.forward or any(m is head for m in layers.modules()):
+        return None
+    if head.weight is model.get_input_embeddings().weight or head.weight.ndim != 2:
+        return None
+    mapping = getattr(model, "all_tied_weights_keys", None) or {}
+    tied = set(mapping) | set(mapping.values()) if isinstance(mapping, dict) else set(mapping)
+    path = next(name for name, module in model.named_modules() if module is head)
+    if f"{path}.weight" in tied or sum(1 for _, p in model.named_parameters(remove_duplicate=False)
+                                       if p is head.weight) != 1:
+        return None
+    return path
+
+
+def stored_as_is(path: str, keys) -> bool:
+    """Whether the checkpoint's tensor names `keys` hold the head at `path` under its own name (see the docstring)."""
+    return f"{path}.weight" in keys
+
+
+class HeadRows:
+    """Head `module` (at `path`) read in blocks of rows from checkpoint tensor `key` of `files`, as `dtype`; its
+    forward replaced by one over the blocks; `count(nbytes)` told what each read."""
+
+    def __init__(self, files, key: str, path: str, module: torch.nn.Linear, dtype: torch.dtype, count=None):
+        entry = files.entries[key]
+        if entry.shape != tuple(module.weight.shape):
+            raise ModelError(f"{key} is {entry.shape} in the checkpoint, and the model's {path} "
+                             f"{tuple(module.weight.shape)}: the checkpoint does not match the model class")
+        self.files, self.key, self.path, self.dtype, self.module = files, key, path, dtype, module
+        self.vocab, width = entry.shape
+        self.count = count or (lambda nbytes: None)
+        self.rows = max(1, BLOCK_BYTES // (width * max(entry.dtype.itemsize, dtype.itemsize)))
+        self.meta = Resting.like(module.weight, dtype, "cpu")
+        module._parameters["weight"] = self.meta
+        module.forward = self.forward  # the model's own call of its head, in blocks
+
+    def blocks(self, device, multiple: int = 1):
+        """(first row, block) of the whole weight, in order, each read now and cast as the loader casts the head:
+        (rows, H) at the run's dtype; blocks a multiple of `multiple` rows (the fused head's vocabulary blocks)."""
+        rows = max(multiple, self.rows // multiple * multiple)
+        for low in range(0, self.vocab, rows):
+            block = self.files.read_rows(self.key, list(range(low, min(low + rows, self.vocab))))
+            self.count(block.numel() * block.element_size())
+            yield low, block.to(self.dtype).to(device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """nn.Linear's forward, a block of the weight at a time: (..., H) -> (..., V); an adapter's head where one
+        is active (its modules_to_save, resident: lora.py)."""
+        bias = self.module.bias
+        if self.module.weight is not self.meta:
+            return F.linear(hidden, self.module.weight, bias)
+        return torch.cat([F.linear(hidden, block, None if bias is None else bias[low:low + block.shape[0]])
+                          for low, block in self.blocks(hidden.device)], dim=-1)
