@@ -206,11 +206,15 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     model_.head.streamed = streamer.store.head  # the chunked head reads the head's blocks, where they stream
     if adapters:
         store = streamer.store
+        ensured = [None]  # the layer ensure() last made whole
 
         def weight_of(module_path: str, module):
             k = store.layer_of(module_path)
-            if k is not None and not store.loaded(k):
+            # Not store.loaded(k): the layer read ahead in the background may be half loaded, its first tensor in and
+            # this module's still on meta. ensure() waits for that read first.
+            if k is not None and ensured[0] != k:
                 streamer.ensure(k)  # this layer loaded, every other freed
+                ensured[0] = k
             return module.weight
 
         try:
