@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from klpipe.errors import ModelError
-from klpipe.model.table_rows import Resting
+from klpipe.model.table_rows import Resting, tied_names
 
 # Bytes of the head's weight read at once: a 32 MiB block is 2,048 rows of 70B's (8,192 x bf16), 8,192 of a hidden of
 # 1,024 in fp32. Large enough that a read costs one positioned read of whole megabytes, small beside a layer.
@@ -47,8 +47,7 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | Non
         return None
     if head.weight is model.get_input_embeddings().weight or head.weight.ndim != 2:
         return None
-    mapping = getattr(model, "all_tied_weights_keys", None) or {}
-    tied = set(mapping) | set(mapping.values()) if isinstance(mapping, dict) else set(mapping)
+    tied = tied_names(model)
     path = next(name for name, module in model.named_modules() if module is head)
     if f"{path}.weight" in tied or sum(1 for _, p in model.named_parameters(remove_duplicate=False)
                                        if p is head.weight) != 1:

@@ -108,7 +108,7 @@ def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
     config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
     from klpipe.model import head_rows
-    from klpipe.model.table_rows import streamable
+    from klpipe.model.table_rows import streamable, ties
     from klpipe.model.weight_store import decoder_layers
 
     if spec.trust_remote_code:
@@ -127,9 +127,9 @@ def measure(spec, tokens: int) -> Measure | None:
         head = None  # resident, as the store will keep it (or, where the files are not local yet, on the safe side)
     in_files = in_layers | {id(t) for t in tables} | ({id(model.get_submodule(head).weight)} if head else set())
     # A tied head is the input embeddings' weight once loaded; built on meta it is a tensor of its own: not counted.
-    mapping = getattr(model, "all_tied_weights_keys", None) or {}
-    ties = {id(t) for name, t in model.named_parameters(remove_duplicate=False) if name in mapping}
-    unique = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in ties}
+    tied = ties(model)
+    replaced = {id(t) for name, t in model.named_parameters(remove_duplicate=False) if name in tied}
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in replaced}
     weights = sum(t.numel() * t.element_size() for t in unique.values())
     resident = sum(t.numel() * t.element_size() for key, t in unique.items() if key not in in_files)
     largest = max((sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])

@@ -48,12 +48,24 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str,
     for _, parameter in model.named_parameters(remove_duplicate=False):
         counts[id(parameter)] = counts.get(id(parameter), 0) + 1
     # What from_pretrained will tie (the meta-built model is not tied yet): a table on either side is not its own.
-    mapping = getattr(model, "all_tied_weights_keys", None) or {}
-    tied = set(mapping) | set(mapping.values()) if isinstance(mapping, dict) else set(mapping)
+    tied = tied_names(model)
     return {path: module for path, module in model.named_modules()
             if id(module) not in inside and _gathers(module) and module.weight.ndim == 2
             and id(module.weight) not in shared and counts.get(id(module.weight)) == 1
             and f"{path}.weight" not in tied}
+
+
+def ties(model: torch.nn.Module) -> dict[str, str | None]:
+    """What from_pretrained ties once the weights are in: each tied parameter's name -> the name of the one it becomes
+    (None where the model lists its tied names alone, as older classes do). Built on meta, a model is not tied yet."""
+    mapping = getattr(model, "all_tied_weights_keys", None) or {}
+    return dict(mapping) if isinstance(mapping, dict) else dict.fromkeys(mapping)
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Every name on either side of a tie (ties): a tensor that is not the named module's alone."""
+    tied = ties(model)
+    return set(tied) | {source for source in tied.values() if source}
 
 
 class Resting(torch.Tensor):

@@ -123,7 +123,7 @@ class WeightStore:
         # head) is tied once loaded, as from_pretrained ties it.
         tensors = {key: id(t) for key, t in model.state_dict(keep_vars=True).items()}
         loaded = {tensors[key] for key in targets}
-        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+        tied = set(table_rows.ties(model))
         self._check_keys(unexpected, {k for k in meta if k.startswith(self.layers_path + ".")
                                       and tensors[k] not in loaded and k not in tied})
         self._lock = threading.Lock()  # a layer loads in the background while another computes
