@@ -73,7 +73,7 @@ class HeadRows:
         self.vocab, width = entry.shape
         self.count = count or (lambda nbytes: None)
         self.rows = max(1, BLOCK_BYTES // (width * max(entry.dtype.itemsize, dtype.itemsize)))
-        self.meta = Resting.like(module.weight, dtype, "cpu")
+        self.meta = Resting.like(module.weight, dtype, "cpu", path)
         module._parameters["weight"] = self.meta
         module.forward = self.forward  # the model's own call of its head, in blocks
 

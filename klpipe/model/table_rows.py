@@ -73,21 +73,27 @@ class Resting(torch.Tensor):
     else of it (its values, a view, a copy) raises, so that no code outside the table's forward computes on it."""
 
     _metadata = None  # what may be read of it: filled on first use (torch's descriptors)
+    path = "a table"  # the module whose weight it stands in for, as the model names it: what the refusal says
 
     @staticmethod
-    def like(meta: torch.Tensor, dtype: torch.dtype, device) -> Resting:
-        return torch.zeros((), dtype=dtype, device=device).expand(meta.shape).as_subclass(Resting)
+    def like(meta: torch.Tensor, dtype: torch.dtype, device, path: str) -> Resting:
+        resting = torch.zeros((), dtype=dtype, device=device).expand(meta.shape).as_subclass(Resting)
+        resting.path = path
+        return resting
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in cls.metadata():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        path = next((a.path for a in args if isinstance(a, Resting)), cls.path)
         if func is torch.Tensor.detach:  # a state_dict (transformers' loader takes the model's): another stand-in
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {})).as_subclass(Resting)
-        raise ModelError(f"an embedding table left in its file was read outside its forward "
-                         f"({getattr(func, '__name__', func)}); streaming this model's tables does not run yet")
+                detached = func(*args, **(kwargs or {})).as_subclass(Resting)
+            detached.path = path
+            return detached
+        raise ModelError(f"{path}'s weight, left in its file, was read outside its forward "
+                         f"({getattr(func, '__name__', func)}); streaming it does not run with this model yet")
 
     @classmethod
     def metadata(cls) -> set:
@@ -113,7 +119,7 @@ class TableRows:
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
         if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)
-            self.meta = Resting.like(module.weight, dtype, "cpu")
+            self.meta = Resting.like(module.weight, dtype, "cpu", path)
             module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
         module.register_forward_pre_hook(self._before)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from klpipe.errors import ModelError
 from klpipe.model import ModelSpec, ReferenceModel, head_rows, streamed
 from klpipe.model.architecture import decoder_body
 from klpipe.model.head import HeadBlocks
@@ -38,8 +39,10 @@ def test_the_head_stays_in_its_file_and_rests_as_a_stand_in(pair):
     whole = in_memory.model.get_output_embeddings().weight
     assert isinstance(head.weight, Resting) and (head.weight.shape, head.weight.dtype) == (whole.shape, whole.dtype)
     assert store.head.path == "lm_head" and store.sizes.tables >= whole.numel() * whole.element_size()
-    with pytest.raises(Exception, match="read outside its forward"):
+    with pytest.raises(ModelError, match="^lm_head's weight, left in its file, was read outside its forward"):
         head.weight[0]
+    with pytest.raises(ModelError, match="^lm_head's weight"):  # a state_dict's copy says the same
+        head.weight.detach() + 1
 
 
 def test_the_chunked_head_read_in_blocks_gives_the_head_in_memory(pair):
