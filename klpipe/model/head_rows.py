@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from klpipe.errors import ModelError
 from klpipe.model.table_rows import Resting, tied_names
 
 # Bytes of the head's weight read at once: a 32 MiB block is 2,048 rows of 70B's (8,192 x bf16), 8,192 of a hidden of
@@ -65,10 +64,7 @@ class HeadRows:
     forward replaced by one over the blocks; `count(nbytes)` told what each read."""
 
     def __init__(self, files, key: str, path: str, module: torch.nn.Linear, dtype: torch.dtype, count=None):
-        entry = files.entries[key]
-        if entry.shape != tuple(module.weight.shape):
-            raise ModelError(f"{key} is {entry.shape} in the checkpoint, and the model's {path} "
-                             f"{tuple(module.weight.shape)}: the checkpoint does not match the model class")
+        entry = files.entries[key]  # its shape the model's (WeightStore checked it)
         self.files, self.key, self.path, self.dtype, self.module = files, key, path, dtype, module
         self.vocab, width = entry.shape
         self.count = count or (lambda nbytes: None)

@@ -112,10 +112,6 @@ class TableRows:
 
     def __init__(self, files, key: str, path: str, module: torch.nn.Embedding, dtype: torch.dtype, count=None,
                  resting: bool = False):
-        entry = files.entries[key]
-        if entry.shape != tuple(module.weight.shape):
-            raise ModelError(f"{key} is {entry.shape} in the checkpoint, and the model's {path} "
-                             f"{tuple(module.weight.shape)}: the checkpoint does not match the model class")
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
         if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)

@@ -144,6 +144,11 @@ class WeightStore:
             if source not in self.parts[None]:
                 raise ModelError(f"{type(model).__name__}: {path} is converted at load, which streaming its rows "
                                  "does not run yet")
+            # Read by rows, never through the loader, which would check its shape.
+            shape, expected = self.parts[None][source].shape, tuple(module.weight.shape)
+            if shape != expected:
+                raise ModelError(f"{source} is {shape} in the checkpoint, and the model's {path} {expected}: the "
+                                 "checkpoint does not match the model class")
             del self.parts[None][source]
             tables[path] = (source, module)
         self._load(None)

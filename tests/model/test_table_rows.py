@@ -87,3 +87,24 @@ def test_only_tables_a_forward_gathers_rows_of_are_left_in_their_files(tmp_path)
     table = model.model.embed_tokens_per_layer
     model.model.embed_tokens_per_layer = Positions(table.num_embeddings, table.embedding_dim, device="meta")
     assert set(streamable(model, layers)) == {"model.embed_tokens"}
+
+
+@pytest.mark.parametrize("key", ["model.embed_tokens_per_layer.weight", "model.embed_tokens.weight", "lm_head.weight"])
+def test_a_table_read_by_rows_of_another_shape_is_refused_before_anything_loads(tmp_path, key):
+    # The loader, which would refuse a tensor of the wrong shape, never sees a table read by rows: the store checks it.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from klpipe.errors import ModelError
+
+    shutil.copytree(TINY_GEMMA, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    expected = tuple(tensors[key].shape)
+    tensors[key] = tensors[key][:-1].clone()  # one vocabulary row short
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError) as caught:
+        streamed.load(ModelSpec(str(tmp_path), dtype="float32", device="cpu"))
+    shape = (expected[0] - 1, expected[1])
+    assert str(caught.value) == (f"{key} is {shape} in the checkpoint, and the model's {key.removesuffix('.weight')} "
+                                 f"{expected}: the checkpoint does not match the model class")
