@@ -396,3 +396,47 @@ def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
     assert streamer.layer_reads == (len(layers) if dora else 0)
     update = attached.adapters["policy"].updates[f"{store.layers_path}.0.self_attn.q_proj"]
     assert update.down.device == torch.device("cpu") and (update.dora is not None) == dora
+
+
+def test_a_dora_norm_waits_for_its_layer_half_read_in_the_background(tmp_path, monkeypatch):
+    # While attach computes each layer's DoRA norm, the next layer is read in the background. A layer half read, its
+    # first tensors in and the adapted Linear's still on meta, looks loaded to a check of its first tensor: the norm
+    # must wait for the read, not take the meta weight. The reader is held half way through each layer's first read,
+    # and attach goes on only once it is there, so the half-read layer is met every time.
+    import re
+    import threading
+    import time
+
+    from transformers import core_model_loading
+
+    from klpipe.model import ModelSpec, ReferenceModel
+    from klpipe.model.streaming import LayerMajor
+
+    adapter = save_adapter(TINY_GEMMA, tmp_path / "dora", rank=2, targets=["down_proj"], dora=True)
+    real_load, real_ensure = core_model_loading.convert_and_load_state_dict_in_model, LayerMajor.ensure
+    half: dict[int, threading.Event] = {}
+
+    def event(k: int) -> threading.Event:
+        return half.setdefault(k, threading.Event())
+
+    def load_in_halves(model, tensors, *args, **kwargs):
+        if not threading.current_thread().name.startswith("klpipe-layer-read"):
+            return real_load(model, tensors, *args, **kwargs)
+        real_load(model, {k: v for k, v in tensors.items() if "down_proj" not in k}, *args, **kwargs)
+        event(int(re.search(r"layers\.(\d+)\.", next(iter(tensors))).group(1))).set()
+        time.sleep(0.3)  # the adapted Linear's weight still on meta meanwhile
+        return real_load(model, {k: v for k, v in tensors.items() if "down_proj" in k}, *args, **kwargs)
+
+    def ensure(self, k: int) -> None:
+        real_ensure(self, k)
+        if k + 1 < len(self.store.layers) and not event(k + 1).is_set():  # its first read: wait till half way
+            assert event(k + 1).wait(10)
+
+    monkeypatch.setattr(core_model_loading, "convert_and_load_state_dict_in_model", load_in_halves)
+    monkeypatch.setattr(LayerMajor, "ensure", ensure)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    model = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"),
+                                adapters=(("policy", str(adapter), config),), streamed=True)
+    layers = len(model.streamer.store.layers)
+    assert layers > 2 and sorted(half) == list(range(1, layers))  # every layer but the first was met half read
+    assert model.adapters.adapters["policy"].updates  # attached, and held to the model's own forward at load
