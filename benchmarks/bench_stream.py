@@ -127,10 +127,11 @@ def main() -> None:
         gflops = 2 * parameters * fed / scoring / 1e9
         print(f"{name:10s} wall {wall:6.1f} s, scoring {scoring:6.1f} s, {gflops:5.1f} GFLOP/s "
               f"({gflops / peak_gflops:.0%} of the {peak_gflops:.0f} GFLOP/s matmul peak)")
-    found = re.search(r"weights streamed: ([\d,]+) MiB read in (\d+) layer-major group\(s\), ([\d,]+) MiB each, "
-                      r"(\d+)% of the read hidden", streamed)
+    found = re.search(r"weights streamed: ([\d,]+) MiB read in (\d+) layer-major group\(s\), ([\d,]+) MiB each"
+                      r"(, \d+ of \d+ layers kept loaded from group to group)?, (\d+)% of the read hidden", streamed)
     if found:
-        print(f"streamed: {found.group(1)} MiB read in {found.group(2)} group(s), {found.group(4)}% of the read hidden "
+        print(f"streamed: {found.group(1)} MiB read in {found.group(2)} group(s){found.group(4) or ''}, "
+              f"{found.group(5)}% of the read hidden "
               f"under compute; speed {seconds(in_memory) / seconds(streamed):.0%} of in memory scoring, "
               f"{memory_wall / streamed_wall:.0%} over the whole run (load included: its checks read the weights "
               "again for each of their forwards)")

@@ -97,9 +97,11 @@ def _streamed(summary) -> str:
     if streamed.get("tokens_to_hide"):  # below 90%: what a group would need, and what gives it that
         hint = (f" (groups held {streamed['tokens_per_group']:,} fed tokens; about {streamed['tokens_to_hide']:,} "
                 "would hide the read: a larger --max-memory, or --chunk-rows where a chunk is the smaller)")
+    kept = (f", {streamed['kept']} of {streamed['layers']} layers kept loaded from group to group"
+            if streamed.get("kept") else "")
     return (f"; weights streamed: {streamed['bytes_read'] / 2**20:,.0f} MiB read in {streamed['groups']} "
-            f"layer-major group(s), {per_group:,.0f} MiB each, {streamed['hidden']:.0%} of the read hidden under "
-            "compute" + hint)
+            f"layer-major group(s), {per_group:,.0f} MiB each{kept}, {streamed['hidden']:.0%} of the read hidden "
+            "under compute" + hint)
 
 
 def _left_out(summary) -> str:

@@ -59,6 +59,13 @@ only for now, refused on a GPU; benchmarks/gpu_stream.py measures that mechanism
 into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), and each group
 reads the weights once. On a device they would spill to host memory between layers (with the GPU path).
 
+**Layers kept loaded.** The budget gives a group's waiting passes room for `stream_tokens` fed tokens (`spare` bytes,
+`per_token` each). What a group leaves of it keeps layers loaded from one group to the next, the first layers first,
+each read once into memory of its own (not one of the two layer buffers, read into again): a model a little over the
+budget reads only what does not fit, once a group, and a tree's small waves read less. A group that holds more frees
+the last kept layers before it starts; a forward on its own keeps what is kept and keeps no more. The read of the
+first layer not kept starts with the group, under the kept layers' compute.
+
 **The prefix tree** (tree.py `waves`). A tree's pass reads the states its nodes' ancestors kept, and a node's state
 is kept when its pass ends, every layer at once. So the passes, in their planned order, are cut into waves: a pass
 that continues a state kept in the current wave starts the next one. Each wave runs layer-major like a group of
@@ -80,8 +87,7 @@ the 16 MiB a thread of its own held (PASS_OVERHEAD in streamed.py: on the safe s
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
-probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); a model a little over
-the budget still reads every layer, where the spare memory could keep some resident; an untied head is read once per
+probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); an untied head is read once per
 pass, not once per group, through the page cache and not in the background (head_rows.py). The read itself takes little
 CPU from the compute: one O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded again by
 its plan rather than transformers' loader (weight_store.py).
@@ -150,6 +156,13 @@ class LayerMajor:
         self.waited_seconds = 0.0  # of which the forwards waited for: the read not hidden under compute
         self.group_seconds = 0.0  # groups' wall time, waits included
         self.tokens = 0  # fed tokens the groups held, as their callers said
+        # Memory the budget gives a group's waiting passes (`spare`, at `per_token` bytes a fed token; a run sets both,
+        # precompute/budget.py). What a group leaves of it keeps layers loaded from group to group (`kept`: layer ->
+        # bytes), read once rather than once a group; 0: none kept.
+        self.spare = 0
+        self.per_token = 0
+        self.kept: dict[int, int] = {}
+        self._room = 0  # what the group running now leaves for kept layers; 0 outside a group
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
         self._hooks.append(store.layers[-1].register_forward_hook(self._after_last))
 
@@ -171,32 +184,46 @@ class LayerMajor:
         return hook
 
     def ensure(self, k: int) -> None:
-        """Layer k loaded (from the read ahead, or now), every other freed, layer k + 1 read in the background."""
+        """Layer k loaded (from the read ahead, or now), every other freed but the kept ones, the next layer not kept
+        read in the background."""
         store = self.store
         started = time.perf_counter()
-        if self._ahead is not None:
+        # A kept layer computes while a later one is read ahead: that read is left to go on. Otherwise the read ahead
+        # is waited for (k's own, or one not needed now, then freed).
+        if self._ahead is not None and not (k in self.kept and store.loaded(k) and self._ahead[0] > k):
             layer, future = self._ahead
             future.result()  # its error, if any, is this read's
             self._ahead = None
-            if layer != k:
+            if layer != k and layer not in self.kept:
                 store.release(layer)
+        ahead = self._ahead[0] if self._ahead is not None else None
         for other in range(len(store.layers)):  # before layer k is read: its buffer may be one of theirs
-            if other != k and store.loaded(other):
+            if other not in (k, ahead) and other not in self.kept and store.loaded(other):
                 store.release(other)
         if not store.loaded(k):
-            self._read(k)
+            self._read(k, self._keeps(k))
         self.waited_seconds += time.perf_counter() - started
         allocator.trim(self.trim_above)  # the layers just freed given back, where the process is over (allocator.py)
-        self._read_ahead(k + 1)
+        later = k + 1
+        while later < len(store.layers) and later in self.kept and store.loaded(later):
+            later += 1
+        self._read_ahead(later)
+
+    def _keeps(self, k: int) -> bool:
+        """Whether layer k, about to be read, stays loaded from group to group (marked kept now): where what the group
+        leaves of the budget holds it beside the layers kept already."""
+        if k not in self.kept and sum(self.kept.values()) + self.store.sizes.layers[k] <= self._room:
+            self.kept[k] = self.store.sizes.layers[k]
+        return k in self.kept
 
     def _read_ahead(self, k: int) -> None:
         """Layer k read in the background, if there is one and it is not loaded or being read already."""
         if k < len(self.store.layers) and self._ahead is None and not self.store.loaded(k):
-            self._ahead = (k, self._reader.submit(self._read, k))
+            self._ahead = (k, self._reader.submit(self._read, k, self._keeps(k)))
 
-    def _read(self, k: int) -> None:
+    def _read(self, k: int, keep: bool = False) -> None:
         started = time.perf_counter()
-        self.store.load(k)
+        self.store.load(k, own=keep)  # a kept layer in memory of its own: the two layer buffers are read into again
         self.layer_reads += 1
         self.read_seconds += time.perf_counter() - started
 
@@ -205,7 +232,8 @@ class LayerMajor:
         where less than 90% hid, the fed tokens a group would need to hide it (its tokens scaled by read over compute
         time: the read is the same whatever the group holds, the compute grows with its tokens)."""
         hidden = max(1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0, 0.0)
-        figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden}
+        figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden, "kept": len(self.kept),
+                   "layers": len(self.store.layers)}
         compute = self.group_seconds - self.waited_seconds
         # Only where the reads outlast the compute: otherwise what did not hide is the first layer's read, which
         # nothing can overlap, and more tokens would not help.
@@ -231,13 +259,16 @@ class LayerMajor:
             for name, value in zip(self.STATISTICS, saved[1], strict=True):
                 setattr(self, name, value)
 
-    def release_all(self) -> None:
-        """Every layer freed (after a forward on its own, or a group): nothing held between chunks."""
+    def release_all(self, room: int | None = None) -> None:
+        """Every layer freed (after a forward on its own, or a group) but the kept ones; with `room` (a group's: see
+        run), the last kept too while they hold more than that."""
         if self._ahead is not None:
             self._ahead[1].result()
             self._ahead = None
+        while room is not None and sum(self.kept.values()) > room:
+            self.kept.pop(max(self.kept))
         for k in range(len(self.store.layers)):
-            if self.store.loaded(k):
+            if k not in self.kept and self.store.loaded(k):
                 self.store.release(k)
 
     def run(self, calls: list, between=lambda: None, tokens: int = 0) -> list:
@@ -250,12 +281,17 @@ class LayerMajor:
         self.groups += 1
         self.tokens += tokens
         started = time.perf_counter()
+        # What this group's passes leave of the budget's room for them holds the layers kept; a group with more fed
+        # tokens than the last frees kept layers first.
+        self._room = max(self.spare - tokens * self.per_token, 0)
+        self.release_all(self._room)
         for step in steps:
             step.greenlet = greenlet.greenlet(functools.partial(self._body, step))
             step.greenlet.gr_context = contextvars.copy_context()  # each pass's own, as a thread's would be
             self._steps[step.greenlet] = step
         self._abandon = False
-        self._read_ahead(0)  # while the passes embed their rows
+        first = next((k for k in range(len(self.store.layers)) if k not in self.kept or not self.store.loaded(k)), 0)
+        self._read_ahead(first)  # while the passes embed their rows and run the layers kept
         # Every pass runs on this thread, so its torch state is theirs: inference mode for the whole group, so that
         # a pass's own inference-mode guards, entered and left out of order as the passes take turns, save and
         # restore the same state.
@@ -280,6 +316,7 @@ class LayerMajor:
         finally:
             for step in steps:
                 self._steps.pop(step.greenlet, None)
+            self._room = 0  # a forward on its own (a probe, the oracle) keeps no more
             self.release_all()
             self.group_seconds += time.perf_counter() - started
         return [step.result for step in steps]
@@ -320,7 +357,8 @@ def figures(streamers: list) -> dict | None:
     read = sum(s.read_seconds for s in streamers)
     waited = sum(s.waited_seconds for s in streamers)
     total = {"bytes_read": sum(f["bytes_read"] for f in figures), "groups": sum(f["groups"] for f in figures),
-             "hidden": max(1.0 - waited / read, 0.0) if read > 0 else 1.0}
+             "hidden": max(1.0 - waited / read, 0.0) if read > 0 else 1.0,
+             "kept": sum(f["kept"] for f in figures), "layers": sum(f["layers"] for f in figures)}
     hint = next((f for f in figures if "tokens_to_hide" in f), None)  # where a model's read did not hide
     if hint is not None:
         total.update(tokens_per_group=hint["tokens_per_group"], tokens_to_hide=hint["tokens_to_hide"])

@@ -187,19 +187,20 @@ class WeightStore:
                                  f"({shown}); the checkpoint does not match the model class, refusing to run with "
                                  "random weights")
 
-    def _load(self, part: int | None) -> None:
+    def _load(self, part: int | None, buffers: Buffers | None = None) -> None:
         """Part `part`'s checkpoint tensors into the model (transformers' own loader, or, for a layer loaded before,
-        its plan), refusing what does not fit."""
+        its plan), refusing what does not fit; a layer's read into `buffers`, by default the two kept for layers."""
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
 
         entries = self.parts.get(part, {})
+        buffers = buffers or self._buffers
         if part in self._plans:
-            self._load_planned(part, entries)
+            self._load_planned(part, entries, buffers)
             return
         # A layer's tensors go into one of the two buffers kept for layers (tensor_files.Buffers); the resident
         # part, read once, into memory of its own.
         tensors = ({key: self._files.read(key) for key in entries} if part is None
-                   else self._files.read_together(entries, self._buffers))
+                   else self._files.read_together(entries, buffers))
         info, _ = convert_and_load_state_dict_in_model(self.model, tensors, self.load_config)
         self.model._adjust_missing_and_unexpected_keys(info)  # the keys from_pretrained knows to leave (legacy RoPE)
         wrong = sorted(info.unexpected_keys | info.mismatched_keys)
@@ -241,10 +242,10 @@ class WeightStore:
             plan.append((module, name, is_buffer, self._sources[path], now.dtype))
         return plan
 
-    def _load_planned(self, part: int, entries: dict) -> None:
+    def _load_planned(self, part: int, entries: dict, buffers: Buffers) -> None:
         """Layer `part` loaded by its plan (_plan): each tensor read, cast to its parameter's dtype where the loader
         cast it, and put in its module as the loader puts it."""
-        tensors = self._files.read_together(entries, self._buffers)
+        tensors = self._files.read_together(entries, buffers)
         for module, name, is_buffer, key, dtype in self._plans[part]:
             value = tensors[key].to(dtype)
             if is_buffer:
@@ -286,10 +287,11 @@ class WeightStore:
         with self._counting:
             self.reads += nbytes
 
-    def load(self, k: int) -> None:
-        """Layer k's tensors into the model, read from the files now."""
+    def load(self, k: int, own: bool = False) -> None:
+        """Layer k's tensors into the model, read from the files now; `own`: into memory of its own, not one of the
+        two buffers kept for layers (a layer kept loaded from group to group: streaming.py)."""
         with self._lock:
-            self._load(k)
+            self._load(k, Buffers(0) if own else None)
 
     def layer_of(self, path: str) -> int | None:
         """The decoder layer that `path` (a module's or a tensor's, as the model names them) lies in; None: outside

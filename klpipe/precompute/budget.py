@@ -15,7 +15,9 @@ estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` toke
 
 What a streamed run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`;
 none with `--prefix-sharing off`), and the rest to the fed tokens a layer-major group holds while its passes wait
-between layers (per token the residual stream and its kin, per pass its thread's own buffers).
+between layers (per token the residual stream and its kin, per pass its thread's own buffers). What a group leaves
+of that keeps decoder layers loaded from one group to the next, the first layers first: a model a little over the
+budget reads only the layers that do not fit, once a group.
 """
 
 from __future__ import annotations
@@ -151,6 +153,10 @@ class Streamed:
     # The own resident memory above which the streamer hands freed memory back to the kernel (model/allocator.py): the
     # budget less the room one pass needs at its widest. Below it, freed pages stay for reuse (no faults).
     trim_above: int | None = None
+    # What the groups' fed tokens may hold, at `per_token` bytes each; what a group leaves of it keeps layers loaded
+    # from group to group (model/streaming.py). 0 where the policy streams too: two streamers would each keep layers.
+    spare: int = 0
+    per_token: int = 0
 
 
 def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
@@ -209,4 +215,5 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
         f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
         + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
         + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))
-    return Streamed(tokens, cache >> 20, policy_streams, limit.bytes - activations)
+    return Streamed(tokens, cache >> 20, policy_streams, limit.bytes - activations,
+                    0 if policy_streams else max(spare, 0), per_token)

@@ -162,6 +162,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                                                   default=models.reference_side, streamed=streamed is not None,
                                                   trim_above=trim_above)
             model.stream_tokens = streamed.tokens if streamed is not None else None
+            if model.streamer is not None:  # what its groups leave of the budget keeps layers loaded (streaming.py)
+                model.streamer.spare, model.streamer.per_token = streamed.spare, streamed.per_token
             model.stream_cache_mib = streamed.cache_mib if streamed is not None else None
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.

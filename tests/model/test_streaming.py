@@ -408,6 +408,45 @@ def test_a_stop_between_layers_abandons_the_group(llama):
     assert len(passes) == 2 and all(g.dead for g in passes) and not torch.is_inference_mode_enabled()
 
 
+def test_what_a_group_leaves_of_the_budget_keeps_the_first_layers_loaded_from_group_to_group():
+    # The budget's room for a group's fed tokens (spare, at per_token bytes each), less what a group holds, keeps
+    # layers loaded from one group to the next, the first first: each is read once, not once a group. A group that
+    # holds more frees the last kept; the numbers are the same, bit for bit, whatever is kept.
+    model = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), streamed=True)
+    streamer, store = model.streamer, model.streamer.store
+    layers, sizes = len(store.layers), store.sizes.layers
+    assert layers == 6
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 512, n), rng.integers(0, 512, 4)) for n in (5, 9, 14)]
+    calls = [lambda row=row: model.score_batch([row])[0] for row in rows]
+
+    def group(tokens: int) -> tuple[list, int]:
+        """The rows' logprobs, run as one group said to hold `tokens` fed tokens, and the layers it read."""
+        before = streamer.layer_reads
+        got = streamer.run(calls, tokens=tokens)
+        return got, streamer.layer_reads - before
+
+    expected, read = group(40)  # nothing kept: every layer read
+    assert read == layers and streamer.kept == {}
+    streamer.spare, streamer.per_token = 1000 * 40 + sizes[0] + sizes[1] + sizes[2] // 2, 1000
+    for reads in (layers, layers - 2, layers - 2):  # the first group reads all and keeps 0 and 1; the next, the rest
+        got, read = group(40)
+        assert read == reads and sorted(streamer.kept) == [0, 1]
+        assert [store.loaded(k) for k in range(layers)] == [True, True] + [False] * (layers - 2)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert streamer.statistics()["kept"] == 2
+    before = streamer.layer_reads
+    alone = model.score_batch([rows[0]])[0]  # a forward on its own keeps them and keeps no more
+    assert streamer.layer_reads - before == layers - 2 and sorted(streamer.kept) == [0, 1]
+    assert np.array_equal(alone, expected[0])
+    got, read = group(40 + sizes[1] // 1000)  # a group holding more leaves room for layer 0 alone
+    assert read == layers - 1 and sorted(streamer.kept) == [0] and not store.loaded(1)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    got, read = group(10 ** 9)  # and one holding the whole room, none
+    assert read == layers and streamer.kept == {} and not any(store.loaded(k) for k in range(layers))
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trimmed", ["always", "over the budget"])
 def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, trimmed):

@@ -286,6 +286,35 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     assert gap <= 1e-5
 
 
+def test_the_streamer_is_given_the_room_the_budget_leaves_its_groups(tmp_path, monkeypatch):
+    # What the budget leaves beyond the smallest streamed run is the groups' (the tree's cache off), and what a group
+    # leaves of it keeps layers loaded (test_streaming: ..._keeps_the_first_layers_loaded_from_group_to_group). Here,
+    # the room each group was handed: the budget's arithmetic by hand. The tiny model's layers are small beside a
+    # group's 16 MiB a pass, so none can be kept in a budget it does not fit in memory.
+    from klpipe.model import ModelSpec
+    from klpipe.model import streamed as streamed_model
+    from klpipe.model.streaming import LayerMajor
+
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
+    extra = (weights - resident - 2 * largest) // 2  # half way to the run in memory
+    measured = streamed_model.measure(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), 256)
+    seen, run = [], LayerMajor.run
+
+    def noted(self, calls, between=lambda: None, tokens: int = 0):
+        seen.append((self.spare, self.per_token))
+        return run(self, calls, between, tokens)
+
+    monkeypatch.setattr(LayerMajor, "run", noted)
+    got = precompute(config_for(tmp_path, max_memory=str(streams + extra), prefix_sharing="off"),
+                     log=lambda line: None)
+    assert got.streamed["groups"] >= 1 and seen
+    # The load-time checks' groups run before the run hands the room over: they keep nothing.
+    room = (extra, measured.kept_per_token + streamed_model.PASS_OVERHEAD // 256)
+    assert room in seen and set(seen) <= {(0, 0), room}
+
+
 POLICY = TINY_GEMMA.parent / "tiny-gemma4-policy"  # the policy that sampled the sample rollouts: other weights
 
 
