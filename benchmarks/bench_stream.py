@@ -1,7 +1,7 @@
 """A reference model larger than its memory cgroup, streamed, against the same model in memory, on the same rows.
 
 The model is tests/model/test_streaming.py's: a Llama of `--layers` layers of 61 MB (hidden 1,024, MLP 4,096, fp32;
-44 layers: 2.7 GB), written once under build/bench/stream/. Each run is a fresh `python -m klpipe precompute`
+48 layers: 2.9 GB), written once under build/bench/stream/. Each run is a fresh `python -m klpipe precompute`
 with `--prefix-sharing off` (rows run whole in both):
 
   streamed   in a v1 (or v2) memory cgroup of `--limit` MiB (default: a third of the model), the model's pages
@@ -12,7 +12,7 @@ Printed: wall times (load included), scoring seconds, the bytes streaming read, 
 under compute, and fp32 GFLOP/s (2 x parameters x fed tokens over the scoring seconds) against this machine's
 matmul peak at the same thread count (torch.mm of 2,048 x 2,048 fp32). Needs root for the cgroup.
 
-Run: `python benchmarks/bench_stream.py [--layers 44] [--tokens 4096] [--limit MiB]`. Passes are 512 tokens
+Run: `python benchmarks/bench_stream.py [--layers 48] [--tokens 4096] [--limit MiB] [--chunk-rows N]`. Passes are 512 tokens
 (`--max-tokens-per-batch 512`), so that one pass's activations fit beside two layers in the cgroup.
 
 Measured (2 CPU cores, matmul peak 276 to 348 GFLOP/s), the defaults, five runs over two days with the passes as
@@ -82,10 +82,14 @@ def run(command: list[str], env: dict, procs: Path | None = None) -> tuple[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=44)
+    # 48: a third of the model holds the process (632 MiB before the weights with torch 2.13, transformers 5.24,
+    # pyarrow 26 and datasets 5.2: 44 layers' third, 852 MiB, fell 6 MiB short of the smallest streamed budget).
+    parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--tokens", type=int, default=4096, help="fed tokens of rows (prompt 200 + response 56 each)")
     parser.add_argument("--limit", type=int, default=None,
                         help="the cgroup's limit, MiB (default: a third of the model)")
+    parser.add_argument("--chunk-rows", type=int, default=None,
+                        help="rows per chunk (default: klpipe's; fewer: several chunks, each its groups)")
     args = parser.parse_args()
     model = WORK / f"llama-{args.layers}"
     if not (model / "model.safetensors").is_file():
@@ -98,8 +102,8 @@ def main() -> None:
     limit = (args.limit << 20) if args.limit else size // 3
     env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1"})
     common = ["precompute", str(rows), "--model", str(model), "--progress", "none", "--prefix-sharing", "off",
-              "--max-tokens-per-batch", "512",
-              "--overwrite"]
+              "--max-tokens-per-batch", "512", "--overwrite",
+              *(["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else [])]
     import shutil
 
     for old in [*WORK.glob("streamed.parquet*"), *WORK.glob("memory.parquet*")]:  # a rerun computes again
