@@ -93,7 +93,7 @@ class ReferenceModel:
 
     @classmethod
     def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
-             streamed: bool = False, trim_above: int | None = None) -> ReferenceModel:
+             streamed: bool = False, trim_above: int | None = None, room: tuple[int, int] = (0, 0)) -> ReferenceModel:
         """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
         layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
 
@@ -101,11 +101,12 @@ class ReferenceModel:
         the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
         forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py), and the
         memory they free goes back to the kernel once the process holds more than `trim_above` bytes (allocator.py;
-        None: always)."""
+        None: always); `room`: (bytes, bytes a fed token) the budget gives a layer-major group's waiting passes, what a
+        group leaves of it keeping layers loaded from group to group, the load-time checks' groups included."""
         if streamed:
             from klpipe.model import streamed as streamed_model
 
-            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above)
+            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room)
         model, device, dtype = loading.load_model(spec)
         reference = cls(model, device, dtype)
         reference.adapters = lora.attach(model, adapters, default) if adapters else None

@@ -186,7 +186,8 @@ def weights_directory(spec):
         raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
 
 
-def reference(cls, spec, compile: str, adapters: tuple, default: str | None = None, trim_above: int | None = None):
+def reference(cls, spec, compile: str, adapters: tuple, default: str | None = None, trim_above: int | None = None,
+              room: tuple[int, int] = (0, 0)):
     """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
     the chunked head, packing, each adapter's side), before any row.
 
@@ -201,6 +202,7 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
                          "with --compile on yet")
     model, device, dtype, streamer = load(spec)
     streamer.trim_above = trim_above  # before the checks' forwards, which stream too
+    streamer.spare, streamer.per_token = room
     model_ = cls(model, device, dtype)
     model_.streamer = streamer
     model_.head.streamed = streamer.store.head  # the chunked head reads the head's blocks, where they stream

@@ -158,12 +158,12 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             load_started = time.perf_counter()
             trim_above = streamed.trim_above if streamed is not None else None
+            # What the groups leave of the budget keeps layers loaded (streaming.py): none where the policy streams.
+            room = (streamed.spare, streamed.per_token) if streamed is not None else (0, 0)
             model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
                                                   default=models.reference_side, streamed=streamed is not None,
-                                                  trim_above=trim_above)
+                                                  trim_above=trim_above, room=room)
             model.stream_tokens = streamed.tokens if streamed is not None else None
-            if model.streamer is not None:  # what its groups leave of the budget keeps layers loaded (streaming.py)
-                model.streamer.spare, model.streamer.per_token = streamed.spare, streamed.per_token
             model.stream_cache_mib = streamed.cache_mib if streamed is not None else None
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
