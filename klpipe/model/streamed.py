@@ -124,7 +124,7 @@ def measure(spec, tokens: int) -> Measure | None:
     tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
     head = head_rows.streamable(model, layers)  # left in its file, read a block at a time as it is applied
     if head is not None and not head_rows.stored_as_is(head, checkpoint_keys(spec)):
-        head = None  # resident, as the store will keep it (or, where the files are not local yet, on the safe side)
+        head = None  # resident, as the store will keep it (or, where the files are not here yet, on the safe side)
     in_files = in_layers | {id(t) for t in tables} | ({id(model.get_submodule(head).weight)} if head else set())
     # A tied head is the input embeddings' weight once loaded; built on meta it is a tensor of its own: not counted.
     tied = ties(model)
@@ -149,19 +149,27 @@ def measure(spec, tokens: int) -> Measure | None:
 
 
 def checkpoint_keys(spec) -> set[str]:
-    """The tensor names of a local checkpoint's safetensors files, from their headers alone (nothing fetched: for a
-    hub name, none)."""
+    """The tensor names of a checkpoint's safetensors files, from their headers alone: a local path's, or a hub name's
+    where the local Hugging Face cache holds its files (nothing fetched: otherwise none)."""
     from pathlib import Path
 
     from klpipe.model import loading
     from klpipe.model.tensor_files import TensorFiles
     from klpipe.model.weight_store import weight_files
 
-    if not loading.is_local(spec.name):
-        return set()
+    if loading.is_local(spec.name):
+        directory = Path(spec.name).expanduser()
+    else:
+        from huggingface_hub import snapshot_download
+
+        try:  # the cache alone: no request, whatever HF_HUB_OFFLINE says
+            directory = Path(snapshot_download(spec.name, revision=spec.revision, local_files_only=True,
+                                               allow_patterns=["*.json", "model*.safetensors"]))
+        except Exception:  # noqa: BLE001 - not cached (or not whole): counted as before, on the safe side
+            return set()
     try:
-        files = TensorFiles(weight_files(Path(spec.name).expanduser()))
-    except ModelError:
+        files = TensorFiles(weight_files(directory))
+    except (ModelError, OSError):
         return set()
     try:
         return set(files.entries)

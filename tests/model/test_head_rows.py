@@ -138,3 +138,36 @@ def test_a_head_stored_under_another_name_stays_resident_as_the_budget_counts_it
     kept = whole.model.norm.weight.nbytes + sum(b.nbytes for b in whole.model.rotary_emb.buffers())
     store = ReferenceModel.load(spec, streamed=True).streamer.store
     assert streamed.measure(spec, 64).resident == kept == store.sizes.resident
+
+
+def test_a_hub_names_head_is_budgeted_from_the_local_cache_with_no_request(tmp_path, monkeypatch):
+    # Before anything loads, a hub name's checkpoint header is read from the local Hugging Face cache where its files
+    # are there (the run would stream the head from them), never fetched: not cached yet, the head counts resident.
+    import json
+    import shutil
+
+    from tests.helpers import run_python
+
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    shutil.copy(TINY_GEMMA / "config.json", snapshot / "config.json")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a request would fail
+    code = """if True:
+        import json, sys
+        from klpipe.model import ModelSpec, streamed
+        print(json.dumps([vars(streamed.measure(ModelSpec(name, dtype="float32", device="cpu"), 64))
+                          for name in sys.argv[1:]]))"""
+
+    def measured() -> list[dict]:
+        result = run_python(code, str(TINY_GEMMA), "someone/tiny")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    local, hub = measured()  # the config alone in the cache: the head counted resident
+    assert hub["resident"] == local["resident"] + 512 * 64 * 4 and hub["weights"] == local["weights"]
+    shutil.copy(TINY_GEMMA / "model.safetensors", snapshot / "model.safetensors")
+    local, hub = measured()  # the weights there too: the same sizes as the local path's
+    assert hub == local
