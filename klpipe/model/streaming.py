@@ -191,9 +191,7 @@ class LayerMajor:
         # A kept layer computes while a later one is read ahead: that read is left to go on. Otherwise the read ahead
         # is waited for (k's own, or one not needed now, then freed).
         if self._ahead is not None and not (k in self.kept and store.loaded(k) and self._ahead[0] > k):
-            layer, future = self._ahead
-            future.result()  # its error, if any, is this read's
-            self._ahead = None
+            layer = self._wait_ahead()
             if layer != k and layer not in self.kept:
                 store.release(layer)
         ahead = self._ahead[0] if self._ahead is not None else None
@@ -208,6 +206,18 @@ class LayerMajor:
         while later < len(store.layers) and later in self.kept and store.loaded(later):
             later += 1
         self._read_ahead(later)
+
+    def _wait_ahead(self) -> int:
+        """The layer read ahead, once its read is over; a read that failed raises its error here, its layer freed
+        (none of it half loaded, nor kept), and nothing is left read ahead."""
+        (layer, future), self._ahead = self._ahead, None
+        try:
+            future.result()
+        except BaseException:
+            self.kept.pop(layer, None)
+            self.store.release(layer)
+            raise
+        return layer
 
     def _keeps(self, k: int) -> bool:
         """Whether layer k, about to be read, stays loaded from group to group (marked kept now): where what the group
@@ -263,8 +273,7 @@ class LayerMajor:
         """Every layer freed (after a forward on its own, or a group) but the kept ones; with `room` (a group's: see
         run), the last kept too while they hold more than that."""
         if self._ahead is not None:
-            self._ahead[1].result()
-            self._ahead = None
+            self._wait_ahead()
         while room is not None and sum(self.kept.values()) > room:
             self.kept.pop(max(self.kept))
         for k in range(len(self.store.layers)):

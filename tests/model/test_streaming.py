@@ -447,6 +447,35 @@ def test_what_a_group_leaves_of_the_budget_keeps_the_first_layers_loaded_from_gr
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_a_layer_read_that_fails_in_the_background_is_raised_and_leaves_nothing_half_loaded(monkeypatch):
+    # A read ahead that fails (a disk error, a file cut short) raises its error in the group; its layer, which was to
+    # be kept, is neither kept nor half loaded, nothing stays read ahead, and the next group runs as before.
+    model = ReferenceModel.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), streamed=True)
+    streamer, store = model.streamer, model.streamer.store
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 512, n), rng.integers(0, 512, 4)) for n in (5, 9)]
+    calls = [lambda row=row: model.score_batch([row])[0] for row in rows]
+    expected = streamer.run(calls)
+    streamer.spare, streamer.per_token = sum(store.sizes.layers), 0  # every layer kept
+    load, failed = store.load, []
+
+    def fails_once(k, own=False):
+        if k == 3 and not failed:
+            failed.append(own)
+            load(k, own)  # its tensors in, then the error: a layer half read would look loaded
+            raise OSError("the disk said no")
+        load(k, own)
+    monkeypatch.setattr(store, "load", fails_once)
+    with pytest.raises(OSError, match="the disk said no"):
+        streamer.run(calls)
+    assert failed == [True]  # it was read to be kept
+    assert streamer._ahead is None and 3 not in streamer.kept and not store.loaded(3)
+    assert all(store.loaded(k) for k in streamer.kept) and sorted(streamer.kept) == [0, 1, 2]
+    got = streamer.run(calls)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert sorted(streamer.kept) == list(range(6)) and all(store.loaded(k) for k in range(6))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trimmed", ["always", "over the budget"])
 def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, trimmed):
