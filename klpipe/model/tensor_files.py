@@ -20,6 +20,11 @@ in once. A buffer is read into again only when nothing but the pool holds its me
 references to its storage): a layer's weights are never overwritten while any tensor, the model's or another's,
 still sees them. Where none is free, the layer gets memory of its own, as before: slower, never wrong.
 
+**Where a tensor lies.** Every tensor read lies at its file offset modulo 64, as a memory map of the file puts it,
+which is where from_pretrained's tensors lie: a product of a matrix with one position's vector rounds differently
+with the matrix elsewhere (Gemma 4's KV-shared layers run over the last position alone), and a streamed run is held
+to the bits of the run in memory (`_place`).
+
 **Past the page cache** (O_DIRECT). A model streamed because it does not fit is read again for every group, and
 its pages, read through the page cache, are put into the cache only to be reclaimed before the next group (in a
 memory cgroup, which counts the cache against its limit, by the process itself, in its own time). Reading the
@@ -84,7 +89,7 @@ class TensorFiles:
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name`, read now into `into` (uint8, its size in bytes) or a buffer of its own."""
         entry = self.entries[name]
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into  # (bytes,)
+        buffer = _placed(entry.nbytes, entry.offset, entry.dtype.itemsize) if into is None else into  # (bytes,)
         _read_into(entry.fd, memoryview(buffer.numpy()), entry.offset, "a tensor's end")
         return buffer.view(entry.dtype).reshape(entry.shape)
 
@@ -96,7 +101,8 @@ class TensorFiles:
         if rows and not 0 <= rows[0] <= rows[-1] < count:
             raise IndexError(f"{name}: row {rows[0] if rows[0] < 0 else rows[-1]} of a table of {count}")
         row_bytes = width * entry.dtype.itemsize
-        out = torch.empty(len(rows) * row_bytes, dtype=torch.uint8)  # (rows x row bytes,)
+        # (rows x row bytes,), where the file's map would put the first row: a block of whole rows lies as the weight's
+        out = _placed(len(rows) * row_bytes, entry.offset + (rows[0] if rows else 0) * row_bytes, entry.dtype.itemsize)
         view = memoryview(out.numpy())
         start = 0
         while start < len(rows):
@@ -110,16 +116,16 @@ class TensorFiles:
 
     def read_together(self, names: Iterable[str], buffers: Buffers) -> dict[str, torch.Tensor]:
         """The tensors `names`, read now into one of `buffers`'s buffers: in one direct read where they lie
-        together, else one by one through the page cache, side by side (each aligned as torch aligns its own)."""
+        together, else one by one through the page cache, side by side (each where a map of the file puts it: _place)."""
         entries = {name: self.entries[name] for name in names}
         together = self._read_direct(entries, buffers) if entries else None
         if together is not None:
             return together
         starts, end = {}, 0
         for name, entry in entries.items():
-            starts[name] = end
-            end += -(-entry.nbytes // ALIGN) * ALIGN
-        block = buffers.take(end)
+            starts[name] = end = _place(end, entry.offset, entry.dtype.itemsize)
+            end += entry.nbytes
+        block = buffers.take(end)  # at a multiple of ALIGN
         return {name: self.read(name, block[start:start + entries[name].nbytes]) for name, start in starts.items()}
 
     def _read_direct(self, entries: dict[str, Entry], buffers: Buffers) -> dict[str, torch.Tensor] | None:
@@ -170,6 +176,26 @@ def _read_into(fd: int, view: memoryview, offset: int, what: str) -> None:
 
 
 ALIGN = 64  # bytes: torch's CPU allocator aligns every tensor so (its vector kernels assume no less)
+
+
+def _place(at: int, offset: int, itemsize: int) -> int:
+    """The first position from `at` in a buffer aligned to ALIGN where a tensor at file offset `offset` lies as a
+    memory map of the file would put it (the same address modulo ALIGN): where from_pretrained's tensors lie, read
+    from a map, and the layers' (read past the page cache, each at its file offset). A matrix-vector product's rounding
+    depends on where its matrix lies (measured: Gemma 4's per-layer projection over one position gave results
+    3e-7 apart at 0 and 8 modulo 64), so every tensor read lies where the model in memory has it. An offset that does
+    not suit its dtype gets the next multiple of ALIGN."""
+    if offset % itemsize:
+        return -(-at // ALIGN) * ALIGN
+    return at + (offset - at) % ALIGN
+
+
+def _placed(nbytes: int, offset: int, itemsize: int) -> torch.Tensor:
+    """`nbytes` of fresh memory (uint8) at the address _place says for file offset `offset`."""
+    fresh = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    base = fresh.data_ptr()
+    skip = (offset - base) % ALIGN if offset % itemsize == 0 else -base % ALIGN
+    return fresh[skip:skip + nbytes]
 BLOCK = 4096  # what O_DIRECT asks offsets, lengths and buffers to be multiples of (the largest logical block)
 
 

@@ -136,7 +136,7 @@ def test_a_layer_the_direct_read_cannot_take_is_read_through_the_page_cache(tmp_
         got = files.read_together(["layer.a", "layer.b"], buffers)
         assert files.direct_reads == 0, why
         assert all(torch.equal(got[name], tensors[name]) for name in tensors)
-        assert got["layer.b"].data_ptr() % 64 == 0  # side by side, each aligned as torch aligns its own
+        assert got["layer.b"].data_ptr() % 64 == 0  # an offset its dtype does not divide: aligned as torch aligns
     finally:
         files.close()
 
@@ -174,5 +174,44 @@ def test_rows_read_are_the_tables_rows(tmp_path, dtype):
         for rows in ([40], [-1, 3], [3, 41]):
             with pytest.raises(IndexError):
                 files.read_rows("table", rows)
+    finally:
+        files.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["past the page cache", "through the page cache"])
+def test_every_tensor_read_lies_where_a_map_of_its_file_puts_it(tmp_path, direct):
+    # A matrix-vector product's rounding depends on where its matrix lies, and from_pretrained's tensors lie where a
+    # memory map of the file puts them: at their file offset modulo 64. So does every tensor read here, alone, side by
+    # side or by rows, and the product over one position gives the same bits as the mapped tensor's.
+    if direct and not direct_io_here(tmp_path):
+        pytest.skip("this file system takes no O_DIRECT read")
+    generator = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(3, generator=generator), "w": torch.randn(96, 64, generator=generator),
+               "n": torch.randn(5, generator=generator), "h": torch.randn(40, 64, generator=generator)}
+    written(tmp_path / "model.safetensors", tensors)
+    files = TensorFiles([tmp_path / "model.safetensors"])
+    if not direct:
+        files._direct = dict.fromkeys(files._direct)  # as on a file system that refuses O_DIRECT
+    try:
+        offsets = {name: files.entries[name].offset for name in tensors}
+        alone = {name: files.read(name) for name in tensors}
+        together = files.read_together(["w", "n", "h"], Buffers())
+        assert files.direct_reads == int(direct)
+        rows = files.read_rows("h", [3, 4, 5])
+        for name, tensor in [*alone.items(), *together.items()]:
+            assert tensor.data_ptr() % 64 == offsets[name] % 64 and torch.equal(tensor, tensors[name]), name
+        assert rows.data_ptr() % 64 == (offsets["h"] + 3 * 64 * 4) % 64
+        x = torch.randn(1, 64, generator=generator)
+        with open(tmp_path / "model.safetensors", "rb") as f:
+            view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable, nothing written back
+        try:
+            w = torch.frombuffer(view, dtype=torch.uint8)[offsets["w"]:offsets["w"] + 96 * 64 * 4].view(torch.float32)
+            w = w.reshape(96, 64)
+            assert w.data_ptr() % 64 == offsets["w"] % 64
+            for got in (alone["w"], together["w"]):
+                assert torch.equal(torch.nn.functional.linear(x, got), torch.nn.functional.linear(x, w))
+            del w
+        finally:
+            view.close()
     finally:
         files.close()

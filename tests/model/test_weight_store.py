@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from klpipe.model import ModelSpec, ReferenceModel
+from klpipe.model.table_rows import Resting
 from tests.architectures import save_tiny
 from tests.helpers import TINY_GEMMA, TINY_LLAMA
 
@@ -74,3 +75,22 @@ def test_layer_of_names_the_decoder_layer_a_path_lies_in():
     assert store.layer_of("model.layers.10.mlp.up_proj.weight") == 10
     assert store.layer_of("model.embed_tokens") is None
     assert store.layer_of("model.layers_norm.1.weight") is None  # a prefix of the path alone is not the list
+
+
+def test_a_one_position_pass_streamed_gives_the_bits_of_the_model_in_memory():
+    # Gemma 4 runs its KV-shared layers over the last position alone (logits_to_keep = 1), so matrices multiply one
+    # position's vector, whose rounding depends on where the matrix lies (tensor_files._place). Every weight streamed
+    # lies where from_pretrained's does, modulo 64, and the hidden state is the same, bit for bit (the per-layer
+    # projection read into fresh memory put it 3e-7 apart before).
+    spec = ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu")
+    memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    own = dict(memory.model.named_parameters())
+    resident = {n: p for n, p in streamed.model.named_parameters()
+                if not p.is_meta and not isinstance(p, Resting) and n in own}
+    assert "model.per_layer_model_projection.weight" in resident
+    assert all(p.data_ptr() % 64 == own[n].data_ptr() % 64 for n, p in resident.items() if p.numel() > 1)
+    ids = torch.tensor([[5, 3, 9, 100, 7, 8, 2, 11, 400, 12]])
+    with torch.inference_mode():
+        expected = memory.body(input_ids=ids, logits_to_keep=1, use_cache=False).last_hidden_state
+        got = streamed.body(input_ids=ids, logits_to_keep=1, use_cache=False).last_hidden_state
+    assert expected.shape == (1, 1, 64) and torch.equal(got, expected)
