@@ -193,8 +193,7 @@ def _place(at: int, offset: int, itemsize: int) -> int:
 def _placed(nbytes: int, offset: int, itemsize: int) -> torch.Tensor:
     """`nbytes` of fresh memory (uint8) at the address _place says for file offset `offset`."""
     fresh = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    base = fresh.data_ptr()
-    skip = (offset - base) % ALIGN if offset % itemsize == 0 else -base % ALIGN
+    skip = _place(fresh.data_ptr(), offset, itemsize) - fresh.data_ptr()  # the address itself as the position
     return fresh[skip:skip + nbytes]
 BLOCK = 4096  # what O_DIRECT asks offsets, lengths and buffers to be multiples of (the largest logical block)
 
