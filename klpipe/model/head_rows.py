@@ -61,15 +61,16 @@ def stored_as_is(path: str, keys) -> bool:
 
 class HeadRows:
     """Head `module` (at `path`) read in blocks of rows from checkpoint tensor `key` of `files`, as `dtype`; its
-    forward replaced by one over the blocks; `count(nbytes)` told what each read."""
+    forward replaced by one over the blocks; `count(nbytes)` told what each read; `device`: the model's."""
 
-    def __init__(self, files, key: str, path: str, module: torch.nn.Linear, dtype: torch.dtype, count=None):
+    def __init__(self, files, key: str, path: str, module: torch.nn.Linear, dtype: torch.dtype, count=None,
+                 device="cpu"):
         entry = files.entries[key]  # its shape the model's (WeightStore checked it)
         self.files, self.key, self.path, self.dtype, self.module = files, key, path, dtype, module
         self.vocab, width = entry.shape
         self.count = count or (lambda nbytes: None)
         self.rows = max(1, BLOCK_BYTES // (width * max(entry.dtype.itemsize, dtype.itemsize)))
-        self.meta = Resting.like(module.weight, dtype, "cpu", path)
+        self.meta = Resting.like(module.weight, dtype, device, path)
         module._parameters["weight"] = self.meta
         module.forward = self.forward  # the model's own call of its head, in blocks
 

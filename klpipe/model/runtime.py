@@ -16,6 +16,11 @@ def device_free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
+def device_reserved_bytes(device: str) -> int:
+    """What torch's caching allocator of this process holds on CUDA device `device` now."""
+    return torch.cuda.memory_reserved(torch.device(device))
+
+
 def library_versions() -> dict[str, str]:
     """The versions that move the numbers, as the cache's provenance records them."""
     return {"torch": torch.__version__, "transformers": transformers.__version__}

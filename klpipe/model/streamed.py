@@ -46,13 +46,13 @@ def load(spec):
             model, plan, device, dtype = _build(spec)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelError(f"{spec.name}: cannot build the model to stream ({exc})") from None
-        refused = ("a GPU" if device != "cpu" else "--dtype float64" if dtype == torch.float64
+        refused = ("several devices" if device == "several devices" else "--dtype float64" if dtype == torch.float64
                    else "a quantized checkpoint" if quantized(model.config) else None)
     if refused is not None:
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
                          f"with {refused} yet")
     store = WeightStore(model, weights_directory(spec), dtype, plan.key_mapping if plan is not None else None,
-                        frozenset(plan.skipped) if plan is not None else frozenset())
+                        frozenset(plan.skipped) if plan is not None else frozenset(), device)
     return model, device, dtype, LayerMajor(store)
 
 

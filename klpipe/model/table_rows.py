@@ -108,14 +108,15 @@ class Resting(torch.Tensor):
 class TableRows:
     """Table `module` (at `path`) read row by row from checkpoint tensor `key` of `files`, as `dtype`: hooks that
     stand the rows a forward needs in for its weight, and put the meta weight back after; `count(nbytes)` is told
-    what each forward read; `resting`: between forwards the weight is a Resting stand-in rather than the meta one."""
+    what each forward read; `resting`: between forwards the weight is a Resting stand-in rather than the meta one, on
+    `device` (the model's)."""
 
     def __init__(self, files, key: str, path: str, module: torch.nn.Embedding, dtype: torch.dtype, count=None,
-                 resting: bool = False):
+                 resting: bool = False, device="cpu"):
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
         if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)
-            self.meta = Resting.like(module.weight, dtype, "cpu", path)
+            self.meta = Resting.like(module.weight, dtype, device, path)
             module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
         module.register_forward_pre_hook(self._before)

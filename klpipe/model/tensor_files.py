@@ -210,10 +210,12 @@ def _open_direct(path: Path) -> int | None:
 
 
 class Buffers:
-    """Up to `count` buffers kept to read layers into, each taken again only once nothing else references it."""
+    """Up to `count` buffers kept to read layers into, each taken again only once nothing else references it;
+    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches them)."""
 
-    def __init__(self, count: int = 2):
+    def __init__(self, count: int = 2, pinned: bool = False):
         self.count = count
+        self.pinned = pinned
         self._kept: list[torch.Tensor] = []
         self.reused = 0  # reads into a kept buffer (the tests and the benchmark read it)
 
@@ -228,7 +230,7 @@ class Buffers:
                     return kept[skip:skip + nbytes]
                 self._kept.pop(i)  # too small for this layer: a larger one in its place
                 break
-        fresh = torch.empty(nbytes + BLOCK, dtype=torch.uint8)  # room to align to any block
+        fresh = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=self.pinned)  # room to align to any block
         if len(self._kept) < self.count and _references(fresh) is not None:
             self._kept.append(fresh)
         skip = -fresh.data_ptr() % align

@@ -77,7 +77,7 @@ class WeightStore:
     """The checkpoint's tensors, read where they lie (tensor_files.py), loaded into a meta-built model part by part."""
 
     def __init__(self, model, directory: Path, dtype: torch.dtype, key_mapping: dict | None = None,
-                 skipped: frozenset = frozenset()):
+                 skipped: frozenset = frozenset(), device: str = "cpu"):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
         from transformers.modeling_utils import LoadStateDictConfig
@@ -86,15 +86,19 @@ class WeightStore:
 
         self.model = model
         self.dtype = dtype
+        # Where the model computes. On CPU a layer's parameters are views of the buffer it was read into; on a GPU
+        # they are copies of it on the device, each made with a blocking copy (see _to_device).
+        self.device = torch.device(device)
         body = decoder_body(model)
         name, self.layers = decoder_layers(body)
         prefix = module_path(model, body)
         self.layers_path = f"{prefix}.{name}" if prefix else name
         mapping = get_model_conversion_mapping(model, key_mapping, None)
         self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
-                                               weight_mapping=mapping, device_map={"": "cpu"})
+                                               weight_mapping=mapping, device_map={"": str(self.device)})
         self._files = TensorFiles(weight_files(directory))  # read a tensor at a time; closed with the store
-        self._buffers = Buffers(2)  # the layer that computes and the one read behind it
+        # The layer that computes and the one read behind it; on a GPU, pinned: the staging its copies read from.
+        self._buffers = Buffers(2, pinned=self.device.type == "cuda")
         entries = {key: entry for key, entry in self._files.entries.items() if key not in skipped}
         # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
         # renaming applies only after its guard key).
@@ -157,11 +161,12 @@ class WeightStore:
         if head is not None:
             module = model.get_submodule(head)
             dtype = table_rows.dtype_of(f"{head}.weight", module.weight, self.load_config.dtype_plan)
-            self.head = head_rows.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count)
+            self.head = head_rows.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count,
+                                           self.device)
         inputs = model.get_input_embeddings()
         self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
-            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs)
-            for path, (source, module) in tables.items()]
+            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs,
+            device=self.device) for path, (source, module) in tables.items()]
         # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
         # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
         self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()
@@ -237,7 +242,7 @@ class WeightStore:
             read = tensors.get(self._sources.get(path))
             if (read is None or read.shape != now.shape or not now.is_contiguous()
                     or type(now) is not (torch.Tensor if is_buffer else torch.nn.Parameter)
-                    or not torch.equal(read.to(now.dtype), now)):
+                    or not torch.equal(read.to(now.device, now.dtype), now)):
                 return None
             plan.append((module, name, is_buffer, self._sources[path], now.dtype))
         return plan
@@ -247,7 +252,9 @@ class WeightStore:
         cast it, and put in its module as the loader puts it."""
         tensors = self._files.read_together(entries, buffers)
         for module, name, is_buffer, key, dtype in self._plans[part]:
-            value = tensors[key].to(dtype)
+            # Blocking (non_blocking=False): the copy is over before the buffer can be read into again. On CPU at the
+            # same dtype, the buffer's own view.
+            value = tensors[key].to(self.device, dtype)
             if is_buffer:
                 module._buffers[name] = value
             else:
@@ -261,7 +268,7 @@ class WeightStore:
         frequencies, computed from the config), the tied weights tied. The layers' parameters and the `tables` left
         in their files stay on meta, where initialising them costs nothing."""
         model = self.model
-        model._move_missing_keys_from_meta_to_device(set(), None, None, None)
+        model._move_missing_keys_from_meta_to_device(set(), {"": str(self.device)}, None, None)
         model._initialize_missing_keys(False)
         model.tie_weights(recompute_mapping=False)
         model.eval()
@@ -290,8 +297,8 @@ class WeightStore:
     def load(self, k: int, own: bool = False) -> None:
         """Layer k's tensors into the model, read from the files now; `own`: into memory of its own, not one of the
         two buffers kept for layers (a layer kept loaded from group to group: streaming.py)."""
-        with self._lock:
-            self._load(k, Buffers(0) if own else None)
+        with self._lock:  # on a GPU a layer is a copy on the device whatever it was read into: the kept buffers do
+            self._load(k, Buffers(0) if own and self.device.type == "cpu" else None)
 
     def layer_of(self, path: str) -> int | None:
         """The decoder layer that `path` (a module's or a tensor's, as the model names them) lies in; None: outside

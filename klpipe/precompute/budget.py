@@ -4,7 +4,9 @@ No torch: the budget is read from the command line or the machine, the model's s
 
     budget      --max-memory SIZE (KLPIPE_MAX_MEMORY), else the process's own memory cgroup (v1
                 memory.limit_in_bytes, v2 memory.max, the lowest along its path: Slurm's cgroup plugin, a
-                container), else what the machine has available (MemAvailable) plus what this process holds
+                container), else what the machine has available (MemAvailable) plus what this process holds;
+                on a GPU, the device's: --max-memory, else its free memory (the host then only stages the layers:
+                two pinned buffers of the largest, refused in one line where it cannot)
     in memory   footprint + growth + weights + activations <= budget
     streamed    footprint + growth + resident + 2 x the largest layer + activations <= budget (two layers: the
                 one that computes and the one read behind it); below that the run is refused before anything loads
@@ -129,18 +131,35 @@ def streams(budget: Budget | None, footprint: int, weights: int, resident: int, 
     return True
 
 
-def refuse_beyond_device(models, device: str, max_tokens: int) -> None:
-    """Refuse, in one line, a reference (and a --policy with weights of its own, held beside it) whose weights alone
-    exceed CUDA device `device`'s free memory: streaming to a GPU is not built yet (model/streaming.py)."""
-    from klpipe.model import runtime, streamed
+def device_budget(max_memory: str | None, device: str) -> Budget:
+    """A GPU's budget: --max-memory, else the memory CUDA device `device` has free now (what this process and others
+    hold left out)."""
+    from klpipe.model import runtime
 
-    sizes = [streamed.measure(spec, max_tokens) for spec in (models.spec, models.policy_spec) if spec is not None]
-    weights = sum(size.weights for size in sizes if size is not None)
+    if max_memory is not None:
+        return Budget(parse_size(max_memory), f"--max-memory {max_memory} on {device}")
     free = runtime.device_free_bytes(device)
-    if weights > free:
-        what = "reference's and the policy's" if len(sizes) > 1 else "reference's"
-        raise InputError(f"the {what} weights ({fmt(weights)}) do not fit {device}'s free memory ({fmt(free)}), and "
-                         "streaming them to a GPU does not run yet (--device cpu streams them from their files)")
+    return Budget(free, f"{device}'s free memory ({fmt(free)})")
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned-memory allocator may take for a layer's buffer of `nbytes`: the buffer's room to align
+    (model/tensor_files.py, a block), rounded up to a power of two (the allocator's rule below a threshold)."""
+    return 1 << max(nbytes + 4096 - 1, 0).bit_length()
+
+
+def refuse_short_host(device: str, resident: int, largest_layer: int) -> None:
+    """A GPU's streamed run stages each layer in host memory (two pinned buffers) and reads what stays on the
+    device through it once, at load: refused in one line, before anything loads, where the host cannot hold that."""
+    host = find(None)
+    if host is None:
+        return
+    needed = process_memory.resident() + GROWTH + resident + 2 * pinned_bytes(largest_layer)
+    if needed > host.bytes:
+        raise InputError(f"{host.source} is too small to stage the layers streamed to {device}: it needs at least "
+                         f"{fmt(needed)} (this process {fmt(process_memory.resident() + GROWTH)}, what stays on the "
+                         f"device, read once {fmt(resident)}, two pinned layer buffers "
+                         f"{fmt(2 * pinned_bytes(largest_layer))})")
 
 
 @dataclass
@@ -159,6 +178,13 @@ class Streamed:
     per_token: int = 0
 
 
+def reserved(device: str) -> int:
+    """What torch's caching allocator holds on CUDA device `device` now."""
+    from klpipe.model import runtime
+
+    return runtime.device_reserved_bytes(device)
+
+
 def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
     """None where the reference's weights fit this run's budget (the in-memory path); else how a streamed run
     shares what is left (model/streaming.py), after one line saying so: the prefix tree's cache (`cache_mib` at
@@ -167,18 +193,16 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     from klpipe.model import resolve_device, streamed  # torch lives behind this import
 
     device, device_map = resolve_device(models.spec.device)
-    if config.max_memory is None and device != "cpu":
-        # A GPU's budget is its own memory. Streaming to a GPU is not built yet: weights that cannot fit its free
-        # memory are refused now, in one line, rather than by an out-of-memory error after minutes of loading. Only
-        # where they certainly cannot (the weights alone): the activations' estimate is the CPU's.
-        if device_map is None:
-            refuse_beyond_device(models, device, max_tokens)
+    if device_map is not None:  # spread over several GPUs by accelerate: not one device's memory to budget
         return None
-    limit = find(config.max_memory)
+    # On a GPU the budget is the device's memory; what the process holds there before the weights load is what
+    # torch's allocator has reserved (nothing, for a fresh process: its CUDA context is outside the free memory).
+    gpu = device != "cpu"
+    limit = device_budget(config.max_memory, device) if gpu else find(config.max_memory)
     sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
     policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
-    footprint = process_memory.resident()
+    footprint = reserved(device) if gpu else process_memory.resident()
     beside = policy.weights if policy is not None else 0
     if sizes is None:
         return None
@@ -189,7 +213,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside):
         return None
     refused = ("--compile on" if config.compile == "on" else "--dtype float64" if config.dtype == "float64"
-               else "a GPU" if device != "cpu" else None)
+               else None)
     if refused is not None:
         raise InputError(f"the reference's {weights} do not fit {limit.source}, and streaming "
                          f"them does not run with {refused} yet")
@@ -203,6 +227,9 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
         if smallest > limit.bytes:
             raise InputError(f"{limit.source} is too small for the reference and the policy even streamed one layer "
                              f"at a time: it needs at least {fmt(smallest)}")
+    if gpu:
+        refuse_short_host(device, sizes.resident + (policy.resident if policy_streams else 0),
+                          max(sizes.largest_layer, policy.largest_layer if policy_streams else 0))
     spare = limit.bytes - footprint - GROWTH - held - activations
     # The tree's kept keys and values come out of the budget too (rows run whole keep none).
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
@@ -212,7 +239,8 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     tokens = max(spare // max(per_token, 1), max_tokens)
     with_policy = " with the policy's" if models.policy_spec is not None else ""
     log(f"{models.spec.name}: its {weights}{with_policy} do not fit {limit.source}: its "
-        f"decoder layers stream from their files, one at a time, over up to {tokens:,} tokens of rows at once"
+        f"decoder layers stream from their files{f' to {device}' if gpu else ''}, one at a time, over up to "
+        f"{tokens:,} tokens of rows at once"
         + (", and so do the policy's" if policy_streams else ", the policy held in memory" if with_policy else "")
         + (f", the prefix tree keeping up to {cache >> 20:,} MiB" if cache else ""))
     return Streamed(tokens, cache >> 20, policy_streams, limit.bytes - activations,

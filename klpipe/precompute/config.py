@@ -122,9 +122,9 @@ class PrecomputeConfig:
     # Weights that do not fit stream layer by layer (model/streaming.py).
     max_memory: str | None = option(
         None, metavar="SIZE", panel=BATCH_PANEL, show_default=False,
-        help="The memory this run may use (32G, 1.5GiB, 500M): a reference whose weights do not fit streams its "
-             "layers from their files, one at a time. Default: the process's memory cgroup's limit, else the "
-             "machine's available memory.")
+        help="The memory this run may use (32G, 1.5GiB, 500M), on its GPU where it runs on one: a reference whose "
+             "weights do not fit streams its layers from their files, one at a time. Default: the GPU's free "
+             "memory; on CPU the process's memory cgroup's limit, else the machine's available memory.")
     # Also the window rows are length-sorted and grouped in.
     chunk_rows: int = option(2048, panel=BATCH_PANEL,
                              help="Rows per checkpoint; also the window in which rows are sorted by length.")

@@ -528,6 +528,31 @@ def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(llama):
         streamer.reset_statistics()
 
 
+def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
+    """On a GPU a layer's copy waits behind the compute queued before it (streaming.py): the host's clocks cannot
+    split the two, so no share and no hint is said. The store's device is set by hand (no GPU here), the clocks too."""
+    from klpipe.cli.precompute import _streamed
+    from klpipe.model import streaming
+
+    streamer = llama.streamer
+    streamer.reset_statistics()
+    saved = streamer.store.device
+    try:
+        streamer.groups, streamer.tokens = 2, 2 * 500
+        streamer.read_seconds, streamer.waited_seconds, streamer.group_seconds = 3.0, 1.5, 3.5
+        streamer.store.reads = 3 << 20
+        assert "tokens_to_hide" in streamer.statistics()  # on CPU these clocks give a hint (the test above)
+        streamer.store.device = torch.device("cuda", 0)
+        figures = streamer.statistics()
+        assert figures["hidden"] is None and "tokens_to_hide" not in figures
+        assert streaming.figures([streamer])["hidden"] is None
+        line = _streamed(type("Summary", (), {"streamed": streaming.figures([streamer])})())
+        assert line == "; weights streamed: 3 MiB read in 2 layer-major group(s), 2 MiB each"
+    finally:
+        streamer.store.device = saved
+        streamer.reset_statistics()
+
+
 def tree_depth(tree) -> int:
     """The most nodes on a path from the root (tree.path leaves the root out): the tree's levels."""
     return max(len(tree.path(node)) for node in range(1, tree.num_nodes))

@@ -227,29 +227,70 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, 
     assert "\n" not in str(caught.value)
 
 
-def test_weights_beyond_a_gpus_free_memory_are_refused_before_anything_loads(tmp_path, monkeypatch):
-    # No GPU here: the device and what torch would say of its free memory stand in; the weights are the real model's.
+def test_a_gpus_budget_is_its_free_memory_and_weights_beyond_it_stream_to_it(tmp_path, monkeypatch):
+    # No GPU here: the device, what torch would say of its free memory and of what it has reserved stand in; the
+    # sizes are the real model's, and the host's budget is a cgroup's limit, fixed.
     import klpipe.model
     from klpipe.model import runtime
 
-    weights, _, _ = sizes_in_memory(TINY_GEMMA)
+    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     device_map = None
     monkeypatch.setattr(klpipe.model, "resolve_device", lambda device: ("cuda:0", device_map))
     asked = []
     monkeypatch.setattr(runtime, "device_free_bytes", lambda device: asked.append(device) or free)
+    monkeypatch.setattr(budget, "reserved", lambda device: 0)  # a fresh process holds nothing on its device
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
+    host = FOOTPRINT + budget.GROWTH + resident + 2 * budget.pinned_bytes(largest)  # the host's smallest
+    monkeypatch.setattr(budget, "cgroup_limit", lambda: host)
     config = config_for(tmp_path)
-    free = weights - 1
+    needs = activations(TINY_GEMMA, 256)
+    free = budget.GROWTH + weights + needs  # they fit the device: in memory, as before
+    assert budget.decide(config, resolve(config), 256, lambda line: None) is None
+    # One byte less and the layers stream to the device, the free memory its budget (no process footprint there).
+    free -= 1
+    lines = []
+    streamed = budget.decide(config, resolve(config), 256, lines.append)
+    assert streamed is not None
+    assert lines[0].startswith(f"{TINY_GEMMA}: its weights ({budget.fmt(weights)}) do not fit cuda:0's free memory "
+                               f"({budget.fmt(free)}): its decoder layers stream from their files to cuda:0, one at a "
+                               "time, over up to ")
+    # What the groups may hold is the device's memory less what stays, two layers and one pass (cache off below).
+    spare = free - budget.GROWTH - resident - 2 * largest - needs
+    off = budget.decide(config_for(tmp_path, prefix_sharing="off"), resolve(config), 256, lambda line: None)
+    assert off.spare == spare
+    # Too small for two layers and one pass on the device: refused, naming the smallest.
+    free = budget.GROWTH + resident + 2 * largest + needs - 1
     with pytest.raises(InputError) as caught:
         budget.decide(config, resolve(config), 256, lambda line: None)
-    assert str(caught.value) == (f"the reference's weights ({budget.fmt(weights)}) do not fit cuda:0's free memory "
-                                 f"({budget.fmt(free)}), and streaming them to a GPU does not run yet (--device cpu "
-                                 "streams them from their files)")
-    free = weights  # they fit: in memory, as before
+    assert str(caught.value).startswith(f"cuda:0's free memory ({budget.fmt(free)}) is too small for this model even "
+                                        f"streamed one layer at a time: it needs at least {budget.fmt(free + 1)} ")
+    # --max-memory is the device's budget, not the host's.
+    streams = budget.GROWTH + resident + 2 * largest + needs
+    free = 1 << 40
+    at = budget.decide(config_for(tmp_path, max_memory=str(streams), prefix_sharing="off"), resolve(config), 256,
+                       lambda line: None)
+    assert at is not None and at.spare == 0
+    # A host that cannot stage two layers (pinned: rounded up to a power of two) is refused before anything loads.
+    monkeypatch.setattr(budget, "cgroup_limit", lambda: host - 1)
+    with pytest.raises(InputError) as caught:
+        budget.decide(config_for(tmp_path, max_memory=str(streams)), resolve(config), 256, lambda line: None)
+    assert str(caught.value).startswith(f"the memory cgroup's limit ({budget.fmt(host - 1)}) is too small to stage "
+                                        f"the layers streamed to cuda:0: it needs at least {budget.fmt(host)} ")
+    assert "\n" not in str(caught.value)
+    assert set(asked) == {"cuda:0"}
+    count = len(asked)
+    device_map = "auto"  # spread over several GPUs by accelerate: not one device's memory to compare
     assert budget.decide(config, resolve(config), 256, lambda line: None) is None
-    assert asked == ["cuda:0", "cuda:0"]
-    device_map, free = "auto", 0  # spread over several GPUs by accelerate: not one device's memory to compare
-    assert budget.decide(config, resolve(config), 256, lambda line: None) is None
-    assert asked == ["cuda:0", "cuda:0"]
+    assert len(asked) == count
+
+
+def test_pinned_buffers_are_sized_as_torchs_pinned_allocator_takes_them():
+    # A layer's buffer has a block more than the layer, to align its direct read (model/tensor_files.py).
+    assert [budget.pinned_bytes(n) for n in (0, 1, 4096, 4097, 12_288, 3 << 29)] == [4096, 8192, 8192, 16_384,
+                                                                                     16_384, 1 << 31]
+    from klpipe.model.tensor_files import BLOCK
+
+    assert BLOCK == 4096
 
 
 @pytest.mark.parametrize("sharing", ["off", "on"])
