@@ -12,12 +12,15 @@ Where the tree runs, each runner prints which way its attention calls went (casc
 where no kernel passed its probe for that kind of call, with the probe's reason).
     benchmarks/gpu_run.sh                            # on a lent GPU machine: the wheel it needs, then the run
 
-Last, the streamed row (benchmarks/gpu_stream.py, `--stream off` leaves it out): a stack of Llama 3.1 70B's decoder
+Last, the copy-stream row (benchmarks/gpu_stream.py, `--stream off` leaves it out): a stack of Llama 3.1 70B's decoder
 layers whose weights stay in pinned host memory, run layer-major with each layer copied on a copy stream while the one
-before computes, against the same stack resident: the measurement the GPU path of streaming starts from.
+before computes, against the same stack resident: what a copy stream would add to klpipe's GPU path, which copies on
+the compute's own stream.
 
 Two shapes of rows (--shapes): `grpo`, GRPO groups of 8 sharing a prompt of ~1,900 tokens (1,500-2,300); `agent`,
-below. Three runners each: `auto` and `off` (klpipe.precompute end to end), and `padded`, the contender: the rows
+below. Four runners each: `auto` and `off` (klpipe.precompute end to end), `streamed` (`auto+s`: `auto` under a
+--max-memory that holds a third of the decoder layers, so the weights stream to the device; same bits as `auto` or
+a slip), and `padded`, the contender: the rows
 as TRL's GRPOTrainer feeds its reference model (prompts padded on the left, completions on the right, batches of
 8 in input order, the model's own forward with an attention mask, logits kept for the completion only, an fp32
 log_softmax gathered row by row), timed over its loop. `--dry-run` builds a tiny model of the same family (hidden
@@ -64,6 +67,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import flops  # benchmarks/flops.py: the FLOPs each method needs
@@ -312,21 +316,67 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
             "padded": padded, "per_row": fed, "peak_gib": peak_gib(), "mfu": float("nan"), "first_rows": first}
 
 
-def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto") -> dict:
+def streamed_budget() -> str:
+    """A --max-memory that holds a third of the model's decoder layers beside what stays loaded and one pass: the
+    weights do not fit it, so `klpipe precompute` streams them (on a GPU, the device's budget; on CPU the process's,
+    its footprint and a margin for what the process grows by before the decision included)."""
+    import torch
+
+    from klpipe.model.streamed import measure
+    from klpipe.precompute import PrecomputeConfig
+    from klpipe.precompute.budget import GROWTH
+    from klpipe.precompute.models import resolve
+    from klpipe.precompute.provenance import default_max_tokens
+    from klpipe.process_memory import resident
+
+    config = PrecomputeConfig(inputs=[], output=WORK / "unused.parquet", model=str(model_dir()), device=DEVICE,
+                              dtype="bfloat16")
+    sizes = measure(resolve(config).spec, default_max_tokens(DEVICE))
+    footprint = torch.cuda.memory_reserved() if DEVICE == "cuda" else resident()
+    return str(footprint + GROWTH + sizes.resident + sizes.activations + (sizes.weights - sizes.resident) // 3)
+
+
+@contextmanager
+def footprint_held():
+    """On CPU (the dry run), the process's footprint as the budget sees it held at its value now: the tiny model's
+    layers are a few MB, less than the process grows by between streamed_budget's sum and the run's own decision,
+    which would then find the weights fit. On a GPU the budget is the device's, and nothing is held."""
+    if DEVICE == "cuda":
+        yield
+        return
+    from klpipe import process_memory
+
+    now, saved = process_memory.resident(), process_memory.resident
+    process_memory.resident = lambda: now
+    try:
+        yield
+    finally:
+        process_memory.resident = saved
+
+
+def run_streamed(rollouts: Path, peak_tflops: float) -> dict:
+    with footprint_held():
+        return run(rollouts, "auto", peak_tflops, "off", streamed_budget())
+
+
+def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto", max_memory: str | None = None) -> dict:
     import pyarrow.parquet as pq
 
     from klpipe.model.attention import cascade, lse_attention
     from klpipe.precompute import PrecomputeConfig, precompute
 
-    out = WORK / f"cached-{rollouts.stem}-{sharing}-{compile}.parquet"
+    label = f"{sharing}+s" if max_memory else sharing if compile == "off" else f"{sharing}+c"
+    out = WORK / f"cached-{rollouts.stem}-{label}.parquet"
     out.unlink(missing_ok=True)
     reset_peak()
     cascade.CALLS.clear()
     lse_attention.CALLS.clear()
     summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
-                                          prefix_sharing=sharing, compile=compile),
+                                          prefix_sharing=sharing, compile=compile, max_memory=max_memory),
                          log=lambda m: print(f"  {m}", flush=True))
+    if max_memory:
+        print(f"  streamed under --max-memory {max_memory}: {summary.streamed}", flush=True)
     cost = flops_per_token()
     forward = summary.forward
     # Nodes that need only their last output run the KV-shared layers on that position alone
@@ -345,7 +395,7 @@ def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto")
         print(f"  note: {sharing} fed {forward.fed_tokens:,} tokens, flops.py's plan {counted_fed:,}", flush=True)
     return {
         "needed": needed, "needed_mfu": needed.total / summary.seconds / (peak_tflops * 1e12),
-        "sharing": sharing if compile == "off" else f"{sharing}+c",  # +c: the layers' norms and MLPs compiled
+        "sharing": label,  # +c: the layers' norms and MLPs compiled; +s: the weights streamed
         "seconds": summary.seconds, "rows": summary.rows, "tokens": summary.tokens,
         "fed": forward.fed_tokens, "padded": forward.padded_tokens, "per_row": forward.per_row_tokens,
         "peak_gib": peak_gib(),
@@ -359,7 +409,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400_000,
                         help="prompt + response tokens per shape, counted per row")
     parser.add_argument("--shapes", default="grpo,agent", help="comma-separated: grpo, agent")
-    parser.add_argument("--runners", default="auto,off,padded", help="comma-separated: auto, off, padded")
+    parser.add_argument("--runners", default="auto,off,padded,streamed",
+                        help="comma-separated: auto, off, padded, streamed")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
     parser.add_argument("--compile", default="on,off",
                         help="comma-separated --compile modes each of auto and off runs under (a runner compiled "
@@ -402,7 +453,8 @@ def main() -> None:
               "row-wise count", flush=True)
         results = [result for runner in runners
                    for result in ([run_padded(rollouts, peak)] if runner == "padded" else
-                                  [run(rollouts, runner, peak, mode) for mode in args.compile.split(",")])]
+                                  [run_streamed(rollouts, peak)] if runner == "streamed"
+                                  else [run(rollouts, runner, peak, mode) for mode in args.compile.split(",")])]
         report(results, peak)
     if args.stream == "on":
         import gpu_stream  # benchmarks/gpu_stream.py
@@ -425,7 +477,7 @@ def report(results: list[dict], peak: float) -> None:
     by = {r["sharing"]: r for r in results}
     base = by.get("off") or by.get("padded")
     for r in results:
-        if r is base:
+        if base is None or r is base:  # neither `off` nor `padded` ran: nothing to compare with
             continue
         gap = max((float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(r["first_rows"], base["first_rows"])
                    if len(a)), default=0.0)
@@ -438,6 +490,11 @@ def report(results: list[dict], peak: float) -> None:
         if name in by and f"{name}+c" in by:
             print(f"{name}+c / {name} (compiled norms and MLPs against eager): "
                   f"{by[name]['seconds'] / by[name + '+c']['seconds']:.2f}x the throughput")
+    if "auto+s" in by and "auto" in by:  # the same kernels over the same weights: any difference is a slip
+        a, b = by["auto"]["first_rows"], by["auto+s"]["first_rows"]
+        print(f"auto+s / auto (the weights streamed layer by layer against held in memory): "
+              f"{by['auto']['seconds'] / by['auto+s']['seconds']:.2f}x the throughput; same bits over the first 16 "
+              f"rows: {'yes' if a == b else 'NO'}")
     if "padded" in by and "auto" in by and base is not by["padded"]:
         print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
 
