@@ -230,7 +230,11 @@ class Buffers:
                     return kept[skip:skip + nbytes]
                 self._kept.pop(i)  # too small for this layer: a larger one in its place
                 break
-        fresh = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=self.pinned)  # room to align to any block
+        try:
+            fresh = torch.empty(nbytes + BLOCK, dtype=torch.uint8, pin_memory=self.pinned)  # room to align to a block
+        except RuntimeError:  # no page-locked memory to be had (a container's locked-memory limit): pageable, slower
+            self.pinned = False
+            fresh = torch.empty(nbytes + BLOCK, dtype=torch.uint8)
         if len(self._kept) < self.count and _references(fresh) is not None:
             self._kept.append(fresh)
         skip = -fresh.data_ptr() % align

@@ -141,6 +141,22 @@ def test_a_layer_the_direct_read_cannot_take_is_read_through_the_page_cache(tmp_
         files.close()
 
 
+def test_a_gpus_staging_is_pinned_where_torch_can_pin_and_pageable_where_it_cannot(tmp_path):
+    """A GPU's layer buffers are page-locked (weight_store.py); where no page-locked memory is to be had (here: no
+    CUDA, as in a container over its locked-memory limit) they are pageable, and the layer reads the same."""
+    tensors = {"layer.q": torch.randn(37, 41), "layer.up": torch.randn(300, 7)}
+    written(tmp_path / "model.safetensors", tensors)
+    files, buffers = TensorFiles([tmp_path / "model.safetensors"]), Buffers(2, pinned=True)
+    try:
+        got = files.read_together(list(tensors), buffers)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, tensors[name]), name
+            assert tensor.is_pinned() == torch.cuda.is_available()
+        assert buffers.pinned == torch.cuda.is_available()
+    finally:
+        files.close()
+
+
 def test_a_kept_buffer_is_never_read_into_while_anything_still_sees_it():
     buffers = Buffers(count=2)
     first, second = buffers.take(1000), buffers.take(1000)
