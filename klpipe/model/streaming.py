@@ -82,7 +82,10 @@ first layer not kept starts with the group, under the kept layers' compute.
 is kept when its pass ends, every layer at once. So the passes, in their planned order, are cut into waves: a pass
 that continues a state kept in the current wave starts the next one. Each wave runs layer-major like a group of
 rows run whole, so a chunk reads the weights once per wave: about the tree's depth (a system prompt, the prompts,
-the responses: three), not once per pass. The tree's cache keeps every layer's keys and values of a kept node, as
+the responses: three), not once per pass. A tree's pass waiting between layers holds more than a row's: its cache
+keeps the keys and values of every layer it has been through, until it ends (a model of 44 layers with 8 key/value
+heads of 128: 352 KiB a token in fp32, 22 times the residual stream). Its groups are sized by what each pass holds
+(tree.waiting_bytes), else a run inside its cgroup was killed by the OOM killer. The tree's cache keeps every layer's keys and values of a kept node, as
 in memory, out of the budget (precompute/budget.py). Keeping one layer's only, a wave per chunk, would need the
 cache to take a node's state layer by layer as its pass goes: a next step.
 
@@ -298,19 +301,20 @@ class LayerMajor:
             if k not in self.kept and self.store.loaded(k):
                 self.store.release(k)
 
-    def run(self, calls: list, between=lambda: None, tokens: int = 0) -> list:
+    def run(self, calls: list, between=lambda: None, tokens: int = 0, held: int | None = None) -> list:
         """Each of `calls` (no arguments; each runs forwards of the model) in a greenlet of its own, layer-major:
         every call's forward through layer k before any call's through k + 1. Their results, in order.
 
         `between` runs after each layer (a stop asked for raises there, and the group stops). `tokens`: the fed
-        tokens the calls hold, for the statistics."""
+        tokens the calls hold, for the statistics; `held`: the bytes they hold while they wait, where the caller
+        knows it better than `tokens` x `per_token` (a tree's passes keep every layer's keys: tree.py)."""
         steps = [_Pass(call) for call in calls]
         self.groups += 1
         self.tokens += tokens
         started = time.perf_counter()
         # What this group's passes leave of the budget's room for them holds the layers kept; a group with more fed
         # tokens than the last frees kept layers first.
-        self._room = max(self.spare - tokens * self.per_token, 0)
+        self._room = max(self.spare - (tokens * self.per_token if held is None else held), 0)
         self.release_all(self._room)
         for step in steps:
             step.greenlet = greenlet.greenlet(functools.partial(self._body, step))

@@ -558,6 +558,41 @@ def tree_depth(tree) -> int:
     return max(len(tree.path(node)) for node in range(1, tree.num_nodes))
 
 
+def test_a_streamed_trees_groups_are_sized_by_the_keys_and_values_their_waiting_passes_hold(llama, monkeypatch):
+    """A tree pass waiting between layers holds, per slot of its batch, the budget's per token and every layer's
+    keys and values (tree.waiting_bytes); a group holds at most what the budget gives the groups (`spare`)."""
+    streamer = llama.streamer
+    rows = chunk(llama.vocab_size, seed=2)
+    plan = plan_chunk(llama, rows, 96, "on")
+    assert plan.tree is not None and not llama.keeps_state
+    expected = run_plan(llama, plan, rows, 1.0)  # no budget given: groups by the tokens limit alone (none here)
+    config = llama.model.config
+    kv = 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers * 4  # fp32, every layer's
+    per_token = 1000
+
+    def held(step) -> int:  # the pass's rows, each as long as its longest, at per token + keys and values
+        own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
+        context = 0 if llama.cascade else len(own) * int(plan.tree.start[step.nodes].max()) * kv  # gathered
+        return len(own) * int(own.max()) * (per_token + kv) + context
+    total = sum(held(step) for step in plan.passes)
+    seen = []
+    run = streamer.run
+
+    def noted(calls, between=lambda: None, tokens=0, held=None):
+        seen.append((len(calls), held))
+        return run(calls, between, tokens, held)
+    monkeypatch.setattr(streamer, "run", noted)
+    streamer.spare, streamer.per_token = total // 3, per_token
+    try:
+        got = run_plan(llama, plan, rows, 1.0)
+    finally:
+        streamer.spare = streamer.per_token = 0
+    tree_groups = [(calls, bytes_) for calls, bytes_ in seen if bytes_ is not None]
+    assert sum(bytes_ for _, bytes_ in tree_groups) == total
+    assert all(bytes_ <= total // 3 or calls == 1 for calls, bytes_ in tree_groups) and len(tree_groups) >= 3
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+
+
 def test_a_stop_in_a_later_wave_abandons_the_tree_with_no_layer_loaded_and_the_next_run_is_whole(llama):
     streamed = llama
     in_memory = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
@@ -610,9 +645,10 @@ CGROUP_LIMIT = 1000 << 20  # the job's memory: the interpreter, torch and transf
 LAYERS = 44  # 44 layers of 61 MB (hidden 1,024, MLP 4,096, fp32): a 2.7 GB model, 2.6 times the limit
 
 
-def big_llama(directory, layers: int = LAYERS, hidden: int = 1024, intermediate: int = 4096):
-    """A Llama of `layers` layers of 67 MB each, written as safetensors straight from numpy (four random layers,
-    cycled: drawing 670M random numbers would take longer than the run), with the sample tokenizer."""
+def big_llama(directory, layers: int = LAYERS, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 2):
+    """A Llama of `layers` layers of 67 MB each (`kv_heads` key/value heads of 128), written as safetensors straight
+    from numpy (four random layers, cycled: drawing 670M random numbers would take longer than the run), with the
+    sample tokenizer."""
     import json
     import shutil
 
@@ -623,7 +659,7 @@ def big_llama(directory, layers: int = LAYERS, hidden: int = 1024, intermediate:
     from tests.architectures import COMMON, TOKENIZER_FILES
 
     config = LlamaConfig(**{**COMMON, "hidden_size": hidden, "intermediate_size": intermediate,
-                            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                            "num_attention_heads": 8, "num_key_value_heads": kv_heads, "head_dim": 128,
                             "num_hidden_layers": layers})
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -731,6 +767,57 @@ def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(t
     values = np.concatenate([np.array(v) for v in expected if v])
     assert values.max() - values.min() > 2  # logprobs spread: a wrong computation cannot hide near log(1/V)
     assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a) <= SAME
+
+
+@pytest.mark.slow
+def test_a_prefix_tree_streamed_in_its_memory_cgroup_stays_inside_it_at_the_in_memory_result(tmp_path):
+    """A tree's pass waiting between layers holds the keys and values of every layer it has been through: with 8
+    key/value heads of 128 over 44 layers, 352 KiB a token in fp32, 22 times what the budget counted per token for
+    rows run whole. Its groups were sized as if it held only that, and the run was killed by its cgroup's OOM killer;
+    they are sized by what each pass holds now (tree.waiting_bytes)."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from klpipe import cache
+    from tests.helpers import with_checkout
+
+    model = big_llama(tmp_path / "big", kv_heads=8)
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(2):  # two GRPO groups of 8: a prompt of 350 tokens each, responses of 150
+        prompt = rng.integers(10, 200, 350).tolist()
+        rows += [{"prompt_ids": prompt, "response_ids": (response := rng.integers(10, 200, 150).tolist()),
+                  "policy_logprobs": [-1.0] * len(response), "reward": 1.0} for _ in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    common = ["precompute", str(tmp_path / "rows.parquet"), "--model", str(model), "--progress", "none",
+              "--max-tokens-per-batch", "256", "--prefix-sharing", "on"]
+    made = memory_cgroup(f"klpipe-test-tree-{os.getpid()}", CGROUP_LIMIT)
+    if made is None:
+        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1 or v2)")
+    group, procs, peak = made
+    try:
+        streamed = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m klpipe "$@"', sys.executable, *common,
+             "--output", str(tmp_path / "streamed.parquet")], capture_output=True, text=True, env=env, timeout=1200)
+        used = int(peak.read_text())
+    finally:
+        group.rmdir()
+    assert streamed.returncode == 0, (streamed.returncode, streamed.stderr[-2000:])
+    assert "its decoder layers stream from their files" in streamed.stderr
+    assert "where running each row whole feeds" in streamed.stderr  # the tree ran
+    assert used <= CGROUP_LIMIT
+    in_memory = subprocess.run([sys.executable, "-m", "klpipe", *common, "--output", str(tmp_path / "memory.parquet")],
+                               capture_output=True, text=True, env=env, timeout=1200)
+    assert in_memory.returncode == 0 and "decoder layers stream" not in in_memory.stderr, in_memory.stderr
+    got = pq.read_table(tmp_path / "streamed.parquet").column(cache.REF_LOGPROBS).to_pylist()
+    expected = pq.read_table(tmp_path / "memory.parquet").column(cache.REF_LOGPROBS).to_pylist()
+    assert len(got) == len(expected) == 16
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected)) <= SAME
 
 
 # -- the registry matrix (tests/matrix.py), streamed --------------------------------------------------------------

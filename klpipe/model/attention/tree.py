@@ -70,11 +70,15 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
     with torch.inference_mode():
         if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
-            for group, release in waves(tree, passes, parent_of_kept, getattr(reference, "stream_tokens", None)):
+            streamer = reference.streamer
+            held = waiting_bytes(reference, tree) if streamer.per_token else None  # None: no budget given
+            limit = streamer.spare if held is not None else getattr(reference, "stream_tokens", None)
+            for group, release in waves(tree, passes, parent_of_kept, limit, held):
                 fed = sum(_fed(tree, step) for step in group)
                 reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
                                                                     parent_of_kept, rows_of, wanted, temperature,
-                                                                    results) for step in group], check_stop, fed)
+                                                                    results) for step in group], check_stop, fed,
+                                       None if held is None else sum(held(step) for step in group))
                 for node in release:
                     kept.pop(node, None)
                 check_stop()
@@ -88,9 +92,10 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     return results
 
 
-def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None) -> list[tuple[list[Pass], list]]:
+def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None,
+          size=None) -> list[tuple[list[Pass], list]]:
     """The passes in waves, each wave's groups run layer-major (model/streaming.py): (group, the nodes to release
-    after it), in order.
+    after it), in order. Groups hold at most `limit` of `size(pass)` (by default its fed tokens).
     A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
     that keeps a node it continues (an ancestor of its nodes), the first if none; within a wave the passes keep
     their planned order, cut into groups of at most `limit` fed tokens (their activations wait between layers). A
@@ -111,9 +116,31 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         cut[latest][1].extend(int(node) for node in step.release)
     grouped = []
     for wave, release in cut:  # a wave's release goes after its last group
-        groups = by_tokens(wave, [_fed(tree, step) for step in wave], limit)
+        groups = by_tokens(wave, [(size or (lambda step: _fed(tree, step)))(step) for step in wave], limit)
         grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
     return grouped
+
+
+def waiting_bytes(reference, tree: Tree):
+    """pass -> what it holds while it waits between layers in a streamed group, on the safe side: per slot of its
+    batch (its nodes, each as long as the longest), the residual stream and its kin (the budget's per token,
+    streamer.per_token) and the keys and values of every layer it has been through (its cache keeps each layer's
+    new ones until the pass ends: a 44-layer model with 8 key/value heads of 128 holds 352 KiB a token in fp32,
+    22 times the residual stream); per row, its recurrent and convolution states; where the context is gathered
+    into the pass's slots rather than read in place (no cascade), the context's slots too."""
+    per_slot = reference.streamer.per_token + reference.kv_bytes_per_token
+    per_row = reference.state_tokens_per_node * reference.kv_bytes_per_token
+    in_place = reference.cascade
+
+    def held(step: Pass) -> int:
+        own = tree.end[step.nodes] - tree.start[step.nodes]  # (b,)
+        rows, longest = len(own), int(own.max())
+        total = rows * longest * per_slot + rows * per_row
+        if not in_place:
+            total += rows * int(tree.start[step.nodes].max()) * reference.kv_bytes_per_token
+        return total
+
+    return held
 
 
 def _fed(tree: Tree, step: Pass) -> int:
