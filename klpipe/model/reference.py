@@ -77,7 +77,7 @@ class ReferenceModel:
         self.own_memo: dict = {}  # load-time probes' own-forward logprobs run ahead (probes.prefetch), until used
         self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
         self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
-        self.stream_cache_mib: int | None = None  # the prefix tree's cache where it streams (precompute/budget.py)
+        self.stream_cache_mib: int | None = None  # the tree cache the budget leaves (precompute/budget.py); None: the option
 
     @property
     def head(self):

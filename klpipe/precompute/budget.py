@@ -15,9 +15,11 @@ No torch: the budget is read from the command line or the machine, the model's s
 tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
 estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streamed.py's `measure`).
 
-What a streamed run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`;
-none with `--prefix-sharing off`), and the rest to the fed tokens a layer-major group holds while its passes wait
-between layers (per token the residual stream and its kin, per pass its thread's own buffers). What a group leaves
+What a run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`; none with
+`--prefix-sharing off`): in memory, what the weights and one pass leave; streamed, what stays loaded, two layers
+and one pass leave, and the rest to the fed tokens a layer-major group holds while its passes wait between layers
+(per token the residual stream and its kin, per pass its thread's own buffers; a tree's passes also every layer's
+keys and values: model/attention/tree.py). What a group leaves
 of that keeps decoder layers loaded from one group to the next, the first layers first: a model a little over the
 budget reads only the layers that do not fit, once a group.
 """
@@ -178,6 +180,14 @@ class Streamed:
     per_token: int = 0
 
 
+@dataclass
+class InMemory:
+    """A run whose weights fit its budget, where what the budget leaves caps the prefix tree's cache below its
+    --max-cache-mib."""
+
+    cache_mib: int
+
+
 def reserved(device: str) -> int:
     """What torch's caching allocator holds on CUDA device `device` now."""
     from klpipe.model import runtime
@@ -185,11 +195,13 @@ def reserved(device: str) -> int:
     return runtime.device_reserved_bytes(device)
 
 
-def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | None:
-    """None where the reference's weights fit this run's budget (the in-memory path); else how a streamed run
-    shares what is left (model/streaming.py), after one line saying so: the prefix tree's cache (`cache_mib` at
-    most, half what is left at most) and the fed tokens a layer-major group may hold. Refuses, before anything
-    loads, a budget too small for streaming and what does not stream yet."""
+def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | InMemory | None:
+    """None where the reference's weights fit this run's budget (the in-memory path), or InMemory where what they
+    leave of it caps the prefix tree's cache (`cache_mib` at most, half what is left at most: the tree's cache is
+    not in the weights' sum, and 2 GiB on CPU, a quarter of a GPU by default, could take a tight Slurm job or a
+    nearly full GPU over); else how a streamed run shares what is left (model/streaming.py), after one line saying
+    so: the prefix tree's cache (the same rule) and the fed tokens a layer-major group may hold. Refuses, before
+    anything loads, a budget too small for streaming and what does not stream yet."""
     from klpipe.model import resolve_device, streamed  # torch lives behind this import
 
     device, device_map = resolve_device(models.spec.device)
@@ -211,7 +223,15 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
     weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
     if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside):
-        return None
+        if limit is None or config.prefix_sharing == "off":
+            return None
+        left = limit.bytes - footprint - GROWTH - sizes.weights - beside - sizes.activations
+        cap = max(left, 0) // 2 >> 20
+        if cap >= cache_mib:
+            return None
+        log(f"{models.spec.name}: the prefix tree keeps up to {cap:,} MiB (--max-cache-mib {cache_mib:,}): what "
+            f"{limit.source} leaves beside the weights{' and adapters' if adapters else ''} and one pass, halved")
+        return InMemory(cap)
     refused = ("--compile on" if config.compile == "on" else "--dtype float64" if config.dtype == "float64"
                else None)
     if refused is not None:

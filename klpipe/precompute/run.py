@@ -132,8 +132,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
-    streamed = budget.decide(config, models, recorded.max_tokens_per_batch, log,  # None: in memory
-                             recorded.max_cache_mib)
+    decided = budget.decide(config, models, recorded.max_tokens_per_batch, log, recorded.max_cache_mib)
+    streamed = decided if isinstance(decided, budget.Streamed) else None  # None: in memory
+    cache_mib = decided.cache_mib if decided is not None else None  # the budget's cap on the tree's cache
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -164,7 +165,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                                                   default=models.reference_side, streamed=streamed is not None,
                                                   trim_above=trim_above, room=room)
             model.stream_tokens = streamed.tokens if streamed is not None else None
-            model.stream_cache_mib = streamed.cache_mib if streamed is not None else None
+            model.stream_cache_mib = cache_mib
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
             policy = (model if models.policy_side is not None
@@ -173,7 +174,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                                                          trim_above=trim_above)
                       if models.policy_spec is not None else None)
             if policy is not None and policy.streamer is not None:
-                policy.stream_tokens, policy.stream_cache_mib = streamed.tokens, streamed.cache_mib
+                policy.stream_tokens = streamed.tokens
+            if policy is not None:  # its tree runs after the reference's, in the same share of the budget
+                policy.stream_cache_mib = cache_mib
             summary.load_seconds = time.perf_counter() - load_started
             from klpipe.model import streaming  # torch lives behind this import (loaded by now)
 

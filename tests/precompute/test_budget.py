@@ -284,6 +284,39 @@ def test_a_gpus_budget_is_its_free_memory_and_weights_beyond_it_stream_to_it(tmp
     assert len(asked) == count
 
 
+def test_what_a_budget_leaves_beside_weights_held_in_memory_caps_the_prefix_trees_cache(tmp_path, monkeypatch):
+    """The tree's cache is not in the weights' sum: in memory, it takes at most half of what the budget leaves beside
+    the weights and one pass, else a model that just fits a tight Slurm job is killed once the cache fills."""
+    monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
+    weights, _, _ = sizes_in_memory(TINY_GEMMA)
+    fits = FOOTPRINT + budget.GROWTH + weights + activations(TINY_GEMMA, 256)
+    config = config_for(tmp_path, max_memory=str(fits + (200 << 20)))
+    lines = []
+    capped = budget.decide(config, resolve(config), 256, lines.append, cache_mib=2048)
+    assert isinstance(capped, budget.InMemory) and capped.cache_mib == 100
+    assert lines == [(f"{TINY_GEMMA}: the prefix tree keeps up to 100 MiB (--max-cache-mib 2,048): what --max-memory "
+                      f"{fits + (200 << 20)} leaves beside the weights and one pass, halved")]
+    # A cache within it, or no tree at all: in memory as before, nothing said.
+    assert budget.decide(config, resolve(config), 256, lines.append, cache_mib=100) is None
+    off = config_for(tmp_path, max_memory=str(fits + (200 << 20)), prefix_sharing="off")
+    assert budget.decide(off, resolve(off), 256, lines.append, cache_mib=2048) is None
+    assert len(lines) == 1
+    # What the run does with it: the tree's planner is handed the cap.
+    from klpipe.precompute import sharing
+    from klpipe.precompute.run import precompute
+
+    handed = []
+    made = sharing.Sharing.__init__
+
+    def noted(self, model, asked, max_cache_mib, log, sides=()):
+        handed.append(max_cache_mib)
+        made(self, model, asked, max_cache_mib, log, sides)
+    monkeypatch.setattr(sharing.Sharing, "__init__", noted)
+    config.max_cache_mib = 2048
+    precompute(config, log=lambda line: None)
+    assert handed == [100]
+
+
 def test_pinned_buffers_are_sized_as_torchs_pinned_allocator_takes_them():
     # A layer's buffer has a block more than the layer, to align its direct read (model/tensor_files.py).
     assert [budget.pinned_bytes(n) for n in (0, 1, 4096, 4097, 12_288, 3 << 29)] == [4096, 8192, 8192, 16_384,
