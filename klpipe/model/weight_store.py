@@ -87,7 +87,7 @@ class WeightStore:
         self.model = model
         self.dtype = dtype
         # Where the model computes. On CPU a layer's parameters are views of the buffer it was read into; on a GPU
-        # they are copies of it on the device, each made with a blocking copy (see _to_device).
+        # they are copies of it on the device, each made with a blocking copy (_load_planned, and the loader).
         self.device = torch.device(device)
         body = decoder_body(model)
         name, self.layers = decoder_layers(body)
