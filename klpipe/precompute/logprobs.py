@@ -176,7 +176,10 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     # torch lives behind this import (a streamed model has loaded it)
     from klpipe.model.attention.packing import NotPacked
 
-    sizes = [sum(len(plan.fed[i]) for i in batch.tolist()) for batch in plan.batches]
+    # What each batch holds while it waits, in tokens' worth: its rows end to end where they run packed, else each
+    # padded to the batch's longest.
+    sizes = [sum(len(plan.fed[i]) for i in batch.tolist()) if model.packed
+             else len(batch) * max((len(plan.fed[i]) for i in batch.tolist()), default=0) for batch in plan.batches]
     # No group where every row went through the tree (no batch).
     for group in by_tokens(plan.batches, sizes, getattr(model, "stream_tokens", None) or None):
         calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,

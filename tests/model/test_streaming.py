@@ -176,9 +176,11 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
         got = run_plan(streamed, plan, rows, 1.0)
     finally:
         streamed.stream_tokens = None
-    fed = [sum(len(plan.fed[i]) for i in batch.tolist()) for batch in plan.batches]
+    # What each batch holds: its rows end to end where they run packed, else each padded to the batch's longest.
+    fed = [sum(len(plan.fed[i]) for i in batch.tolist()) if streamed.packed
+           else len(batch) * max(len(plan.fed[i]) for i in batch.tolist()) for batch in plan.batches]
     groups, tokens = 1, 0
-    for n in fed:  # the cut by hand: a batch that would pass 200 fed tokens opens a group
+    for n in fed:  # the cut by hand: a batch that would pass 200 tokens' worth opens a group
         if tokens and tokens + n > 200:
             groups, tokens = groups + 1, 0
         tokens += n
