@@ -2,7 +2,7 @@
 
 The model is tests/model/test_streaming.py's: a Llama of `--layers` layers of 61 MB (hidden 1,024, MLP 4,096, fp32;
 48 layers: 2.9 GB), written once under build/bench/stream/. Each run is a fresh `python -m klpipe precompute`
-with `--prefix-sharing off` (rows run whole in both):
+with `--prefix-sharing off` (rows run whole in both; `on`: the tree in both, over GRPO groups):
 
   streamed   in a v1 (or v2) memory cgroup of `--limit` MiB (default: a third of the model), the model's pages
              dropped from the page cache first, so every layer is read from disk through the cgroup
@@ -12,7 +12,8 @@ Printed: wall times (load included), scoring seconds, the bytes streaming read, 
 under compute, and fp32 GFLOP/s (2 x parameters x fed tokens over the scoring seconds) against this machine's
 matmul peak at the same thread count (torch.mm of 2,048 x 2,048 fp32). Needs root for the cgroup.
 
-Run: `python benchmarks/bench_stream.py [--layers 48] [--tokens 4096] [--limit MiB] [--chunk-rows N]`. Passes are 512 tokens
+Run: `python benchmarks/bench_stream.py [--layers 48] [--tokens 4096] [--limit MiB] [--chunk-rows N]
+[--prefix-sharing on [--group-size 8]]`. Passes are 512 tokens
 (`--max-tokens-per-batch 512`), so that one pass's activations fit beside two layers in the cgroup.
 
 Measured (2 CPU cores, matmul peak 276 to 348 GFLOP/s), the defaults, five runs over two days with the passes as
@@ -41,15 +42,17 @@ from tests.model.test_streaming import big_llama, drop_from_page_cache, memory_c
 WORK = ROOT / "build" / "bench" / "stream"
 
 
-def rows_file(path: Path, tokens: int, vocab: int = 512) -> int:
-    """Rows of a 200-token prompt and a 56-token response until about `tokens` fed tokens; how many fed."""
+def rows_file(path: Path, tokens: int, vocab: int = 512, group: int = 1) -> int:
+    """Rows of a 200-token prompt and a 56-token response until about `tokens` fed tokens, `group` rows a prompt (a
+    GRPO group); how many fed, counted row by row."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
     count = max(tokens // 255, 1)
-    prompts = [rng.integers(3, vocab, 200).tolist() for _ in range(count)]
+    prompts = [rng.integers(3, vocab, 200).tolist() for _ in range(-(-count // group))]
+    prompts = [prompts[i // group] for i in range(count)]
     responses = [rng.integers(3, vocab, 56).tolist() for _ in range(count)]
     pq.write_table(pa.table({"id": [str(i) for i in range(count)], "step": [0] * count, "prompt_ids": prompts,
                              "response_ids": responses,
@@ -90,6 +93,9 @@ def main() -> None:
                         help="the cgroup's limit, MiB (default: a third of the model)")
     parser.add_argument("--chunk-rows", type=int, default=None,
                         help="rows per chunk (default: klpipe's; fewer: several chunks, each its groups)")
+    parser.add_argument("--prefix-sharing", choices=["off", "on"], default="off",
+                        help="on: the prefix tree in both runs, over GRPO groups of --group-size rows a prompt")
+    parser.add_argument("--group-size", type=int, default=8, help="rows a prompt, with --prefix-sharing on")
     args = parser.parse_args()
     model = WORK / f"llama-{args.layers}"
     if not (model / "model.safetensors").is_file():
@@ -98,10 +104,11 @@ def main() -> None:
     size = (model / "model.safetensors").stat().st_size
     parameters = size // 4
     rows = WORK / "rows.parquet"
-    fed = rows_file(rows, args.tokens)
+    fed = rows_file(rows, args.tokens, group=args.group_size if args.prefix_sharing == "on" else 1)
     limit = (args.limit << 20) if args.limit else size // 3
     env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1"})
-    common = ["precompute", str(rows), "--model", str(model), "--progress", "none", "--prefix-sharing", "off",
+    common = ["precompute", str(rows), "--model", str(model), "--progress", "none",
+              "--prefix-sharing", args.prefix_sharing,
               "--max-tokens-per-batch", "512", "--overwrite",
               *(["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else [])]
     import shutil
@@ -128,7 +135,8 @@ def main() -> None:
           f"(peak use {used / 2**20:,.0f} MiB), {fed:,} fed tokens")
     for name, wall, stderr in (("streamed", streamed_wall, streamed), ("in memory", memory_wall, in_memory)):
         scoring = seconds(stderr)
-        gflops = 2 * parameters * fed / scoring / 1e9
+        tree = re.search(r"fed ([\d,]+) tokens where running each row whole", stderr)  # what the tree fed
+        gflops = 2 * parameters * (int(tree.group(1).replace(",", "")) if tree else fed) / scoring / 1e9
         print(f"{name:10s} wall {wall:6.1f} s, scoring {scoring:6.1f} s, {gflops:5.1f} GFLOP/s "
               f"({gflops / peak_gflops:.0%} of the {peak_gflops:.0f} GFLOP/s matmul peak)")
     found = re.search(r"weights streamed: ([\d,]+) MiB read in (\d+) layer-major group\(s\), ([\d,]+) MiB each"
