@@ -119,10 +119,12 @@ def fmt(size: int) -> str:
 
 
 def streams(budget: Budget | None, footprint: int, weights: int, resident: int, largest_layer: int,
-            activations: int, beside: int = 0) -> bool:
+            activations: int, beside: int = 0, fit: int | None = None) -> bool:
     """Whether the weights stream (they do not fit `budget`, with `beside` bytes of a policy's weights held beside
-    them); refuses a budget too small even for streaming the reference alone, naming the smallest that would run."""
-    if budget is None or footprint + GROWTH + weights + beside + activations <= budget.bytes:
+    them, and `fit` bytes of activations: by default `activations`); refuses a budget too small even for streaming the
+    reference alone, naming the smallest that would run."""
+    fit = activations if fit is None else fit
+    if budget is None or footprint + GROWTH + weights + beside + fit <= budget.bytes:
         return False
     smallest = footprint + GROWTH + resident + 2 * largest_layer + activations
     if smallest > budget.bytes:
@@ -222,15 +224,20 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     adapters = streamed.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
     weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
-    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside):
+    # On a GPU the weights alone decide whether they stream, as before streaming ran there: a pass's activations are
+    # for --max-tokens-per-batch to fit, and their estimate, on the safe side, would stream models that ran in memory.
+    fit = 0 if gpu else sizes.activations
+    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside,
+                   fit):
         if limit is None or config.prefix_sharing == "off":
             return None
-        left = limit.bytes - footprint - GROWTH - sizes.weights - beside - sizes.activations
+        left = limit.bytes - footprint - GROWTH - sizes.weights - beside - fit
         cap = max(left, 0) // 2 >> 20
         if cap >= cache_mib:
             return None
         log(f"{models.spec.name}: the prefix tree keeps up to {cap:,} MiB (--max-cache-mib {cache_mib:,}): what "
-            f"{limit.source} leaves beside the weights{' and adapters' if adapters else ''} and one pass, halved")
+            f"{limit.source} leaves beside the weights{' and adapters' if adapters else ''}"
+            f"{'' if gpu else ' and one pass'}, halved")
         return InMemory(cap)
     refused = ("--compile on" if config.compile == "on" else "--dtype float64" if config.dtype == "float64"
                else None)

@@ -228,56 +228,66 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, 
 
 
 def test_a_gpus_budget_is_its_free_memory_and_weights_beyond_it_stream_to_it(tmp_path, monkeypatch):
-    # No GPU here: the device, what torch would say of its free memory and of what it has reserved stand in; the
-    # sizes are the real model's, and the host's budget is a cgroup's limit, fixed.
+    """No GPU here: the device, what torch would say of its free memory and of what it has reserved, and the model's
+    sizes (a 70B-like reference's proportions: measured sizes are held to the model in memory above) stand in; the
+    host's budget is a cgroup's limit, fixed. What is held is the budget's arithmetic, worked by hand."""
     import klpipe.model
-    from klpipe.model import runtime
+    from klpipe.model import runtime, streamed
 
-    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    gib = 1 << 30
+    sizes = streamed.Measure(weights=131 * gib, resident=1 * gib, largest_layer=gib * 8 // 5, activations=20 * gib,
+                             kept_per_token=64 << 10)
+    monkeypatch.setattr(streamed, "measure", lambda spec, tokens: streamed.Measure(**vars(sizes)))
     device_map = None
     monkeypatch.setattr(klpipe.model, "resolve_device", lambda device: ("cuda:0", device_map))
     asked = []
     monkeypatch.setattr(runtime, "device_free_bytes", lambda device: asked.append(device) or free)
     monkeypatch.setattr(budget, "reserved", lambda device: 0)  # a fresh process holds nothing on its device
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
-    host = FOOTPRINT + budget.GROWTH + resident + 2 * budget.pinned_bytes(largest)  # the host's smallest
+    host = FOOTPRINT + budget.GROWTH + gib + 2 * budget.pinned_bytes(sizes.largest_layer)  # the host's smallest
     monkeypatch.setattr(budget, "cgroup_limit", lambda: host)
-    config = config_for(tmp_path)
-    needs = activations(TINY_GEMMA, 256)
-    free = budget.GROWTH + weights + needs  # they fit the device: in memory, as before
+    config = config_for(tmp_path, prefix_sharing="off")
+    # The weights alone decide, as before streaming ran on a GPU: they fit, in memory, whatever the activations.
+    free = budget.GROWTH + 131 * gib
     assert budget.decide(config, resolve(config), 256, lambda line: None) is None
-    # One byte less and the layers stream to the device, the free memory its budget (no process footprint there).
-    free -= 1
+    # Beyond the device's free memory (an H100's 79 GiB, say), the layers stream to it, that memory the budget.
+    free = 79 * gib
     lines = []
-    streamed = budget.decide(config, resolve(config), 256, lines.append)
-    assert streamed is not None
-    assert lines[0].startswith(f"{TINY_GEMMA}: its weights ({budget.fmt(weights)}) do not fit cuda:0's free memory "
-                               f"({budget.fmt(free)}): its decoder layers stream from their files to cuda:0, one at a "
-                               "time, over up to ")
-    # What the groups may hold is the device's memory less what stays, two layers and one pass (cache off below).
-    spare = free - budget.GROWTH - resident - 2 * largest - needs
-    off = budget.decide(config_for(tmp_path, prefix_sharing="off"), resolve(config), 256, lambda line: None)
-    assert off.spare == spare
+    streamed_run = budget.decide(config, resolve(config), 256, lines.append)
+    assert lines[0].startswith(f"{TINY_GEMMA}: its weights (131G) do not fit cuda:0's free memory (79G): its decoder "
+                               "layers stream from their files to cuda:0, one at a time, over up to ")
+    # What the groups may hold: the device's memory less what stays, two layers and one pass.
+    spare = 79 * gib - budget.GROWTH - gib - 2 * (gib * 8 // 5) - 20 * gib
+    assert streamed_run.spare == spare and streamed_run.per_token == (64 << 10) + (16 << 20) // 256
     # Too small for two layers and one pass on the device: refused, naming the smallest.
-    free = budget.GROWTH + resident + 2 * largest + needs - 1
+    smallest = budget.GROWTH + gib + 2 * (gib * 8 // 5) + 20 * gib
+    free = smallest - 1
     with pytest.raises(InputError) as caught:
         budget.decide(config, resolve(config), 256, lambda line: None)
     assert str(caught.value).startswith(f"cuda:0's free memory ({budget.fmt(free)}) is too small for this model even "
-                                        f"streamed one layer at a time: it needs at least {budget.fmt(free + 1)} ")
+                                        f"streamed one layer at a time: it needs at least {budget.fmt(smallest)} ")
     # --max-memory is the device's budget, not the host's.
-    streams = budget.GROWTH + resident + 2 * largest + needs
-    free = 1 << 40
-    at = budget.decide(config_for(tmp_path, max_memory=str(streams), prefix_sharing="off"), resolve(config), 256,
+    free = 1 << 50
+    at = budget.decide(config_for(tmp_path, max_memory=str(smallest), prefix_sharing="off"), resolve(config), 256,
                        lambda line: None)
     assert at is not None and at.spare == 0
     # A host that cannot stage two layers (pinned: rounded up to a power of two) is refused before anything loads.
     monkeypatch.setattr(budget, "cgroup_limit", lambda: host - 1)
     with pytest.raises(InputError) as caught:
-        budget.decide(config_for(tmp_path, max_memory=str(streams)), resolve(config), 256, lambda line: None)
+        budget.decide(config_for(tmp_path, max_memory=str(smallest)), resolve(config), 256, lambda line: None)
     assert str(caught.value).startswith(f"the memory cgroup's limit ({budget.fmt(host - 1)}) is too small to stage "
                                         f"the layers streamed to cuda:0: it needs at least {budget.fmt(host)} ")
     assert "\n" not in str(caught.value)
     assert set(asked) == {"cuda:0"}
+    # In memory on a GPU, the tree's cache takes at most half of what the weights leave (not the activations').
+    monkeypatch.setattr(budget, "cgroup_limit", lambda: host)
+    free = budget.GROWTH + 131 * gib + (4 << 30)
+    lines.clear()
+    sharing = config_for(tmp_path)
+    capped = budget.decide(sharing, resolve(sharing), 256, lines.append, cache_mib=20 << 10)
+    assert isinstance(capped, budget.InMemory) and capped.cache_mib == 2 << 10
+    assert lines == [(f"{TINY_GEMMA}: the prefix tree keeps up to 2,048 MiB (--max-cache-mib 20,480): what cuda:0's "
+                      f"free memory ({budget.fmt(free)}) leaves beside the weights, halved")]
     count = len(asked)
     device_map = "auto"  # spread over several GPUs by accelerate: not one device's memory to compare
     assert budget.decide(config, resolve(config), 256, lambda line: None) is None
