@@ -19,7 +19,7 @@ the compute's own stream.
 
 Two shapes of rows (--shapes): `grpo`, GRPO groups of 8 sharing a prompt of ~1,900 tokens (1,500-2,300); `agent`,
 below. Four runners each: `auto` and `off` (klpipe.precompute end to end), `streamed` (`auto+s`: `auto` under a
---max-memory that holds a third of the decoder layers, so the weights stream to the device; same bits as `auto` or
+--max-memory that holds a third of what streams, so the weights stream to the device; same bits as `auto` or
 a slip), and `padded`, the contender: the rows
 as TRL's GRPOTrainer feeds its reference model (prompts padded on the left, completions on the right, batches of
 8 in input order, the model's own forward with an attention mask, logits kept for the completion only, an fp32
@@ -317,7 +317,8 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
 
 
 def streamed_budget() -> str:
-    """A --max-memory that holds a third of the model's decoder layers beside what stays loaded and one pass: the
+    """A --max-memory that holds a third of what streams (the decoder layers, and the tables read by rows: E2B's
+    per-layer embeddings) beside what stays loaded and one pass: the
     weights do not fit it, so `klpipe precompute` streams them (on a GPU, the device's budget; on CPU the process's,
     its footprint and a margin for what the process grows by before the decision included)."""
     import torch
