@@ -7,7 +7,8 @@ No torch: the budget is read from the command line or the machine, the model's s
                 container), else what the machine has available (MemAvailable) plus what this process holds;
                 on a GPU, the device's: --max-memory, else its free memory (the host then only stages the layers:
                 two pinned buffers of the largest, refused in one line where it cannot)
-    in memory   footprint + growth + weights + activations <= budget
+    in memory   footprint + growth + weights + activations <= budget (on a GPU the weights alone, as before
+                streaming ran there: a pass's activations are --max-tokens-per-batch's to fit)
     streamed    footprint + growth + resident + 2 x the largest layer + activations <= budget (two layers: the
                 one that computes and the one read behind it); below that the run is refused before anything loads
 
@@ -19,9 +20,9 @@ What a run has left over goes, up to half of it, to the prefix tree's cache (at 
 `--prefix-sharing off`): in memory, what the weights and one pass leave; streamed, what stays loaded, two layers
 and one pass leave, and the rest to the fed tokens a layer-major group holds while its passes wait between layers
 (per token the residual stream and its kin, per pass its thread's own buffers; a tree's passes also every layer's
-keys and values: model/attention/tree.py). What a group leaves
-of that keeps decoder layers loaded from one group to the next, the first layers first: a model a little over the
-budget reads only the layers that do not fit, once a group.
+keys and values: model/attention/tree.py). What a group leaves of that keeps decoder layers loaded from one group to
+the next, the first layers first: a model a little over the budget reads only the layers that do not fit, once a
+group.
 """
 
 from __future__ import annotations
