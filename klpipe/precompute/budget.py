@@ -159,10 +159,11 @@ def refuse_short_host(device: str, resident: int, largest_layer: int) -> None:
     host = find(None)
     if host is None:
         return
-    needed = process_memory.resident() + GROWTH + resident + 2 * pinned_bytes(largest_layer)
+    process = process_memory.resident() + GROWTH
+    needed = process + resident + 2 * pinned_bytes(largest_layer)
     if needed > host.bytes:
         raise InputError(f"{host.source} is too small to stage the layers streamed to {device}: it needs at least "
-                         f"{fmt(needed)} (this process {fmt(process_memory.resident() + GROWTH)}, what stays on the "
+                         f"{fmt(needed)} (this process {fmt(process)}, what stays on the "
                          f"device, read once {fmt(resident)}, two pinned layer buffers "
                          f"{fmt(2 * pinned_bytes(largest_layer))})")
 
@@ -191,13 +192,6 @@ class InMemory:
     cache_mib: int
 
 
-def reserved(device: str) -> int:
-    """What torch's caching allocator holds on CUDA device `device` now."""
-    from klpipe.model import runtime
-
-    return runtime.device_reserved_bytes(device)
-
-
 def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed | InMemory | None:
     """None where the reference's weights fit this run's budget (the in-memory path), or InMemory where what they
     leave of it caps the prefix tree's cache (`cache_mib` at most, half what is left at most: the tree's cache is
@@ -205,7 +199,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     nearly full GPU over); else how a streamed run shares what is left (model/streaming.py), after one line saying
     so: the prefix tree's cache (the same rule) and the fed tokens a layer-major group may hold. Refuses, before
     anything loads, a budget too small for streaming and what does not stream yet."""
-    from klpipe.model import resolve_device, streamed  # torch lives behind this import
+    from klpipe.model import resolve_device, runtime, streamed  # torch lives behind this import
 
     device, device_map = resolve_device(models.spec.device)
     if device_map is not None:  # spread over several GPUs by accelerate: not one device's memory to budget
@@ -217,7 +211,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
     policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
-    footprint = reserved(device) if gpu else process_memory.resident()
+    footprint = runtime.device_reserved_bytes(device) if gpu else process_memory.resident()
     beside = policy.weights if policy is not None else 0
     if sizes is None:
         return None

@@ -242,7 +242,7 @@ def test_a_gpus_budget_is_its_free_memory_and_weights_beyond_it_stream_to_it(tmp
     monkeypatch.setattr(klpipe.model, "resolve_device", lambda device: ("cuda:0", device_map))
     asked = []
     monkeypatch.setattr(runtime, "device_free_bytes", lambda device: asked.append(device) or free)
-    monkeypatch.setattr(budget, "reserved", lambda device: 0)  # a fresh process holds nothing on its device
+    monkeypatch.setattr(runtime, "device_reserved_bytes", lambda device: 0)  # a fresh process holds nothing there
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     host = FOOTPRINT + budget.GROWTH + gib + 2 * budget.pinned_bytes(sizes.largest_layer)  # the host's smallest
     monkeypatch.setattr(budget, "cgroup_limit", lambda: host)
