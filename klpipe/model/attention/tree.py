@@ -115,8 +115,9 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         latest = max(latest, wave)
         cut[latest][1].extend(int(node) for node in step.release)
     grouped = []
+    size = size or (lambda step: _fed(tree, step))
     for wave, release in cut:  # a wave's release goes after its last group
-        groups = by_tokens(wave, [(size or (lambda step: _fed(tree, step)))(step) for step in wave], limit)
+        groups = by_tokens(wave, [size(step) for step in wave], limit)
         grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
     return grouped
 
