@@ -726,8 +726,10 @@ def memory_cgroup(name: str, limit: int):
     return group, group / "cgroup.procs", group / peak_file
 
 
-@pytest.mark.slow
-def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(tmp_path):
+def streamed_in_a_cgroup_and_in_memory(tmp_path, command: list[str], name: str):
+    """`python -m klpipe COMMAND` once inside a memory cgroup of CGROUP_LIMIT made for it (the unchanged command: the
+    budget is the cgroup's limit, read by the process itself), once outside any: (the streamed run, the cgroup's
+    peak use, the run in memory, each run's ref_logprobs). Skips where no cgroup can be made."""
     import os
     import subprocess
     import sys
@@ -735,36 +737,45 @@ def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(t
     import pyarrow.parquet as pq
 
     from klpipe import cache
-    from tests.helpers import ROLLOUTS, with_checkout
+    from tests.helpers import with_checkout
+
+    env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    made = memory_cgroup(f"klpipe-{name}-{os.getpid()}", CGROUP_LIMIT)
+    if made is None:
+        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1 or v2)")
+    group, procs, peak = made
+    try:
+        streamed = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m klpipe "$@"', sys.executable, *command,
+             "--output", str(tmp_path / "streamed.parquet")], capture_output=True, text=True, env=env, timeout=1200)
+        used = int(peak.read_text())
+    finally:
+        group.rmdir()
+    in_memory = subprocess.run([sys.executable, "-m", "klpipe", *command, "--output", str(tmp_path / "memory.parquet")],
+                               capture_output=True, text=True, env=env, timeout=1200)
+    read = [pq.read_table(tmp_path / f"{run}.parquet").column(cache.REF_LOGPROBS).to_pylist()
+            if (tmp_path / f"{run}.parquet").is_file() else None for run in ("streamed", "memory")]
+    return streamed, used, in_memory, *read
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(tmp_path):
+    import pyarrow.parquet as pq
+
+    from tests.helpers import ROLLOUTS
 
     model = big_llama(tmp_path / "big")
     rows = tmp_path / "rows.parquet"
     pq.write_table(pq.read_table(ROLLOUTS).slice(0, 8), rows)
     assert (model / "model.safetensors").stat().st_size > 2.5 * CGROUP_LIMIT
-    env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    common = ["precompute", str(rows), "--model", str(model), "--progress", "none", "--max-tokens-per-batch", "256",
-              "--prefix-sharing", "off"]
-    made = memory_cgroup(f"klpipe-test-{os.getpid()}", CGROUP_LIMIT)
-    if made is None:
-        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1 or v2)")
-    group, procs, peak = made
-    try:
-        # The unchanged command: the budget is the cgroup's limit, read by the process itself.
-        streamed = subprocess.run(
-            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m klpipe "$@"', sys.executable, *common,
-             "--output", str(tmp_path / "streamed.parquet")], capture_output=True, text=True, env=env, timeout=1200)
-        used = int(peak.read_text())
-    finally:
-        group.rmdir()
+    streamed, used, in_memory, got, expected = streamed_in_a_cgroup_and_in_memory(tmp_path, [
+        "precompute", str(rows), "--model", str(model), "--progress", "none", "--max-tokens-per-batch", "256",
+        "--prefix-sharing", "off"], "test")
     assert streamed.returncode == 0, streamed.stderr
     assert "its decoder layers stream from their files" in streamed.stderr and "memory cgroup's limit" in \
         streamed.stderr, streamed.stderr
     assert used <= CGROUP_LIMIT
-    in_memory = subprocess.run([sys.executable, "-m", "klpipe", *common, "--output", str(tmp_path / "memory.parquet")],
-                               capture_output=True, text=True, env=env, timeout=1200)
     assert in_memory.returncode == 0 and "stream" not in in_memory.stderr, in_memory.stderr
-    got = pq.read_table(tmp_path / "streamed.parquet").column(cache.REF_LOGPROBS).to_pylist()
-    expected = pq.read_table(tmp_path / "memory.parquet").column(cache.REF_LOGPROBS).to_pylist()
     assert len(got) == len(expected) == 8
     values = np.concatenate([np.array(v) for v in expected if v])
     assert values.max() - values.min() > 2  # logprobs spread: a wrong computation cannot hide near log(1/V)
@@ -777,15 +788,8 @@ def test_a_prefix_tree_streamed_in_its_memory_cgroup_stays_inside_it_at_the_in_m
     key/value heads of 128 over 44 layers, 352 KiB a token in fp32, 22 times what the budget counted per token for
     rows run whole. Its groups were sized as if it held only that, and the run was killed by its cgroup's OOM killer;
     they are sized by what each pass holds now (tree.waiting_bytes)."""
-    import os
-    import subprocess
-    import sys
-
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from klpipe import cache
-    from tests.helpers import with_checkout
 
     model = big_llama(tmp_path / "big", kv_heads=8)
     rng = np.random.default_rng(0)
@@ -795,29 +799,14 @@ def test_a_prefix_tree_streamed_in_its_memory_cgroup_stays_inside_it_at_the_in_m
         rows += [{"prompt_ids": prompt, "response_ids": (response := rng.integers(10, 200, 150).tolist()),
                   "policy_logprobs": [-1.0] * len(response), "reward": 1.0} for _ in range(8)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
-    env = with_checkout({**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    common = ["precompute", str(tmp_path / "rows.parquet"), "--model", str(model), "--progress", "none",
-              "--max-tokens-per-batch", "256", "--prefix-sharing", "on"]
-    made = memory_cgroup(f"klpipe-test-tree-{os.getpid()}", CGROUP_LIMIT)
-    if made is None:
-        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1 or v2)")
-    group, procs, peak = made
-    try:
-        streamed = subprocess.run(
-            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m klpipe "$@"', sys.executable, *common,
-             "--output", str(tmp_path / "streamed.parquet")], capture_output=True, text=True, env=env, timeout=1200)
-        used = int(peak.read_text())
-    finally:
-        group.rmdir()
+    streamed, used, in_memory, got, expected = streamed_in_a_cgroup_and_in_memory(tmp_path, [
+        "precompute", str(tmp_path / "rows.parquet"), "--model", str(model), "--progress", "none",
+        "--max-tokens-per-batch", "256", "--prefix-sharing", "on"], "test-tree")
     assert streamed.returncode == 0, (streamed.returncode, streamed.stderr[-2000:])
     assert "its decoder layers stream from their files" in streamed.stderr
     assert "where running each row whole feeds" in streamed.stderr  # the tree ran
     assert used <= CGROUP_LIMIT
-    in_memory = subprocess.run([sys.executable, "-m", "klpipe", *common, "--output", str(tmp_path / "memory.parquet")],
-                               capture_output=True, text=True, env=env, timeout=1200)
     assert in_memory.returncode == 0 and "decoder layers stream" not in in_memory.stderr, in_memory.stderr
-    got = pq.read_table(tmp_path / "streamed.parquet").column(cache.REF_LOGPROBS).to_pylist()
-    expected = pq.read_table(tmp_path / "memory.parquet").column(cache.REF_LOGPROBS).to_pylist()
     assert len(got) == len(expected) == 16
     assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected)) <= SAME
 
