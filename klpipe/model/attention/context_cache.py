@@ -14,6 +14,7 @@ exactly gets them gathered.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -173,8 +174,9 @@ class ContextCache(Cache):
                     if held:
                         gather = (lambda index=index, held=held:
                                   _gather_context(index, held, ancestors, cached, tree, kept))
-                elif held:
-                    keys, values = _gather_context(index, held, ancestors, cached, tree, kept)
+                elif held:  # gathered when the layer runs: a layer-major pass's parents write it just before
+                    gather = (lambda index=index, held=held:
+                              _gather_context(index, held, ancestors, cached, tree, kept))
             states = _gather_states(index, ancestors, kept) if state else None
             if attention is not None and state:
                 layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states,
@@ -187,30 +189,77 @@ class ContextCache(Cache):
                 layers.append(DummyLayer())
         super().__init__(layers=layers)
         self.packed = segments is not None
+        self.keeping = None  # a layer-major pass (`follow`): what it keeps, taken layer by layer
 
     def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
         """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
         of the pass's `fed`."""
-        kept_row, written = [], False
-        for layer in self.layers:
-            kept = Kept()
-            new = getattr(layer, "new", None)
-            if new is not None:
-                keys, values = new  # (b, h, T, d)
-                kept.keys = keys[row, :, first:first + length].clone()
-                kept.values = values[row, :, first:first + length].clone()
-                written = True
-            if isinstance(layer, StateLayer):
-                if first + length != fed:
-                    # A state is the one after the pass's last position: pads after the node would be in it.
-                    raise RuntimeError("a recurrent state was asked for at a node shorter than its pass")
-                kept.states = layer.states_of(row)
-                written = written or layer.written
-            kept_row.append(kept)
-        if not written:
-            # A forward that takes its cache under another name drops it silently (**kwargs).
-            raise CacheIgnored("the model's forward wrote no keys, values or states into the cache it was given")
+        kept_row = [_kept_of(layer, row, first, length, fed) for layer in self.layers]
+        _check_written(any(_written(layer) for layer in self.layers))
         return kept_row
+
+    def follow(self, keeping: list[tuple[int, int, int, int]], fed: int, kept: dict, owners: frozenset) -> None:
+        """Keep the pass's nodes layer by layer (layered.py): `keeping` (node, batch row, first slot, length), each
+        node's list in `kept` filled as the pass leaves each layer (`leave`), so that a pass after it in the same
+        layer-major group reads it at that layer. What the pass made of a layer goes when it leaves the layer, but
+        for `owners`, the layers whose keys a later layer reuses (Gemma 4's KV-shared layers)."""
+        self.keeping, self.fed, self.kept, self.owners = keeping, fed, kept, owners
+        self.left: set[int] = set()
+        self.wrote = False
+        for node, *_ in keeping:
+            kept[node] = [Kept() for _ in self.layers]
+
+    def leave(self) -> list[int]:
+        """Between two decoder layers: every cache layer the pass has written since, kept for its nodes and freed
+        of its own keys; their indices. By what was written, not by the decoder layer's index: a decoder layer may
+        hold several attention layers (LongCat-Flash's two)."""
+        taken = []
+        for index, layer in enumerate(self.layers):
+            if self.keeping is None or index in self.left or not _written(layer):
+                continue
+            for node, row, first, length in self.keeping:
+                self.kept[node][index] = _kept_of(layer, row, first, length, self.fed)
+            self.wrote = True
+            self.left.add(index)
+            taken.append(index)
+            if index not in self.owners and isinstance(layer, ContextLayer):
+                if layer.new is not None:  # for cascade._owner: a later layer handed these keys reads freed context
+                    layer.freed = tuple(weakref.ref(t) for t in layer.new)
+                layer.new = None
+                layer.context_keys = layer.context_values = None
+        return taken
+
+    def finish(self) -> list[int]:
+        """After the pass's forward: what its last decoder layer wrote kept too; those layers' indices."""
+        taken = self.leave()
+        _check_written(self.wrote)
+        return taken
+
+
+def _kept_of(layer, row: int, first: int, length: int, fed: int) -> Kept:
+    """One layer's state batch row `row` leaves after fed slots first .. first + length - 1 of the pass's `fed`."""
+    kept = Kept()
+    new = getattr(layer, "new", None)
+    if new is not None:
+        keys, values = new  # (b, h, T, d)
+        kept.keys = keys[row, :, first:first + length].clone()
+        kept.values = values[row, :, first:first + length].clone()
+    if isinstance(layer, StateLayer):
+        if first + length != fed:
+            # A state is the one after the pass's last position: pads after the node would be in it.
+            raise RuntimeError("a recurrent state was asked for at a node shorter than its pass")
+        kept.states = layer.states_of(row)
+    return kept
+
+
+def _written(layer) -> bool:
+    return getattr(layer, "new", None) is not None or (isinstance(layer, StateLayer) and layer.written)
+
+
+def _check_written(written: bool) -> None:
+    if not written:
+        # A forward that takes its cache under another name drops it silently (**kwargs).
+        raise CacheIgnored("the model's forward wrote no keys, values or states into the cache it was given")
 
 
 def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: np.ndarray, tree: Tree,
@@ -312,6 +361,7 @@ class CacheCost:
 
     kv_bytes_per_token: int
     state_bytes_per_node: int
+    kv_layer_bytes_per_token: int = 0  # the most one layer holds (a layer-major pass holds few at once)
 
 
 def cache_cost(reference) -> CacheCost:
@@ -322,4 +372,5 @@ def cache_cost(reference) -> CacheCost:
         reference.body(input_ids=one, attention_mask=torch.ones_like(one), position_ids=torch.zeros_like(one),
                        use_cache=True, **{reference.cache_argument: cache})
     kept = cache.state_of(0, 0, 1, 1)
-    return CacheCost(sum(layer.kv_bytes() for layer in kept), sum(layer.state_bytes() for layer in kept))
+    return CacheCost(sum(layer.kv_bytes() for layer in kept), sum(layer.state_bytes() for layer in kept),
+                     max(layer.kv_bytes() for layer in kept))
