@@ -74,20 +74,21 @@ the weights once), rather than spilling them to host memory between layers.
 **Layers kept loaded.** The budget gives a group's waiting passes room for `stream_tokens` fed tokens (`spare` bytes,
 `per_token` each). What a group leaves of it keeps layers loaded from one group to the next, the first layers first,
 each read once into memory of its own (not one of the two layer buffers, read into again): a model a little over the
-budget reads only what does not fit, once a group, and a tree's small waves read less. A group that holds more frees
+budget reads only what does not fit, once a group. A group that holds more frees
 the last kept layers before it starts; a forward on its own keeps what is kept and keeps no more. The read of the
 first layer not kept starts with the group, under the kept layers' compute.
 
-**The prefix tree** (tree.py `waves`). A tree's pass reads the states its nodes' ancestors kept, and a node's state
-is kept when its pass ends, every layer at once. So the passes, in their planned order, are cut into waves: a pass
-that continues a state kept in the current wave starts the next one. Each wave runs layer-major like a group of
-rows run whole, so a chunk reads the weights once per wave: about the tree's depth (a system prompt, the prompts,
-the responses: three), not once per pass. A tree's pass waiting between layers holds more than a row's: its cache
-keeps the keys and values of every layer it has been through, until it ends (a model of 44 layers with 8 key/value
-heads of 128: 352 KiB a token in fp32, 22 times the residual stream). Its groups are sized by what each pass holds
-(tree.waiting_bytes), else a run inside its cgroup was killed by the OOM killer. The tree's cache keeps every layer's keys and values of a kept node, as
-in memory, out of the budget (precompute/budget.py). Keeping one layer's only, a wave per chunk, would need the
-cache to take a node's state layer by layer as its pass goes: a next step.
+**The prefix tree** (attention/layered.py). A tree's pass continues the state its nodes' ancestors' passes kept.
+Those passes run in the same group, every pass through layer k in the planned order (parents first) before any
+goes through k + 1: a pass keeps its nodes' keys and values of layer k as it reaches layer k + 1 (`on_layer`), the
+passes after it read them in the same round, and once the whole group is past layer k (`after_layer`) the nodes no
+later group reads hold nothing of it. A waiting pass so holds its residual stream and a layer or two of keys, not
+every layer's (a model of 44 layers with 8 key/value heads of 128: 352 KiB a token in fp32, 22 times the residual
+stream), and a chunk's tree reads the weights once, as a chunk of rows run whole does, where a budget holds it; a
+tighter one cuts it into consecutive groups, the nodes a later group reads kept whole. A model with recurrent
+states (read whole when a pass starts) runs its tree in waves (tree.py `waves`): a pass that continues a state kept
+in the current wave starts the next, once per level of the tree, each pass holding every layer's keys until it
+ends (tree.waiting_bytes sizes them).
 
 **The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
@@ -179,6 +180,7 @@ class LayerMajor:
         self.per_token = 0
         self.kept: dict[int, int] = {}
         self._room = 0  # what the group running now leaves for kept layers; 0 outside a group
+        self._on_layer = None  # the running group's: see run
         self._hooks = [layer.register_forward_pre_hook(self._make_hook(k)) for k, layer in enumerate(store.layers)]
         self._hooks.append(store.layers[-1].register_forward_hook(self._after_last))
 
@@ -193,6 +195,8 @@ class LayerMajor:
             if step is None:  # a forward on its own: this layer now, the next in the background
                 self.ensure(k)
                 return
+            if self._on_layer is not None:
+                self._on_layer(k)
             step.at = k
             step.greenlet.parent.switch()  # back to the scheduler, until it resumes this pass
             if self._abandon:
@@ -301,13 +305,17 @@ class LayerMajor:
             if k not in self.kept and self.store.loaded(k):
                 self.store.release(k)
 
-    def run(self, calls: list, between=lambda: None, tokens: int = 0, held: int | None = None) -> list:
+    def run(self, calls: list, between=lambda: None, tokens: int = 0, held: int | None = None,
+            on_layer=None, after_layer=None) -> list:
         """Each of `calls` (no arguments; each runs forwards of the model) in a greenlet of its own, layer-major:
-        every call's forward through layer k before any call's through k + 1. Their results, in order.
+        every call's forward through layer k before any call's through k + 1, the calls in their order within a
+        layer. Their results, in order.
 
-        `between` runs after each layer (a stop asked for raises there, and the group stops). `tokens`: the fed
-        tokens the calls hold, for the statistics; `held`: the bytes they hold while they wait, where the caller
-        knows it better than `tokens` x `per_token` (a tree's passes keep every layer's keys: tree.py)."""
+        `between` runs after each layer (a stop asked for raises there, and the group stops), after `after_layer(k)`
+        once every call is past layer k; `on_layer(k)` runs in a call's own greenlet as it reaches layer k, before it
+        waits (layered.py keeps what the call made of layer k - 1 there). `tokens`: the fed tokens the calls hold,
+        for the statistics; `held`: the bytes they hold while they wait, where the caller knows it better than
+        `tokens` x `per_token` (tree.py)."""
         steps = [_Pass(call) for call in calls]
         self.groups += 1
         self.tokens += tokens
@@ -320,7 +328,7 @@ class LayerMajor:
             step.greenlet = greenlet.greenlet(functools.partial(self._body, step))
             step.greenlet.gr_context = contextvars.copy_context()  # each pass's own, as a thread's would be
             self._steps[step.greenlet] = step
-        self._abandon = False
+        self._abandon, self._on_layer = False, on_layer
         first = next((k for k in range(len(self.store.layers)) if k not in self.kept or not self.store.loaded(k)), 0)
         self._read_ahead(first)  # while the passes embed their rows and run the layers kept
         # Every pass runs on this thread, so its torch state is theirs: inference mode for the whole group, so that
@@ -336,6 +344,8 @@ class LayerMajor:
                     for step in steps:
                         if not step.done and step.at == k:
                             self._resume(step)
+                    if after_layer is not None:
+                        after_layer(k)
                     between()
         except BaseException:
             self._abandon = True
@@ -347,7 +357,7 @@ class LayerMajor:
         finally:
             for step in steps:
                 self._steps.pop(step.greenlet, None)
-            self._room = 0  # a forward on its own (a probe, the oracle) keeps no more
+            self._room, self._on_layer = 0, None  # a forward on its own (a probe, the oracle) keeps no more
             self.release_all()
             self.group_seconds += time.perf_counter() - started
         return [step.result for step in steps]
