@@ -60,6 +60,9 @@ class ReferenceModel:
         self.padded_why: str | None = "not checked"
         # Whether the tree's passes run packed (tree.py), until a call the cascade cannot take.
         self.tree_passes_packed = True
+        # Whether a streamed tree runs its levels layer-major in one group (layered.py), until a layer's keys it freed
+        # are asked for.
+        self.tree_layered = True
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
@@ -281,6 +284,11 @@ class ReferenceModel:
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values a token holds across the layers that store them (measured once; at least 1)."""
         return max(self._measured_cost().kv_bytes_per_token, 1)
+
+    @property
+    def kv_layer_bytes_per_token(self) -> int:
+        """The most bytes of keys and values a token holds in one layer (a layer-major tree pass holds a few)."""
+        return max(self._measured_cost().kv_layer_bytes_per_token, 1)
 
     @property
     def state_tokens_per_node(self) -> int:

@@ -195,9 +195,11 @@ TREE_QUICK = ["tiny-llama", "tiny-gemma4"]
 
 @pytest.mark.parametrize("pair", TREE_QUICK + [pytest.param(name, marks=pytest.mark.arch)
                                                for name in MODELS if name not in TREE_QUICK] + REST, indirect=True)
-def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
-    """The tree's passes in waves (model/attention/tree.py `waves`): each wave layer-major, the weights read once per wave,
-    about the tree's depth, not once per pass; the numbers the tree's in memory."""
+def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
+    """The tree's passes layer-major across its levels (model/attention/layered.py): the weights read once for the
+    tree; with recurrent states (Qwen3-Next), in waves (tree.py `waves`): once per level of the tree, not once per
+    pass. The numbers the tree's in memory."""
+    from klpipe.model.attention import layered
     from klpipe.precompute.sharing import Sharing
 
     name, in_memory, streamed, oracle = pair
@@ -217,6 +219,9 @@ def test_the_prefix_tree_streams_in_waves_to_the_tree_in_memory(pair):
     # layers); a wave per level of the tree at most, and one group of rows run whole.
     assert 0 < streamed.streamer.layer_reads - reads <= ran * layer_count(streamed)
     assert ran <= depth + 1 < len(streamed_plan.passes) + 1
+    assert layered.runs(streamed) == (not streamed.keeps_state)
+    if layered.runs(streamed):
+        assert ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows run whole in another
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
     assert gap <= SAME, f"{name}: the streamed tree differs from the tree in memory by {gap:.3g}"
     ours, own = oracle.errors(rows, got)
@@ -560,61 +565,95 @@ def tree_depth(tree) -> int:
     return max(len(tree.path(node)) for node in range(1, tree.num_nodes))
 
 
-def test_a_streamed_trees_groups_are_sized_by_the_keys_and_values_their_waiting_passes_hold(llama, monkeypatch):
-    """A tree pass waiting between layers holds, per slot of its batch, the budget's per token and every layer's
-    keys and values (tree.waiting_bytes); a group holds at most what the budget gives the groups (`spare`)."""
-    streamer = llama.streamer
-    rows = chunk(llama.vocab_size, seed=2)
-    plan = plan_chunk(llama, rows, 96, "on")
-    assert plan.tree is not None and not llama.keeps_state
-    expected = run_plan(llama, plan, rows, 1.0)  # no budget given: groups by the tokens limit alone (none here)
-    config = llama.model.config
-    kv = 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers * 4  # fp32, every layer's
+def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whole_held_every_layers(tmp_path,
+                                                                                                   monkeypatch):
+    """A streamed tree runs its levels layer-major in one group (model/attention/layered.py): a waiting pass holds,
+    per slot of its batch, the budget's per token and two layers' keys and values (the one it is in, the one it
+    leaves), and each node it keeps two layers' where only its group reads it; a group holds at most the budget's
+    spare. Eight layers: a pass waiting in a wave held all eight layers' keys."""
+    from klpipe.model.attention import layered
+
+    spec = ModelSpec(str(big_llama(tmp_path / "llama", layers=8, hidden=256, intermediate=512)), dtype="float32",
+                     device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    assert in_memory.use_cascade() is None and streamed.use_cascade() is None  # as --prefix-sharing installs it
+    rows = chunk(in_memory.vocab_size, seed=2)
+    plan = plan_chunk(streamed, rows, 96, "on")
+    tree = plan.tree
+    assert tree is not None and layered.runs(streamed)
+    expected = run_plan(in_memory, plan, rows, 1.0)
+    layer = 2 * 2 * 128 * 4  # one layer's keys and values a token: 2 key/value heads of 128, fp32
     per_token = 1000
+    own = tree.end - tree.start
 
-    def held(step) -> int:  # the pass's rows, each as long as its longest, at per token + keys and values
-        own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
-        context = 0 if llama.cascade else len(own) * int(plan.tree.start[step.nodes].max()) * kv  # gathered
-        return len(own) * int(own.max()) * (per_token + kv) + context
-    total = sum(held(step) for step in plan.passes)
+    def held(step, layers: int) -> int:  # the pass's rows, each as long as its longest
+        return len(step.nodes) * int(own[step.nodes].max()) * (per_token + layers * layer)
+    kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
+    whole = sum(held(step, 2) for step in plan.passes) + sum(int(own[node]) for node in kept) * 2 * layer
     seen = []
-    run = streamer.run
+    run = streamed.streamer.run
 
-    def noted(calls, between=lambda: None, tokens=0, held=None):
+    def noted(calls, between=lambda: None, tokens=0, held=None, **hooks):
         seen.append((len(calls), held))
-        return run(calls, between, tokens, held)
-    monkeypatch.setattr(streamer, "run", noted)
-    streamer.spare, streamer.per_token = total // 3, per_token
+        return run(calls, between, tokens, held, **hooks)
+    monkeypatch.setattr(streamed.streamer, "run", noted)
+    streamed.streamer.spare, streamed.streamer.per_token = whole, per_token
     try:
-        got = run_plan(llama, plan, rows, 1.0)
+        got = run_plan(streamed, plan, rows, 1.0)
+        assert streamed.cascade  # the context read in place: none gathered into the passes' slots
+        tree_groups = [(calls, bytes_) for calls, bytes_ in seen if bytes_ is not None]
+        assert tree_groups == [(len(plan.passes), whole)]  # every level of the tree in one group, by hand
+        assert 2 * whole < sum(held(step, 8) for step in plan.passes)
+        seen.clear()
+        streamed.streamer.spare = whole // 3
+        again = run_plan(streamed, plan, rows, 1.0)
     finally:
-        streamer.spare = streamer.per_token = 0
+        streamed.streamer.spare = streamed.streamer.per_token = 0
     tree_groups = [(calls, bytes_) for calls, bytes_ in seen if bytes_ is not None]
-    assert sum(bytes_ for _, bytes_ in tree_groups) == total
-    assert all(bytes_ <= total // 3 or calls == 1 for calls, bytes_ in tree_groups) and len(tree_groups) >= 3
+    assert len(tree_groups) >= 3 and all(bytes_ <= whole // 3 or calls == 1 for calls, bytes_ in tree_groups)
+    for result in (got, again):
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(result, expected) if len(a)) <= SAME
+
+
+def test_a_layer_that_reuses_keys_the_layer_major_tree_freed_runs_the_tree_again_in_waves(monkeypatch):
+    """Gemma 4's KV-shared layers reuse the keys of its "store" layers (layered.owners), held until the group ends.
+    Told there are none, the layer-major group frees them: the first KV-shared layer finds them freed
+    (cascade.FreedKeys), never reads what is gone, and the tree runs again in waves, at the in-memory result."""
+    from klpipe.model.attention import layered
+
+    spec = ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    assert in_memory.use_cascade() is None and streamed.use_cascade() is None  # as --prefix-sharing installs it
+    rows = chunk(in_memory.vocab_size, seed=2)
+    plan = plan_chunk(streamed, rows, 96, "on")
+    assert plan.tree is not None and layered.owners(streamed)
+    expected = run_plan(in_memory, plan, rows, 1.0)
+    monkeypatch.setattr(layered, "owners", lambda reference: frozenset())
+    groups = streamed.streamer.groups
+    got = run_plan(streamed, plan, rows, 1.0)
+    assert streamed.cascade and not streamed.tree_layered and streamed.streamer.groups - groups >= 3  # the group abandoned, then waves
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
-def test_a_stop_in_a_later_wave_abandons_the_tree_with_no_layer_loaded_and_the_next_run_is_whole(llama):
+def test_a_stop_between_layers_abandons_the_tree_with_no_layer_loaded_and_the_next_run_is_whole(llama):
     streamed = llama
     in_memory = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu"))
     rows = chunk(in_memory.vocab_size, seed=6)
     plan = plan_chunk(in_memory, rows, 96, "on")
     groups, stops = streamed.streamer.groups, []
 
-    def stop():
+    def stop():  # after the group's first layer: every pass waits at the second, some kept nodes half written
         stops.append(streamed.streamer.groups - groups)
-        if stops[-1] == 2:  # in the second wave: its group abandoned between layers, nothing returned
-            raise KeyboardInterrupt
+        raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         run_plan(streamed, plan, rows, 1.0, check_stop=stop)
-    assert stops[0] == 1 and streamed.streamer.groups - groups == 2
+    assert stops == [1]
     assert not any(streamed.streamer.store.loaded(k) for k in range(layer_count(streamed)))
     got, expected = run_plan(streamed, plan, rows, 1.0), run_plan(in_memory, plan, rows, 1.0)
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 
-def test_a_call_the_tree_cannot_take_packed_mid_wave_reruns_the_whole_tree_as_in_memory(monkeypatch):
+def test_a_call_the_tree_cannot_take_packed_mid_group_reruns_the_whole_tree_as_in_memory(monkeypatch):
     from klpipe.model.attention import packing
 
     spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
@@ -624,8 +663,8 @@ def test_a_call_the_tree_cannot_take_packed_mid_wave_reruns_the_whole_tree_as_in
     assert streamed.packed and plan.tree is not None
     calls = []
 
-    def refuse_the_third(*args, **kwargs):  # the first wave's passes without context packed through layer 0, then
-        calls.append(1)                     # a call refused: inside a pass, mid-wave
+    def refuse_the_third(*args, **kwargs):  # the passes without context packed through layer 0, then a call
+        calls.append(1)                     # refused: inside a pass, mid-group
         if len(calls) == 3:
             raise packing.NotPacked("LlamaAttention passes softcap to its attention")
         return attend(*args, **kwargs)
@@ -637,7 +676,7 @@ def test_a_call_the_tree_cannot_take_packed_mid_wave_reruns_the_whole_tree_as_in
     groups = streamed.streamer.groups
     got = run_plan(streamed, plan, rows, 1.0)
     assert not streamed.packed and len(calls) == 3  # padded from then on: no packed call after the refusal
-    assert streamed.streamer.groups - groups > tree_depth(plan.tree)  # the waves up to the refusal, then all again
+    assert not plan.batches and streamed.streamer.groups - groups == 2  # the group refused, the whole tree again
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 

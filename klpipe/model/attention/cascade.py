@@ -59,6 +59,10 @@ class NotInPlace(RuntimeError):
     """A model whose attention does not read what its cache's update returned: the context must be gathered."""
 
 
+class FreedKeys(RuntimeError):
+    """A layer reuses keys whose context a layer-major tree pass has freed (layered.py): the tree runs in waves."""
+
+
 class NotPackedPass(RuntimeError):
     """A call in a packed tree pass that the cascade cannot take: the pass must run as a padded batch."""
 
@@ -114,6 +118,9 @@ def _owner(cache, key, value):
         new = getattr(layer, "new", None)
         if getattr(layer, "cascade", None) is not None and new is not None and new[0] is key and new[1] is value:
             return layer
+        freed = getattr(layer, "freed", None)
+        if freed is not None and freed[0]() is key and freed[1]() is value:
+            raise FreedKeys(f"layer {cache.layers.index(layer)}'s keys are reused by a later layer")
     return None
 
 
@@ -202,6 +209,11 @@ def branches_on_name(model) -> bool:
         if _NAME_TEST.search(source):
             return True
     return False
+
+
+def running():
+    """The running pass's ContextCache (in this greenlet or thread), or None."""
+    return _PASS.get()
 
 
 @contextmanager

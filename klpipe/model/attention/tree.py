@@ -33,7 +33,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from klpipe.model.attention import cascade, packing
+from klpipe.model.attention import cascade, layered, packing
 from klpipe.model.attention.context_cache import ContextCache, Kept
 from klpipe.plan import Pass, Tree, Wanted, by_tokens
 
@@ -69,7 +69,18 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     kept: dict[int, list[Kept]] = {}  # node -> per layer, the state its own tokens leave
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
     with torch.inference_mode():
-        if getattr(reference, "streamer", None) is not None:  # weights streamed: the passes in waves, layer-major
+        if getattr(reference, "streamer", None) is not None and layered.runs(reference):
+            # Weights streamed: the tree's levels layer-major in one group where the budget holds them (layered.py).
+            def run(step, shared):
+                _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
+                          results, shared)
+            try:
+                if layered.score(reference, tree, passes, parent_of_kept, kept, run, check_stop):
+                    return results
+            except cascade.NotPackedPass:
+                pass  # the tree's passes run as batches from now on (reference.tree_passes_packed)
+            return _score_tree(reference, tree, passes, wanted, temperature, check_stop)  # nothing of this run kept
+        if getattr(reference, "streamer", None) is not None:  # streamed, states kept: the passes in waves
             streamer = reference.streamer
             held = waiting_bytes(reference, tree) if streamer.per_token else None  # None: no budget given
             limit = streamer.spare if held is not None else getattr(reference, "stream_tokens", None)
@@ -94,9 +105,9 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
 
 def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None,
           size=None) -> list[tuple[list[Pass], list]]:
-    """The passes in waves, each wave's groups run layer-major (model/streaming.py): (group, the nodes to release
-    after it), in order. Groups hold at most `limit` of `size(pass)` (by default its fed tokens).
-    A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
+    """The passes of a streamed model with recurrent states (or keys reused that layered.py freed) in waves, each
+    wave's groups run layer-major (model/streaming.py): (group, the nodes to release after it), in order. Groups
+    hold at most `limit` of `size(pass)` (by default its fed tokens). A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
     that keeps a node it continues (an ancestor of its nodes), the first if none; within a wave the passes keep
     their planned order, cut into groups of at most `limit` fed tokens (their activations wait between layers). A
     streamed chunk so reads the weights once per group of a wave: about the tree's depth (system prompt, prompts,
@@ -168,17 +179,22 @@ def packs_passes(reference, kinds) -> bool:
 
 
 def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, parents: set, rows_of, wanted: Wanted,
-              temperature: float, results: list[np.ndarray]) -> None:
+              temperature: float, results: list[np.ndarray], shared: frozenset | None = None) -> None:
+    """One pass; `shared`: in a layer-major group (layered.py), its state kept layer by layer, and the layers whose
+    keys a later layer reuses."""
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
     if step.runs_packed(packs_passes(reference, kinds), reference.prefill_skips_layers):
         try:
-            _run_packed(reference, tree, step, kinds, kept, parents, rows_of, wanted, temperature, results)
+            _run_packed(reference, tree, step, kinds, kept, parents, rows_of, wanted, temperature, results, shared)
             return
         except cascade.NotPackedPass:
-            # Nothing of the pass was kept: it runs as a batch below, and so do the model's later passes.
+            # Nothing of the pass was kept: it runs as a batch below, and so do the model's later passes. In a
+            # layer-major group the passes after it have read what it kept: the group stops, and the tree runs again.
             reference.tree_passes_packed = False
+            if shared is not None:
+                raise
     fed_len = int(own.max())
     # Context positions read from the cache; on the right, a short node feeds the end of its context again.
     cached = np.maximum(start - (fed_len - own), 0) if layout == "right" else start.copy()  # (b,)
@@ -205,6 +221,9 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     alone = reference.packed and context == 0
     in_place = reference.cascade and not alone
     cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real)
+    if shared is not None:
+        cache.follow([(node, k, int(first[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
+                     fed_len, kept, shared)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
@@ -216,15 +235,17 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     if any(getattr(layer, "pending", False) for layer in cache.layers):
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
+    if shared is not None:
+        cache.finish()
     for k, node in enumerate(nodes):
-        if node in parents:  # descendants continue it: keep the state its own tokens leave
+        if node in parents and shared is None:  # descendants continue it: keep the state its own tokens leave
             kept[node] = cache.state_of(k, int(first[k]), int(own[k]), fed_len)
     slot_of_start = first - (fed_len - hidden.shape[1])  # hidden's slot of each node's first own token
     _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
 
 
 def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows_of, wanted: Wanted,
-                temperature: float, results: list[np.ndarray]) -> None:
+                temperature: float, results: list[np.ndarray], shared: frozenset | None = None) -> None:
     """A pass, its nodes' own tokens end to end in one sequence with no pad and no mask (whether they continue a
     context or not):
 
@@ -244,6 +265,9 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     device = reference.input_device
     cache = ContextCache(kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree, kept,
                          True, None, segments)
+    if shared is not None:
+        cache.follow([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
+                     len(ids), kept, shared)
     with cascade.active(cache):
         out = reference.body(input_ids=torch.from_numpy(ids)[None].to(device),
                              position_ids=torch.from_numpy(positions)[None].to(device), use_cache=True,
@@ -251,8 +275,10 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     if any(getattr(layer, "pending", False) for layer in cache.layers):
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (1, N, H)
+    if shared is not None:
+        cache.finish()
     for k, node in enumerate(nodes):
-        if node in parents:
+        if node in parents and shared is None:
             kept[node] = cache.state_of(0, int(offsets[k]), int(own[k]), len(ids))
     _gather_logprobs(reference, tree, step, hidden, offsets, rows_of, wanted, temperature, results,
                      batch_rows=np.zeros(len(nodes), dtype=np.int64))

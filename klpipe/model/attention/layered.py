@@ -1,0 +1,149 @@
+"""A streamed prefix tree run layer-major across its levels: every pass of a group through layer k, in tree order,
+before any through k + 1, so that the weights are read once per group rather than once per level of the tree.
+
+A pass that others continue keeps its nodes' state layer by layer (context_cache.ContextCache.follow): as it
+reaches layer k + 1 (streaming.py's `on_layer`), what its own tokens made of layer k is kept, and a pass after it
+in the group reads it at layer k, within the same round. Once every pass of the group is past layer k
+(`after_layer`), the nodes no later group reads hold nothing of it, and each pass frees what it made of layer k as
+it leaves it. So a waiting pass holds about one layer's keys and values, where a pass run whole holds every
+layer's until it ends, and a group of a tree's levels holds what a group of rows run whole holds, plus its nodes'
+keys of a layer or two.
+
+Not for a model with recurrent or convolution states (its state layers are read whole when a pass starts: tree.py
+runs it in waves), and the keys that a later layer reuses (Gemma 4's KV-shared layers: `owners`) are held until
+the group ends. A layer that reuses keys this module did not know to hold finds them freed (cascade.FreedKeys):
+the tree then runs again in waves, nothing kept.
+"""
+
+from __future__ import annotations
+
+from klpipe.model import architecture
+from klpipe.model.attention import cascade
+from klpipe.model.attention.context_cache import Kept
+from klpipe.plan import Pass, Tree, by_tokens
+
+
+def runs(reference) -> bool:
+    """Whether the streamed tree runs layer-major across its levels."""
+    return reference.tree_layered and not reference.keeps_state
+
+
+def owners(reference) -> frozenset[int]:
+    """The layers whose keys and values a later layer reuses: Gemma 3n's and Gemma 4's "store" layers; every layer
+    where a model shares keys across layers without saying which."""
+    config = architecture.text_config(reference.model.config)
+    if not (getattr(config, "num_kv_shared_layers", 0) or 0):
+        return frozenset()
+    modes = getattr(config, "kv_sharing_modes", None)
+    layers = len(reference.layer_kinds)
+    if modes is None or len(modes) != layers:
+        return frozenset(range(layers))
+    return frozenset(k for k, mode in enumerate(modes) if mode == "store")
+
+
+def groups(reference, tree: Tree, passes: list[Pass], parents: set, held_by_tokens: bool,
+           limit: int | None) -> list[tuple[list[Pass], list[int], int | None]]:
+    """The passes in their planned order, cut into groups: (passes, the nodes released after the group, its bytes;
+    None where no budget is given). A group holds at most `limit`: fed tokens where `held_by_tokens` (no budget),
+    else bytes (`held`); a pass over it goes alone. A group's bytes are not monotonic in its passes: a node kept
+    for a later group holds every layer's keys, and only a layer or two once the pass that last reads it joins."""
+    last = {}  # node -> the index of the last pass that reads it (the one that releases it)
+    for i, step in enumerate(passes):
+        last.update((int(node), i) for node in step.release)
+    own = tree.end - tree.start
+    if held_by_tokens:
+        return [(group, [int(node) for step in group for node in step.release], None)
+                for group in by_tokens(passes, [int(own[step.nodes].sum()) for step in passes], limit)]
+    size, kept_bytes = held(reference, tree)
+    cut: list[tuple[list[Pass], list[int], int | None]] = []
+    carried: dict[int, int] = {}  # node -> bytes: kept by an earlier group for a later one, every layer's
+    i = 0
+    while i < len(passes):
+        # The longest group from pass i within the limit: its passes' bytes, the nodes it keeps, those carried in.
+        passes_bytes, mine = sum(carried.values()), []
+        end, end_bytes = i + 1, None
+        for j in range(i, len(passes)):
+            passes_bytes += size(passes[j])
+            mine += [int(node) for node in passes[j].nodes.tolist() if node in parents]
+            if limit is not None and passes_bytes > limit and j > i:
+                break  # the passes alone are over it: no longer group fits
+            total = passes_bytes + sum(kept_bytes(int(own[node]), last.get(node, len(passes)) <= j) for node in mine)
+            if end_bytes is None or limit is None or total <= limit:
+                end, end_bytes = j + 1, total
+        group = passes[i:end]
+        release = [int(node) for step in group for node in step.release]
+        for step in group:
+            carried.update((int(node), kept_bytes(int(own[node]), False)) for node in step.nodes.tolist()
+                           if node in parents and last.get(int(node), len(passes)) >= end)
+        for node in release:
+            carried.pop(node, None)
+        cut.append((group, release, end_bytes))
+        i = end
+    return cut
+
+
+def held(reference, tree: Tree):
+    """(pass -> bytes, (node's own tokens, whether only its group reads it) -> bytes): what a pass of a layer-major
+    group holds while it waits, on the safe side, and what a node it keeps holds. Per slot of the pass's batch (its
+    nodes, each as long as the longest): the budget's per token (streamer.per_token) and the keys and values of the
+    `live` layers it may hold at once (the decoder layer it is in and the one it is leaving, each with as many
+    attention layers as a decoder layer holds, and the owners); where the context is
+    gathered into the pass's slots rather than read in place (no cascade), the context's slots of as many. A node
+    read by later groups keeps every layer's keys; one read within its group alone, the live layers'."""
+    per_layer = reference.kv_layer_bytes_per_token
+    every = reference.kv_bytes_per_token
+    per_decoder = -(-len(reference.layer_kinds) // len(reference.streamer.store.layers))  # LongCat-Flash: 2
+    live = min((2 * per_decoder + len(owners(reference))) * per_layer, every)
+    per_slot = reference.streamer.per_token + live
+    in_place = reference.cascade
+
+    def pass_bytes(step: Pass) -> int:
+        own = tree.end[step.nodes] - tree.start[step.nodes]
+        rows, longest = len(own), int(own.max())
+        total = rows * longest * per_slot
+        if not in_place:
+            total += rows * int(tree.start[step.nodes].max()) * live
+        return total
+
+    def node_bytes(tokens: int, local: bool) -> int:
+        return tokens * (live if local else every)
+
+    return pass_bytes, node_bytes
+
+
+def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, run_pass, check_stop) -> bool:
+    """Run `passes` layer-major in groups (run_pass(step, owners) runs one, its state kept layer by layer); False
+    where a layer reused keys freed here (the caller runs the tree again in waves, `reference.tree_layered` now
+    False)."""
+    streamer = reference.streamer
+    budgeted = bool(streamer.per_token)
+    limit = streamer.spare if budgeted else getattr(reference, "stream_tokens", None)
+    shared = owners(reference)
+    for group, release, held_bytes in groups(reference, tree, passes, parents, not budgeted, limit):
+        fed = sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group)
+        local = [node for node in release if node in parents]
+        written_in: dict[int, int] = {}  # cache layer -> the decoder layer that wrote it
+
+        def leaving(k: int, written_in=written_in) -> None:
+            pass_cache = cascade.running()
+            if pass_cache is not None:
+                for index in pass_cache.leave():
+                    written_in.setdefault(index, k - 1)
+
+        def past(k: int, local=local, written_in=written_in) -> None:
+            # No pass of the group reads again what decoder layers up to k wrote: the nodes only it reads hold none.
+            for index in [index for index, at in written_in.items() if at <= k and index not in shared]:
+                del written_in[index]
+                for node in local:
+                    if node in kept:
+                        kept[node][index] = Kept()
+        try:
+            streamer.run([lambda step=step: run_pass(step, shared) for step in group], check_stop, fed, held_bytes,
+                         on_layer=leaving, after_layer=past)
+        except cascade.FreedKeys:
+            reference.tree_layered = False
+            return False
+        for node in release:
+            kept.pop(node, None)
+        check_stop()
+    return True
