@@ -569,7 +569,7 @@ def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whol
                                                                                                    monkeypatch):
     """A streamed tree runs its levels layer-major in one group (model/attention/layered.py): a waiting pass holds,
     per slot of its batch, the budget's per token and two layers' keys and values (the one it is in, the one it
-    leaves), and each node it keeps two layers' where only its group reads it; a group holds at most the budget's
+    leaves; the nodes it keeps are the tree cache's, in a budget of their own); a group holds at most the budget's
     spare. Eight layers: a pass waiting in a wave held all eight layers' keys."""
     from klpipe.model.attention import layered
 
@@ -588,8 +588,7 @@ def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whol
 
     def held(step, layers: int) -> int:  # the pass's rows, each as long as its longest
         return len(step.nodes) * int(own[step.nodes].max()) * (per_token + layers * layer)
-    kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
-    whole = sum(held(step, 2) for step in plan.passes) + sum(int(own[node]) for node in kept) * 2 * layer
+    whole = sum(held(step, 2) for step in plan.passes)
     seen = []
     run = streamed.streamer.run
 
@@ -823,10 +822,11 @@ def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(t
 
 @pytest.mark.slow
 def test_a_prefix_tree_streamed_in_its_memory_cgroup_stays_inside_it_at_the_in_memory_result(tmp_path):
-    """A tree's pass waiting between layers holds the keys and values of every layer it has been through: with 8
-    key/value heads of 128 over 44 layers, 352 KiB a token in fp32, 22 times what the budget counted per token for
-    rows run whole. Its groups were sized as if it held only that, and the run was killed by its cgroup's OOM killer;
-    they are sized by what each pass holds now (tree.waiting_bytes)."""
+    """A tree's pass in a wave holds the keys and values of every layer it has been through: with 8 key/value heads
+    of 128 over 44 layers, 352 KiB a token in fp32, 22 times what the budget counted per token for rows run whole.
+    Its groups were sized as if it held only that, and the run was killed by its cgroup's OOM killer. Its groups are
+    sized by what each pass holds now, and the passes run layer-major across the tree's levels (layered.py), each
+    holding a layer or two of keys."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

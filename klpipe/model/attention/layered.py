@@ -5,9 +5,9 @@ A pass that others continue keeps its nodes' state layer by layer (context_cache
 reaches layer k + 1 (streaming.py's `on_layer`), what its own tokens made of layer k is kept, and a pass after it
 in the group reads it at layer k, within the same round. Once every pass of the group is past layer k
 (`after_layer`), the nodes no later group reads hold nothing of it, and each pass frees what it made of layer k as
-it leaves it. So a waiting pass holds about one layer's keys and values, where a pass run whole holds every
-layer's until it ends, and a group of a tree's levels holds what a group of rows run whole holds, plus its nodes'
-keys of a layer or two.
+it leaves it. So a waiting pass holds a layer or two of keys and values, where a pass in a wave holds every
+layer's until it ends, and a group of a tree's levels is sized much as a group of rows run whole; the nodes it
+keeps are the tree cache's, inside the cache's own budget.
 
 Not for a model with recurrent or convolution states (its state layers are read whole when a pass starts: tree.py
 runs it in waves), and the keys that a later layer reuses (Gemma 4's KV-shared layers: `owners`) are held until
@@ -41,59 +41,32 @@ def owners(reference) -> frozenset[int]:
     return frozenset(k for k, mode in enumerate(modes) if mode == "store")
 
 
-def groups(reference, tree: Tree, passes: list[Pass], parents: set, held_by_tokens: bool,
+def groups(reference, tree: Tree, passes: list[Pass], held_by_tokens: bool,
            limit: int | None) -> list[tuple[list[Pass], list[int], int | None]]:
-    """The passes in their planned order, cut into groups: (passes, the nodes released after the group, its bytes;
-    None where no budget is given). A group holds at most `limit`: fed tokens where `held_by_tokens` (no budget),
-    else bytes (`held`); a pass over it goes alone. A group's bytes are not monotonic in its passes: a node kept
-    for a later group holds every layer's keys, and only a layer or two once the pass that last reads it joins."""
-    last = {}  # node -> the index of the last pass that reads it (the one that releases it)
-    for i, step in enumerate(passes):
-        last.update((int(node), i) for node in step.release)
+    """The passes in their planned order, cut into groups: (passes, the nodes released after the group, the bytes
+    its passes hold while they wait; None where no budget is given). A group holds at most `limit`: fed tokens where
+    `held_by_tokens` (no budget), else bytes (`held`); a pass over it goes alone. The nodes the passes keep are the
+    tree cache's, inside its own budget (precompute/budget.py, at every layer's keys), not the group's."""
     own = tree.end - tree.start
-    if held_by_tokens:
-        return [(group, [int(node) for step in group for node in step.release], None)
-                for group in by_tokens(passes, [int(own[step.nodes].sum()) for step in passes], limit)]
-    size, kept_bytes = held(reference, tree)
-    cut: list[tuple[list[Pass], list[int], int | None]] = []
-    carried: dict[int, int] = {}  # node -> bytes: kept by an earlier group for a later one, every layer's
-    i = 0
-    while i < len(passes):
-        # The longest group from pass i within the limit: its passes' bytes, the nodes it keeps, those carried in.
-        passes_bytes, mine = sum(carried.values()), []
-        end, end_bytes = i + 1, None
-        for j in range(i, len(passes)):
-            passes_bytes += size(passes[j])
-            mine += [int(node) for node in passes[j].nodes.tolist() if node in parents]
-            if limit is not None and passes_bytes > limit and j > i:
-                break  # the passes alone are over it: no longer group fits
-            total = passes_bytes + sum(kept_bytes(int(own[node]), last.get(node, len(passes)) <= j) for node in mine)
-            if end_bytes is None or limit is None or total <= limit:
-                end, end_bytes = j + 1, total
-        group = passes[i:end]
-        release = [int(node) for step in group for node in step.release]
-        for step in group:
-            carried.update((int(node), kept_bytes(int(own[node]), False)) for node in step.nodes.tolist()
-                           if node in parents and last.get(int(node), len(passes)) >= end)
-        for node in release:
-            carried.pop(node, None)
-        cut.append((group, release, end_bytes))
-        i = end
+    size = (lambda step: int(own[step.nodes].sum())) if held_by_tokens else held(reference, tree)
+    sizes = [size(step) for step in passes]
+    cut, at = [], 0
+    for group in by_tokens(passes, sizes, limit):
+        cut.append((group, [int(node) for step in group for node in step.release],
+                    None if held_by_tokens else sum(sizes[at:at + len(group)])))
+        at += len(group)
     return cut
 
 
 def held(reference, tree: Tree):
-    """(pass -> bytes, (node's own tokens, whether only its group reads it) -> bytes): what a pass of a layer-major
-    group holds while it waits, on the safe side, and what a node it keeps holds. Per slot of the pass's batch (its
-    nodes, each as long as the longest): the budget's per token (streamer.per_token) and the keys and values of the
+    """pass -> what it holds while it waits in a layer-major group, on the safe side: per slot of its batch (its
+    nodes, each as long as the longest), the budget's per token (streamer.per_token) and the keys and values of the
     `live` layers it may hold at once (the decoder layer it is in and the one it is leaving, each with as many
-    attention layers as a decoder layer holds, and the owners); where the context is
-    gathered into the pass's slots rather than read in place (no cascade), the context's slots of as many. A node
-    read by later groups keeps every layer's keys; one read within its group alone, the live layers'."""
+    attention layers as a decoder layer holds, and the owners); where the context is gathered into the pass's slots
+    rather than read in place (no cascade), the context's slots of as many."""
     per_layer = reference.kv_layer_bytes_per_token
-    every = reference.kv_bytes_per_token
     per_decoder = -(-len(reference.layer_kinds) // len(reference.streamer.store.layers))  # LongCat-Flash: 2
-    live = min((2 * per_decoder + len(owners(reference))) * per_layer, every)
+    live = min((2 * per_decoder + len(owners(reference))) * per_layer, reference.kv_bytes_per_token)
     per_slot = reference.streamer.per_token + live
     in_place = reference.cascade
 
@@ -105,10 +78,7 @@ def held(reference, tree: Tree):
             total += rows * int(tree.start[step.nodes].max()) * live
         return total
 
-    def node_bytes(tokens: int, local: bool) -> int:
-        return tokens * (live if local else every)
-
-    return pass_bytes, node_bytes
+    return pass_bytes
 
 
 def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, run_pass, check_stop) -> bool:
@@ -119,7 +89,7 @@ def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, r
     budgeted = bool(streamer.per_token)
     limit = streamer.spare if budgeted else getattr(reference, "stream_tokens", None)
     shared = owners(reference)
-    for group, release, held_bytes in groups(reference, tree, passes, parents, not budgeted, limit):
+    for group, release, held_bytes in groups(reference, tree, passes, not budgeted, limit):
         fed = sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group)
         local = [node for node in release if node in parents]
         written_in: dict[int, int] = {}  # cache layer -> the decoder layer that wrote it
