@@ -14,10 +14,10 @@ chunk's passes layer-major, as FlexGen does:
 layers (the final norm, a tied head's embeddings): resident for the run. Embedding tables a forward only gathers from
 stay in their files, and each forward reads the rows its tokens name (table_rows.py): the input embeddings where the
 head does not share them (Llama 3.1 70B's: 2 GiB in bf16), Gemma's per-layer table. So does an untied head, read a
-block at a time as each forward applies it (head_rows.py). Each layer's
-tensors stay in the safetensors files, read when the layer is asked for (tensor_files.py: positioned reads, nothing
-mapped): no copy of the whole model is ever in RAM, and what the page cache keeps of the files the kernel may drop
-(a memory cgroup counts the page cache, but reclaims it before it kills). Layer k is read into its own modules by
+block at a time as each forward applies it (head_rows.py). Each layer's tensors stay in the safetensors files, read
+when the layer is asked for (tensor_files.py: positioned reads, nothing mapped): no copy of the whole model is ever
+in RAM, and what the page cache keeps of the files the kernel may drop (a memory cgroup counts the page cache, but
+reclaims it before it kills). Layer k is read into its own modules by
 the same loader (same renamings, same fused MoE experts, same fp32-kept parameters) and freed by putting its meta
 parameters back.
 
@@ -34,10 +34,10 @@ bench_stream.py's model, alternating runs: streamed scoring 24.8 to 26.3 s again
 cgroup peak 546 to 557 MiB against 688 to 715 MiB (no thread stacks, teams or BLAS buffers per pass). Each greenlet
 has its own copy of the caller's context variables (klpipe's and transformers' per-forward state live in them), and
 the whole group runs in inference mode, so that the passes' own inference-mode guards, entered and left out of
-order as they take turns, save and restore one state. Whatever
-a forward keeps between layers stays in its own frame: the hidden states, RoPE's cos/sin, Gemma 4's per-layer
-inputs and its KV-shared layers' keys and values (a dict the body hands from layer to layer), a hybrid layer's
-conv and recurrent states. That is why no family needs code of its own here:
+order as they take turns, save and restore one state. Whatever a forward keeps between layers stays in its own
+frame: the hidden states, RoPE's cos/sin, Gemma 4's per-layer inputs and its KV-shared layers' keys and values (a
+dict the body hands from layer to layer), a hybrid layer's conv and recurrent states. That is why no family needs
+code of its own here:
 
     MoE experts          fused at load by transformers' converters; a layer is all its experts (the router runs
                          inside it); a layer over the budget alone is refused by the budget, below
@@ -62,33 +62,23 @@ forwards of layer k + 1 wait for the read to be over, so their kernels are queue
 read into again only once its copy has finished. The disk read hides under the compute; the copy to the device
 does not yet, the stream doing one thing at a time: about 1.7 GB a layer of Llama 3.1 70B in bf16, some 35 ms over
 PCIe 5 against 30 ms of compute a layer for 14,000 tokens. A copy stream of its own, events between the two and the
-allocator told of each tensor's use (`record_stream`) would overlap them; benchmarks/gpu_stream.py measures that
-mechanism alone on a lent device, to decide it from figures. The host's clocks cannot tell the copy's wait from
-the compute's, so on a GPU the summary does not say what share of the read hid.
+allocator told of each tensor's use (`record_stream`) would overlap them (benchmarks/gpu_stream.py measures that
+alone on a device). The host's clocks cannot tell the copy's wait from the compute's: no share hidden is said.
 
 **Hidden states between layers.** Each pass holds its own activations while it waits; a chunk's batches are cut
-into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), and each group
-reads the weights once. On a GPU they stay on the device: a budget with less room makes smaller groups (each reads
-the weights once), rather than spilling them to host memory between layers.
+into groups whose kept activations fit the budget (`ReferenceModel.stream_tokens`, set from it), each reading the
+weights once. On a GPU they stay on the device: less room makes smaller groups rather than a spill to the host.
 
-**Layers kept loaded.** The budget gives a group's waiting passes room for `stream_tokens` fed tokens (`spare` bytes,
-`per_token` each). What a group leaves of it keeps layers loaded from one group to the next, the first layers first,
-each read once into memory of its own (not one of the two layer buffers, read into again): a model a little over the
-budget reads only what does not fit, once a group. A group that holds more frees
-the last kept layers before it starts; a forward on its own keeps what is kept and keeps no more. The read of the
-first layer not kept starts with the group, under the kept layers' compute.
+**Layers kept loaded.** What a group leaves of the room the budget gives its waiting passes (`spare` bytes,
+`per_token` a fed token) keeps layers loaded from one group to the next, the first layers first, each in memory of
+its own: a model a little over the budget reads only what does not fit, once a group. A group that holds more frees
+the last kept layers first; a forward on its own keeps no more. The read of the first layer not kept starts with the
+group, under the kept layers' compute.
 
-**The prefix tree** (attention/layered.py). A tree's pass continues the state its nodes' ancestors' passes kept.
-Those passes run in the same group, every pass through layer k in the planned order (parents first) before any
-goes through k + 1: a pass keeps its nodes' keys and values of layer k as it reaches layer k + 1 (`on_layer`), the
-passes after it read them in the same round, and once the whole group is past layer k (`after_layer`) the nodes no
-later group reads hold nothing of it. A waiting pass so holds its residual stream and a layer or two of keys, not
-every layer's (a model of 44 layers with 8 key/value heads of 128: 352 KiB a token in fp32, 22 times the residual
-stream), and a chunk's tree reads the weights once, as a chunk of rows run whole does, where a budget holds it; a
-tighter one cuts it into consecutive groups, the nodes a later group reads kept whole. A model with recurrent
-states (read whole when a pass starts) runs its tree in waves (tree.py `waves`): a pass that continues a state kept
-in the current wave starts the next, once per level of the tree, each pass holding every layer's keys until it
-ends (tree.waiting_bytes sizes them).
+**The prefix tree** (attention/layered.py): its passes in one group, parents first within each layer, each keeping
+its nodes' keys of a layer as it reaches the next (`on_layer`) and dropping them once the group is past it
+(`after_layer`): a chunk's tree reads the weights once, each waiting pass holding a layer or two of keys. A model
+with recurrent states runs its tree in waves instead (tree.py `waves`), once per level of the tree.
 
 **The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
@@ -111,14 +101,12 @@ its plan rather than transformers' loader (weight_store.py).
 
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
-
 LoRA and DoRA adapters (`--model`'s, `--policy`'s) hook the layers' Linears as in memory, their tensors resident
 (streamed.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
 
-Not streamed yet, each refused in one line: `--compile on`, `--dtype float64`, `--trust-remote-code`, a
-quantized checkpoint (its tensors mean something only through transformers' quantizer), an adapter's
-modules_to_save inside a decoder layer (the store swaps those parameters), layers that are not one list of decoder
-layers or that share weights.
+Not streamed yet, each refused in one line: `--compile on`, `--dtype float64`, `--trust-remote-code`, a quantized
+checkpoint (its tensors mean something only through transformers' quantizer), an adapter's modules_to_save inside a
+decoder layer (the store swaps those parameters), layers that are not one list of decoder layers or that share them.
 """
 
 from __future__ import annotations
@@ -311,11 +299,10 @@ class LayerMajor:
         every call's forward through layer k before any call's through k + 1, the calls in their order within a
         layer. Their results, in order.
 
-        `between` runs after each layer (a stop asked for raises there, and the group stops), after `after_layer(k)`
-        once every call is past layer k; `on_layer(k)` runs in a call's own greenlet as it reaches layer k, before it
-        waits (layered.py keeps what the call made of layer k - 1 there). `tokens`: the fed tokens the calls hold,
-        for the statistics; `held`: the bytes they hold while they wait, where the caller knows it better than
-        `tokens` x `per_token` (tree.py)."""
+        `between` runs after each layer (a stop asked for raises there), after `after_layer(k)` once every call is
+        past layer k; `on_layer(k)` in a call's own greenlet as it reaches layer k (layered.py). `tokens`: the fed
+        tokens the calls hold, for the statistics; `held`: the bytes they hold while they wait, where the caller
+        knows it better than `tokens` x `per_token` (tree.py)."""
         steps = [_Pass(call) for call in calls]
         self.groups += 1
         self.tokens += tokens
