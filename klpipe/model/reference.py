@@ -283,20 +283,20 @@ class ReferenceModel:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values a token holds across the layers that store them (measured once; at least 1)."""
-        return max(self._measured_cost().kv_bytes_per_token, 1)
+        return max(self.measured_cost().kv_bytes_per_token, 1)
 
     @property
     def kv_layer_bytes_per_token(self) -> int:
         """The most bytes of keys and values a token holds in one layer (a layer-major tree pass holds a few)."""
-        return max(self._measured_cost().kv_layer_bytes_per_token, 1)
+        return max(self.measured_cost().kv_layer_bytes_per_token, 1)
 
     @property
     def state_tokens_per_node(self) -> int:
         """A node's recurrent and convolution states, in tokens' worth of keys and values (the cache budget's unit)."""
-        cost = self._measured_cost()
+        cost = self.measured_cost()
         return -(-cost.state_bytes_per_node // self.kv_bytes_per_token)
 
-    def _measured_cost(self):
+    def measured_cost(self):
         if self._cache_cost is None:
             from klpipe.model.attention.context_cache import cache_cost
 

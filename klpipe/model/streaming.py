@@ -77,8 +77,8 @@ group, under the kept layers' compute.
 
 **The prefix tree** (attention/layered.py): its passes in one group, parents first within each layer, each keeping
 its nodes' keys of a layer as it reaches the next (`on_layer`) and dropping them once the group is past it
-(`after_layer`): a chunk's tree reads the weights once, each waiting pass holding a layer or two of keys. A model
-with recurrent states runs its tree in waves instead (tree.py `waves`), once per level of the tree.
+(`after_layer`): a chunk's tree reads the weights once, each waiting pass holding a layer or two of keys; a
+recurrent layer's states are filled from its parents' as each layer comes.
 
 **The budget** (precompute/budget.py): `--max-memory SIZE` (`KLPIPE_MAX_MEMORY`), else the process's own memory
 cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`: Slurm's cgroup plugin, containers), else MemAvailable. Less
@@ -88,16 +88,14 @@ activations is refused before anything runs, naming the smallest budget that wou
 device's (`--max-memory`, else its free memory), and the host only needs room to stage two layers.
 
 **Memory between layers** (allocator.py): each pass frees its layer's activations, trimmed after a pass's turn
-when the process is over its allowance; every later thread (the reader's) allocates from the main arena. What a
-waiting pass holds of its own beyond its activations (its greenlet's saved stack) the budget counts per pass, as
-the 16 MiB a thread of its own held (PASS_OVERHEAD in streamed.py: on the safe side now).
+when the process is over its allowance; every later thread (the reader's) allocates from the main arena. A waiting
+pass's own (its greenlet's saved stack) the budget counts as the 16 MiB a thread held (streamed.PASS_OVERHEAD).
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
-layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group,
-probes.prefetch; one more per forward of the tree's probe at the first chunk that shares); an untied head is read once per
-pass, not once per group, through the page cache and not in the background (head_rows.py). The read itself takes little
-CPU from the compute: one O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded again by
-its plan rather than transformers' loader (weight_store.py).
+layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group, probes.prefetch;
+one more per forward of the tree's probe at the first chunk that shares); an untied head is read once per pass, not
+once per group, through the page cache and not in the background (head_rows.py). The read takes little CPU: one
+O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded by its own plan (weight_store.py).
 
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
@@ -184,11 +182,13 @@ class LayerMajor:
                 self.ensure(k)
                 return
             if self._on_layer is not None:
-                self._on_layer(k)
+                self._on_layer(k, False)
             step.at = k
             step.greenlet.parent.switch()  # back to the scheduler, until it resumes this pass
             if self._abandon:
                 raise _Abandoned()
+            if self._on_layer is not None:
+                self._on_layer(k, True)
         return hook
 
     def ensure(self, k: int) -> None:
@@ -300,9 +300,9 @@ class LayerMajor:
         layer. Their results, in order.
 
         `between` runs after each layer (a stop asked for raises there), after `after_layer(k)` once every call is
-        past layer k; `on_layer(k)` in a call's own greenlet as it reaches layer k (layered.py). `tokens`: the fed
-        tokens the calls hold, for the statistics; `held`: the bytes they hold while they wait, where the caller
-        knows it better than `tokens` x `per_token` (tree.py)."""
+        past layer k; `on_layer(k, resumed)` in a call's own greenlet as it reaches layer k and as it goes on through
+        it (layered.py). `tokens`: the fed tokens the calls hold, for the statistics; `held`: the bytes they hold
+        while they wait, where the caller knows it better than `tokens` x `per_token` (tree.py)."""
         steps = [_Pass(call) for call in calls]
         self.groups += 1
         self.tokens += tokens

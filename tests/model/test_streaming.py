@@ -196,9 +196,8 @@ TREE_QUICK = ["tiny-llama", "tiny-gemma4"]
 @pytest.mark.parametrize("pair", TREE_QUICK + [pytest.param(name, marks=pytest.mark.arch)
                                                for name in MODELS if name not in TREE_QUICK] + REST, indirect=True)
 def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
-    """The tree's passes layer-major across its levels (model/attention/layered.py): the weights read once for the
-    tree; with recurrent states (Qwen3-Next), in waves (tree.py `waves`): once per level of the tree, not once per
-    pass. The numbers the tree's in memory."""
+    """The tree's passes layer-major across its levels (model/attention/layered.py), Qwen3-Next's recurrent states
+    too: the weights read once for the tree, not once per level or per pass; the numbers the tree's in memory."""
     from klpipe.model.attention import layered
     from klpipe.precompute.sharing import Sharing
 
@@ -219,9 +218,7 @@ def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
     # layers); a wave per level of the tree at most, and one group of rows run whole.
     assert 0 < streamed.streamer.layer_reads - reads <= ran * layer_count(streamed)
     assert ran <= depth + 1 < len(streamed_plan.passes) + 1
-    assert layered.runs(streamed) == (not streamed.keeps_state)
-    if layered.runs(streamed):
-        assert ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows run whole in another
+    assert layered.runs(streamed) and ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows in another
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
     assert gap <= SAME, f"{name}: the streamed tree differs from the tree in memory by {gap:.3g}"
     ours, own = oracle.errors(rows, got)
@@ -558,6 +555,34 @@ def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
     finally:
         streamer.store.device = saved
         streamer.reset_statistics()
+
+
+def test_a_recurrent_layer_of_a_layer_major_tree_never_runs_from_a_state_it_was_not_given(tmp_path, monkeypatch):
+    """Qwen3-Next's Gated DeltaNet layers continue each pass from its parents' recurrent and convolution states, which
+    a parent in the same group leaves only as it goes past each layer: a pass's state layers are filled as each
+    layer comes (ContextCache.fill). Unfilled, a layer would run from zeros, a fresh prefill's states, with no error:
+    it raises instead, and the run stops rather than write that number."""
+    from klpipe.model.attention import context_cache, layered
+    from klpipe.precompute.sharing import Sharing
+
+    spec = ModelSpec(str(save_tiny("qwen3_next", tmp_path / "qwen3_next")), dtype="float32", device="cpu")
+    in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
+    rows = chunk(in_memory.vocab_size, seed=2)
+    plans = [Sharing(model, "auto", 1 << 10, lambda line: None).plan(rows, 96, None) for model in (in_memory, streamed)]
+    assert plans[1].tree is not None and streamed.keeps_state and layered.runs(streamed)
+    filled, fill = [], context_cache.ContextCache.fill
+
+    def counted(cache):
+        before = len(cache.unfilled)
+        fill(cache)
+        filled.append(before - len(cache.unfilled))
+    monkeypatch.setattr(context_cache.ContextCache, "fill", counted)
+    got, expected = run_plan(streamed, plans[1], rows, 1.0), run_plan(in_memory, plans[0], rows, 1.0)
+    assert sum(filled) > 0  # passes whose parents ran in their group, their states filled layer by layer
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    monkeypatch.setattr(context_cache.ContextCache, "fill", lambda cache: None)
+    with pytest.raises(RuntimeError, match="ran before its context's state was filled"):
+        run_plan(streamed, plans[1], rows, 1.0)
 
 
 def tree_depth(tree) -> int:

@@ -150,12 +150,16 @@ class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
     def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
-                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None):
+                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None,
+                 template: list | None = None):
         """`in_place`: attention layers the cascade knows leave each row's context where it lies, for cascade.py's
         attention: row k continues positions 0 .. cached[k] - 1 of its path, and `real` (2, b) gives the first of
         its real slots among the fed ones and how many. `segments`: a packed pass (tree.py), the rows' own tokens end
-        to end in one sequence, (starts, lengths); every attention layer then takes the cascade."""
+        to end in one sequence, (starts, lengths); every attention layer then takes the cascade. `template`: in a
+        layer-major pass (layered.py), per layer the states of one row (CacheCost.states): its state layers start
+        from zeros of their shape, filled from the parents' states as each layer comes (`fill`)."""
         layers = []
+        unfilled: dict[int, list[tuple[int, int]]] = {}  # state layer -> (batch row, its parent) still to fill
         parts = runs = None
         if in_place:
             runs = _by_parent(ancestors, cached)
@@ -177,7 +181,13 @@ class ContextCache(Cache):
                 elif held:  # gathered when the layer runs: a layer-major pass's parents write it just before
                     gather = (lambda index=index, held=held:
                               _gather_context(index, held, ancestors, cached, tree, kept))
-            states = _gather_states(index, ancestors, kept) if state else None
+            states = None
+            if state and template is not None:
+                states = _zero_states(template[index], ancestors)
+                if states is not None:
+                    unfilled[index] = [(row, path[-1]) for row, path in enumerate(ancestors) if path]
+            elif state:
+                states = _gather_states(index, ancestors, kept)
             if attention is not None and state:
                 layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states,
                                                    contexts, gather, held))
@@ -190,6 +200,20 @@ class ContextCache(Cache):
         super().__init__(layers=layers)
         self.packed = segments is not None
         self.keeping = None  # a layer-major pass (`follow`): what it keeps, taken layer by layer
+        self.kept, self.unfilled = kept, unfilled
+
+    def fill(self) -> None:
+        """A layer-major pass about to go on through a decoder layer: each state layer whose rows' parents have all
+        left it starts from their states (the parents run first in each layer; rows without one from zeros)."""
+        for index in [i for i, rows in self.unfilled.items()
+                      if all(self.kept[parent][i].states is not None for _, parent in rows)]:
+            layer = self.layers[index]
+            for row, parent in self.unfilled.pop(index):
+                for which, (conv, recurrent) in enumerate(self.kept[parent][index].states):
+                    if conv is not None:
+                        layer.conv_states[which][row].copy_(conv)
+                    if recurrent is not None:
+                        layer.recurrent_states[which][row].copy_(recurrent)
 
     def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
         """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
@@ -217,6 +241,8 @@ class ContextCache(Cache):
         for index, layer in enumerate(self.layers):
             if self.keeping is None or index in self.left or not _written(layer):
                 continue
+            if index in self.unfilled:  # never a silent fresh state: the layer ran before its parents' were in
+                raise RuntimeError(f"klpipe bug: state layer {index} ran before its context's state was filled")
             for node, row, first, length in self.keeping:
                 self.kept[node][index] = _kept_of(layer, row, first, length, self.fed)
             self.wrote = True
@@ -338,6 +364,15 @@ def _by_parent(ancestors: list[list[int]], cached: np.ndarray | None = None) -> 
     return runs
 
 
+def _zero_states(template: tuple | None, ancestors: list[list[int]]) -> list[tuple] | None:
+    """Per state index, (b, ...) zeros shaped as `template`'s one row (CacheCost.states); None when no row has a
+    context (a fresh prefill), as _gather_states."""
+    if template is None or not any(ancestors):
+        return None
+    return [tuple(None if like is None else torch.zeros((len(ancestors), *like.shape), dtype=like.dtype,
+                                                        device=like.device) for like in pair) for pair in template]
+
+
 def _gather_states(layer: int, ancestors: list[list[int]], kept: dict) -> list[tuple] | None:
     """Per state index, (b, ...) convolution windows and recurrent states: each row's parent's (the state at its
     context's last token), zeros for a row without context; None when no row has one (a fresh prefill)."""
@@ -362,6 +397,7 @@ class CacheCost:
     kv_bytes_per_token: int
     state_bytes_per_node: int
     kv_layer_bytes_per_token: int = 0  # the most one layer holds (a layer-major pass holds few at once)
+    states: tuple = ()  # per layer, one row's states (the shapes a layer-major pass's state layers start from)
 
 
 def cache_cost(reference) -> CacheCost:
@@ -373,4 +409,4 @@ def cache_cost(reference) -> CacheCost:
                        use_cache=True, **{reference.cache_argument: cache})
     kept = cache.state_of(0, 0, 1, 1)
     return CacheCost(sum(layer.kv_bytes() for layer in kept), sum(layer.state_bytes() for layer in kept),
-                     max(layer.kv_bytes() for layer in kept))
+                     max(layer.kv_bytes() for layer in kept), tuple(layer.states for layer in kept))

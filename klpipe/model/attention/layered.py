@@ -9,9 +9,11 @@ it leaves it. So a waiting pass holds a layer or two of keys and values, where a
 layer's until it ends, and a group of a tree's levels is sized much as a group of rows run whole; the nodes it
 keeps are the tree cache's, inside the cache's own budget.
 
-Not for a model with recurrent or convolution states (its state layers are read whole when a pass starts: tree.py
-runs it in waves), and the keys that a later layer reuses (Gemma 4's KV-shared layers: `owners`) are held until
-the group ends. A layer that reuses keys this module did not know to hold finds them freed (cascade.FreedKeys):
+A recurrent or convolution layer (Qwen3-Next's, Falcon-H1's) starts each pass from its parents' states at the end
+of their tokens: its state layers are made at the pass's start from zeros, and filled from the parents' kept
+states as the pass goes on through each decoder layer (`on_layer(k, resumed=True)`, after the parents have left
+it); a layer that ran unfilled raises rather than start from zeros. The keys that a later layer reuses (Gemma 4's
+KV-shared layers: `owners`) are held until the group ends. A layer that reuses keys this module did not know to hold finds them freed (cascade.FreedKeys):
 the tree then runs again in waves, nothing kept.
 """
 
@@ -25,7 +27,7 @@ from klpipe.plan import Pass, Tree, by_tokens
 
 def runs(reference) -> bool:
     """Whether the streamed tree runs layer-major across its levels."""
-    return reference.tree_layered and not reference.keeps_state
+    return reference.tree_layered
 
 
 def owners(reference) -> frozenset[int]:
@@ -68,12 +70,13 @@ def held(reference, tree: Tree):
     per_decoder = -(-len(reference.layer_kinds) // len(reference.streamer.store.layers))  # LongCat-Flash: 2
     live = min((2 * per_decoder + len(owners(reference))) * per_layer, reference.kv_bytes_per_token)
     per_slot = reference.streamer.per_token + live
+    per_row = reference.state_tokens_per_node * reference.kv_bytes_per_token  # every state layer's, from the start
     in_place = reference.cascade
 
     def pass_bytes(step: Pass) -> int:
         own = tree.end[step.nodes] - tree.start[step.nodes]
         rows, longest = len(own), int(own.max())
-        total = rows * longest * per_slot
+        total = rows * longest * per_slot + rows * per_row
         if not in_place:
             total += rows * int(tree.start[step.nodes].max()) * live
         return total
@@ -94,11 +97,15 @@ def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, r
         local = [node for node in release if node in parents]
         written_in: dict[int, int] = {}  # cache layer -> the decoder layer that wrote it
 
-        def leaving(k: int, written_in=written_in) -> None:
+        def leaving(k: int, resumed: bool, written_in=written_in) -> None:
             pass_cache = cascade.running()
-            if pass_cache is not None:
-                for index in pass_cache.leave():
-                    written_in.setdefault(index, k - 1)
+            if pass_cache is None:
+                return
+            if resumed:  # the passes before it in the group are past layer k: their states there are in
+                pass_cache.fill()
+                return
+            for index in pass_cache.leave():
+                written_in.setdefault(index, k - 1)
 
         def past(k: int, local=local, written_in=written_in) -> None:
             # No pass of the group reads again what decoder layers up to k wrote: the nodes only it reads hold none.

@@ -80,7 +80,7 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
             except cascade.NotPackedPass:
                 pass  # the tree's passes run as batches from now on (reference.tree_passes_packed)
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)  # nothing of this run kept
-        if getattr(reference, "streamer", None) is not None:  # streamed, states kept: the passes in waves
+        if getattr(reference, "streamer", None) is not None:  # streamed, keys reused that layered.py freed: waves
             streamer = reference.streamer
             held = waiting_bytes(reference, tree) if streamer.per_token else None  # None: no budget given
             limit = streamer.spare if held is not None else getattr(reference, "stream_tokens", None)
@@ -105,7 +105,7 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
 
 def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None,
           size=None) -> list[tuple[list[Pass], list]]:
-    """The passes of a streamed model with recurrent states (or keys reused that layered.py freed) in waves, each
+    """The passes of a streamed model that reuses keys layered.py freed (cascade.FreedKeys) in waves, each
     wave's groups run layer-major (model/streaming.py): (group, the nodes to release after it), in order. Groups
     hold at most `limit` of `size(pass)` (by default its fed tokens). A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
     that keeps a node it continues (an ancestor of its nodes), the first if none; within a wave the passes keep
@@ -220,7 +220,10 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     # attention over its own slots alone, as packed rows compute it (packing.Spans), with no mask and no pad read.
     alone = reference.packed and context == 0
     in_place = reference.cascade and not alone
-    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real)
+    # In a layer-major group a parent may still be to run a layer: its states are filled as each layer comes.
+    template = reference.measured_cost().states if shared is not None and reference.keeps_state else None
+    cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real,
+                         template=template)
     if shared is not None:
         cache.follow([(node, k, int(first[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
                      fed_len, kept, shared)
