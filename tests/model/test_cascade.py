@@ -13,7 +13,8 @@ import torch
 
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.model.attention import cascade, lse_attention, packing
-from klpipe.model.attention.context_cache import Kept, _by_parent, _context_parts
+from klpipe.model.attention.context_cache import Kept
+from klpipe.model.attention.context_parts import by_parent, context_parts
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from tests.helpers import TINY_GEMMA, TINY_LLAMA, agent_rows, worst_error
 
@@ -65,7 +66,7 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, kernel, 
         q = torch.randn(len(paths), fed, HEADS, DIM, dtype=dtype).transpose(1, 2)
     k = torch.randn(len(paths), KV_HEADS, fed, DIM, dtype=dtype)
     v = torch.randn(len(paths), KV_HEADS, fed, DIM, dtype=dtype)
-    parts = _context_parts(paths)
+    parts = context_parts(paths)
     # Each row's path in parts: what adjacent runs open with (the row without context parts them), then the rest;
     # row 3 merges three times, and two parts join nodes.
     assert parts == [(slice(0, 4), [1], None), (slice(5, 7), [1], None), (slice(7, 9), [5, 6], None),
@@ -85,16 +86,16 @@ def test_attend_matches_naive_attention_over_each_rows_own_path(layout, kernel, 
 
 
 def test_one_parent_for_every_row_is_one_run_and_one_part():
-    assert _by_parent([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5], None)]
-    assert _context_parts([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5], None)]
+    assert by_parent([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5], None)]
+    assert context_parts([[3, 5], [3, 5], [3, 5]]) == [(slice(0, 3), [3, 5], None)]
 
 
 def test_runs_share_only_the_nodes_they_all_open_with():
     # A run whose whole path is shared has no part of its own; runs under two roots share nothing.
-    assert _context_parts([[3, 5, 7], [3, 5, 8], [3, 5]]) == [(slice(0, 3), [3, 5], None), (slice(0, 1), [7], None),
+    assert context_parts([[3, 5, 7], [3, 5, 8], [3, 5]]) == [(slice(0, 3), [3, 5], None), (slice(0, 1), [7], None),
                                                               (slice(1, 2), [8], None)]
-    assert _context_parts([[1, 2], [9, 4]]) == [(slice(0, 1), [1, 2], None), (slice(1, 2), [9, 4], None)]
-    assert _context_parts([[], []]) == []
+    assert context_parts([[1, 2], [9, 4]]) == [(slice(0, 1), [1, 2], None), (slice(1, 2), [9, 4], None)]
+    assert context_parts([[], []]) == []
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +196,8 @@ def test_attend_in_either_layout_and_any_window_matches_naive_attention(window, 
     q = torch.randn(len(paths), fed, HEADS, DIM).transpose(1, 2)  # transformers' (b, T, H, d) seen as (b, H, T, d)
     k = torch.randn(len(paths), KV_HEADS, fed, DIM)
     v = torch.randn(len(paths), KV_HEADS, fed, DIM)
-    runs = _by_parent(paths, cached)
-    parts = _context_parts(paths, cached, ends)
+    runs = by_parent(paths, cached)
+    parts = context_parts(paths, cached, ends)
     if layout == "right":  # rows 0 and 1 share a parent but not a context length; row 2 ends inside node 1
         assert runs[0][0] == slice(0, 1) and runs[1][0] == slice(1, 2) and cached[2] < ends[1]
     contexts = cascade.PassContexts(parts, kept, layer, starts, real, runs, window)

@@ -11,7 +11,7 @@ log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
     own      each row's queries over the pass's own keys, causal: in the left layout a node's real
              tokens come first in its slots, so the causal kernel needs no mask (pads come after them);
              in the right layout a row too short to fill the pass (pads before it) runs alone
-    context  the row's path, in parts (context_cache._context_parts): the nodes that adjacent runs of rows all
+    context  the row's path, in parts (context_parts.context_parts): the nodes that adjacent runs of rows all
              open with (an agent pass's system prompt), then each run of rows with one parent and one
              context length over the rest of its path, up to its context's end. Each part is one unmasked
              product of its rows' queries, stacked (and all query heads of a KV head) along the queries, over
@@ -227,7 +227,7 @@ def active(cache):
 
 
 class PassContexts:
-    """One pass's context in parts (context_cache._context_parts), for one layer: rows and the path nodes they
+    """One pass's context in parts (context_parts.context_parts), for one layer: rows and the path nodes they
     attend over, and what a sliding layer needs of each row (window_cascade.py)."""
 
     def __init__(self, parts: list[tuple[slice, list[int], int | None]], kept: dict, layer: int, starts=None,

@@ -8,7 +8,7 @@ continuation.py says each kind of layer needs.
 
 Where the model runs sdpa (on any device, in either layout), a full-attention or sliding-window layer does not
 gather its context into the pass's slots at all: cascade.py's attention reads the kept keys and values of each
-row's path where they lie, in parts (`_context_parts`, `ContextLayer.cascade`), and only a call it cannot take
+row's path where they lie, in parts (`context_parts.py`, `ContextLayer.cascade`), and only a call it cannot take
 exactly gets them gathered.
 """
 
@@ -24,6 +24,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
 from klpipe.model.attention import cascade
+from klpipe.model.attention.context_parts import by_parent, context_parts
 from klpipe.model.attention.continuation import LayerKind
 
 if TYPE_CHECKING:
@@ -162,8 +163,8 @@ class ContextCache(Cache):
         unfilled: dict[int, list[tuple[int, int]]] = {}  # state layer -> (batch row, its parent) still to fill
         parts = runs = None
         if in_place:
-            runs = _by_parent(ancestors, cached)
-            parts = _context_parts(ancestors, cached, tree.end)
+            runs = by_parent(ancestors, cached)
+            parts = context_parts(ancestors, cached, tree.end)
         for index, kind in enumerate(kinds):
             attention, state = kind.continuation.keys_values, kind.continuation.state
             keys = values = None
@@ -309,59 +310,6 @@ def _gather_context(layer: int, held: int, ancestors: list[list[int]], cached: n
             keys[row, :, at:at + high - low] = node_kept.keys[:, low - tree.start[node]:high - tree.start[node]]
             values[row, :, at:at + high - low] = node_kept.values[:, low - tree.start[node]:high - tree.start[node]]
     return keys, values
-
-
-def _context_parts(ancestors: list[list[int]], cached: np.ndarray | None = None,
-                   ends: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
-    """The pass's context in parts, in the order the cascade merges them: (a slice of batch rows, path nodes
-    that every one of those rows attends over, up to position `stop`; None: in full).
-
-    First, for each stretch of consecutive runs (`_by_parent`) whose paths open with the same node, the
-    nodes they all open with: one product for all their rows. An agent pass's rows share a long system
-    prompt but few parents, and the kernel runs one large product much faster than a product per run
-    (benchmarks/prefix_attention.py). Then, per run, the rest of its path, up to its context's end.
-
-    `cached`: each row's context length, where a row may continue less than its whole path (the right layout feeds
-    the end of a short node's context again); shared nodes must then end within every row's context."""
-    runs = _by_parent(ancestors, cached)
-    parts: list[tuple[slice, list[int], int | None]] = []
-    tails: list[tuple[slice, list[int], int | None]] = []
-    start = 0
-    while start < len(runs):
-        stop = start + 1  # runs[start:stop]: adjacent rows, every path opening with the same node
-        while (stop < len(runs) and runs[stop][1][0] == runs[start][1][0]
-               and runs[stop][0].start == runs[stop - 1][0].stop):
-            stop += 1
-        shared = 0
-        if stop - start > 1:
-            paths = [path for _, path, _ in runs[start:stop]]
-            least = None if cached is None else min(length for _, _, length in runs[start:stop])
-            while (all(len(path) > shared and path[shared] == paths[0][shared] for path in paths)
-                   and (cached is None or int(ends[paths[0][shared]]) <= least)):
-                shared += 1
-            if shared:
-                end = None if cached is None else int(ends[paths[0][shared - 1]])
-                parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared], end))
-        tails += [(rows, path[shared:], length) for rows, path, length in runs[start:stop] if len(path) > shared]
-        start = stop
-    return parts + tails
-
-
-def _by_parent(ancestors: list[list[int]], cached: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
-    """The pass's rows with context in runs of one parent and one context length: (a slice of batch rows, their
-    path from the root, the context's length; None where `cached` is not given: the whole path). Runs, not groups:
-    a slice of the batch is a view, so the cascade reads and merges a run where it lies. A row whose context holds
-    no position (the right layout feeds all of it again) has none."""
-    runs: list[tuple[slice, list[int], int | None]] = []
-    for row, path in enumerate(ancestors):
-        length = None if cached is None else int(cached[row])
-        if not path or length == 0:
-            continue
-        if runs and runs[-1][0].stop == row and runs[-1][1][-1] == path[-1] and runs[-1][2] == length:
-            runs[-1] = (slice(runs[-1][0].start, row + 1), runs[-1][1], length)
-        else:
-            runs.append((slice(row, row + 1), path, length))
-    return runs
 
 
 def _zero_states(template: tuple | None, ancestors: list[list[int]]) -> list[tuple] | None:
