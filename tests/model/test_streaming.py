@@ -198,7 +198,6 @@ TREE_QUICK = ["tiny-llama", "tiny-gemma4"]
 def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
     """The tree's passes layer-major across its levels (model/attention/layered.py), Qwen3-Next's recurrent states
     too: the weights read once for the tree, not once per level or per pass; the numbers the tree's in memory."""
-    from klpipe.model.attention import layered
     from klpipe.precompute.sharing import Sharing
 
     name, in_memory, streamed, oracle = pair
@@ -218,7 +217,7 @@ def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
     # layers); a wave per level of the tree at most, and one group of rows run whole.
     assert 0 < streamed.streamer.layer_reads - reads <= ran * layer_count(streamed)
     assert ran <= depth + 1 < len(streamed_plan.passes) + 1
-    assert layered.runs(streamed) and ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows in another
+    assert streamed.tree_layered and ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows in another
     gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
     assert gap <= SAME, f"{name}: the streamed tree differs from the tree in memory by {gap:.3g}"
     ours, own = oracle.errors(rows, got)
@@ -562,14 +561,14 @@ def test_a_recurrent_layer_of_a_layer_major_tree_never_runs_from_a_state_it_was_
     a parent in the same group leaves only as it goes past each layer: a pass's state layers are filled as each
     layer comes (ContextCache.fill). Unfilled, a layer would run from zeros, a fresh prefill's states, with no error:
     it raises instead, and the run stops rather than write that number."""
-    from klpipe.model.attention import context_cache, layered
+    from klpipe.model.attention import context_cache
     from klpipe.precompute.sharing import Sharing
 
     spec = ModelSpec(str(save_tiny("qwen3_next", tmp_path / "qwen3_next")), dtype="float32", device="cpu")
     in_memory, streamed = ReferenceModel.load(spec), ReferenceModel.load(spec, streamed=True)
     rows = chunk(in_memory.vocab_size, seed=2)
     plans = [Sharing(model, "auto", 1 << 10, lambda line: None).plan(rows, 96, None) for model in (in_memory, streamed)]
-    assert plans[1].tree is not None and streamed.keeps_state and layered.runs(streamed)
+    assert plans[1].tree is not None and streamed.keeps_state and streamed.tree_layered
     filled, fill = [], context_cache.ContextCache.fill
 
     def counted(cache):
@@ -596,7 +595,6 @@ def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whol
     per slot of its batch, the budget's per token and two layers' keys and values (the one it is in, the one it
     leaves; the nodes it keeps are the tree cache's, in a budget of their own); a group holds at most the budget's
     spare. Eight layers: a pass waiting in a wave held all eight layers' keys."""
-    from klpipe.model.attention import layered
 
     spec = ModelSpec(str(big_llama(tmp_path / "llama", layers=8, hidden=256, intermediate=512)), dtype="float32",
                      device="cpu")
@@ -605,7 +603,7 @@ def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whol
     rows = chunk(in_memory.vocab_size, seed=2)
     plan = plan_chunk(streamed, rows, 96, "on")
     tree = plan.tree
-    assert tree is not None and layered.runs(streamed)
+    assert tree is not None and streamed.tree_layered
     expected = run_plan(in_memory, plan, rows, 1.0)
     layer = 2 * 2 * 128 * 4  # one layer's keys and values a token: 2 key/value heads of 128, fp32
     per_token = 1000
@@ -655,7 +653,8 @@ def test_a_layer_that_reuses_keys_the_layer_major_tree_freed_runs_the_tree_again
     monkeypatch.setattr(layered, "owners", lambda reference: frozenset())
     groups = streamed.streamer.groups
     got = run_plan(streamed, plan, rows, 1.0)
-    assert streamed.cascade and not streamed.tree_layered and streamed.streamer.groups - groups >= 3  # the group abandoned, then waves
+    assert streamed.cascade and not streamed.tree_layered
+    assert streamed.streamer.groups - groups >= 3  # the group abandoned, then the waves
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
 
 

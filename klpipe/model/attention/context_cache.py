@@ -223,24 +223,26 @@ class ContextCache(Cache):
         _check_written(any(_written(layer) for layer in self.layers))
         return kept_row
 
-    def follow(self, keeping: list[tuple[int, int, int, int]], fed: int, kept: dict, owners: frozenset) -> None:
+    def follow(self, keeping: list[tuple[int, int, int, int]], fed: int, owners: frozenset) -> None:
         """Keep the pass's nodes layer by layer (layered.py): `keeping` (node, batch row, first slot, length), each
-        node's list in `kept` filled as the pass leaves each layer (`leave`), so that a pass after it in the same
-        layer-major group reads it at that layer. What the pass made of a layer goes when it leaves the layer, but
-        for `owners`, the layers whose keys a later layer reuses (Gemma 4's KV-shared layers)."""
-        self.keeping, self.fed, self.kept, self.owners = keeping, fed, kept, owners
+        node's list in the tree's kept states filled as the pass leaves each layer (`leave`), so that a pass after it
+        in the same layer-major group reads it at that layer. What the pass made of a layer goes when it leaves the
+        layer, but for `owners`, the layers whose keys a later layer reuses (Gemma 4's KV-shared layers)."""
+        self.keeping, self.fed, self.owners = keeping, fed, owners
         self.left: set[int] = set()
         self.wrote = False
         for node, *_ in keeping:
-            kept[node] = [Kept() for _ in self.layers]
+            self.kept[node] = [Kept() for _ in self.layers]
 
     def leave(self) -> list[int]:
         """Between two decoder layers: every cache layer the pass has written since, kept for its nodes and freed
         of its own keys; their indices. By what was written, not by the decoder layer's index: a decoder layer may
         hold several attention layers (LongCat-Flash's two)."""
         taken = []
+        if self.keeping is None:
+            return taken
         for index, layer in enumerate(self.layers):
-            if self.keeping is None or index in self.left or not _written(layer):
+            if index in self.left or not _written(layer):
                 continue
             if index in self.unfilled:  # never a silent fresh state: the layer ran before its parents' were in
                 raise RuntimeError(f"klpipe bug: state layer {index} ran before its context's state was filled")
@@ -256,11 +258,10 @@ class ContextCache(Cache):
                 layer.context_keys = layer.context_values = None
         return taken
 
-    def finish(self) -> list[int]:
-        """After the pass's forward: what its last decoder layer wrote kept too; those layers' indices."""
-        taken = self.leave()
+    def finish(self) -> None:
+        """After the pass's forward: what its last decoder layer wrote kept too."""
+        self.leave()
         _check_written(self.wrote)
-        return taken
 
 
 def _kept_of(layer, row: int, first: int, length: int, fed: int) -> Kept:

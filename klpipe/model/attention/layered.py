@@ -13,8 +13,8 @@ A recurrent or convolution layer (Qwen3-Next's, Falcon-H1's) starts each pass fr
 of their tokens: its state layers are made at the pass's start from zeros, and filled from the parents' kept
 states as the pass goes on through each decoder layer (`on_layer(k, resumed=True)`, after the parents have left
 it); a layer that ran unfilled raises rather than start from zeros. The keys that a later layer reuses (Gemma 4's
-KV-shared layers: `owners`) are held until the group ends. A layer that reuses keys this module did not know to hold finds them freed (cascade.FreedKeys):
-the tree then runs again in waves, nothing kept.
+KV-shared layers: `owners`) are held until the group ends. A layer that reuses keys this module did not know to
+hold finds them freed (cascade.FreedKeys): the tree then runs again in waves, nothing kept.
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ from klpipe.model import architecture
 from klpipe.model.attention import cascade
 from klpipe.model.attention.context_cache import Kept
 from klpipe.plan import Pass, Tree, by_tokens
-
-
-def runs(reference) -> bool:
-    """Whether the streamed tree runs layer-major across its levels."""
-    return reference.tree_layered
 
 
 def owners(reference) -> frozenset[int]:
@@ -49,8 +44,7 @@ def groups(reference, tree: Tree, passes: list[Pass], held_by_tokens: bool,
     its passes hold while they wait; None where no budget is given). A group holds at most `limit`: fed tokens where
     `held_by_tokens` (no budget), else bytes (`held`); a pass over it goes alone. The nodes the passes keep are the
     tree cache's, inside its own budget (precompute/budget.py, at every layer's keys), not the group's."""
-    own = tree.end - tree.start
-    size = (lambda step: int(own[step.nodes].sum())) if held_by_tokens else held(reference, tree)
+    size = (lambda step: fed_tokens(tree, step)) if held_by_tokens else held(reference, tree)
     sizes = [size(step) for step in passes]
     cut, at = [], 0
     for group in by_tokens(passes, sizes, limit):
@@ -61,27 +55,41 @@ def groups(reference, tree: Tree, passes: list[Pass], held_by_tokens: bool,
 
 
 def held(reference, tree: Tree):
-    """pass -> what it holds while it waits in a layer-major group, on the safe side: per slot of its batch (its
-    nodes, each as long as the longest), the budget's per token (streamer.per_token) and the keys and values of the
-    `live` layers it may hold at once (the decoder layer it is in and the one it is leaving, each with as many
-    attention layers as a decoder layer holds, and the owners); where the context is gathered into the pass's slots
-    rather than read in place (no cascade), the context's slots of as many."""
-    per_layer = reference.kv_layer_bytes_per_token
+    """pass -> what it holds while it waits in a layer-major group (`waiting_bytes`), its keys and values those of
+    the `live` layers it may hold at once: the decoder layer it is in and the one it is leaving, each with as many
+    attention layers as a decoder layer holds, and the owners."""
     per_decoder = -(-len(reference.layer_kinds) // len(reference.streamer.store.layers))  # LongCat-Flash: 2
-    live = min((2 * per_decoder + len(owners(reference))) * per_layer, reference.kv_bytes_per_token)
-    per_slot = reference.streamer.per_token + live
-    per_row = reference.state_tokens_per_node * reference.kv_bytes_per_token  # every state layer's, from the start
+    live = min((2 * per_decoder + len(owners(reference))) * reference.kv_layer_bytes_per_token,
+               reference.kv_bytes_per_token)
+    return waiting_bytes(reference, tree, live)
+
+
+def waiting_bytes(reference, tree: Tree, kv_per_token: int):
+    """pass -> what it holds while it waits between layers in a streamed group, on the safe side: per slot of its
+    batch (its nodes, each as long as the longest), the residual stream and its kin (the budget's per token,
+    streamer.per_token) and `kv_per_token` bytes of keys and values (a pass in a wave keeps every layer's until it
+    ends: a 44-layer model with 8 key/value heads of 128 holds 352 KiB a token in fp32, 22 times the residual
+    stream; a layer-major pass a few layers'); per row, its recurrent and convolution states (every state layer's,
+    from the start); where the context is gathered into the pass's slots rather than read in place (no cascade),
+    the context's slots at `kv_per_token` too."""
+    per_slot = reference.streamer.per_token + kv_per_token
+    per_row = reference.state_tokens_per_node * reference.kv_bytes_per_token
     in_place = reference.cascade
 
     def pass_bytes(step: Pass) -> int:
-        own = tree.end[step.nodes] - tree.start[step.nodes]
+        own = tree.end[step.nodes] - tree.start[step.nodes]  # (b,)
         rows, longest = len(own), int(own.max())
         total = rows * longest * per_slot + rows * per_row
         if not in_place:
-            total += rows * int(tree.start[step.nodes].max()) * live
+            total += rows * int(tree.start[step.nodes].max()) * kv_per_token
         return total
 
     return pass_bytes
+
+
+def fed_tokens(tree: Tree, step: Pass) -> int:
+    """The tokens `step` feeds: its nodes' own."""
+    return int((tree.end - tree.start)[step.nodes].sum())
 
 
 def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, run_pass, check_stop) -> bool:
@@ -93,7 +101,7 @@ def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, r
     limit = streamer.spare if budgeted else getattr(reference, "stream_tokens", None)
     shared = owners(reference)
     for group, release, held_bytes in groups(reference, tree, passes, not budgeted, limit):
-        fed = sum(int((tree.end - tree.start)[step.nodes].sum()) for step in group)
+        fed = sum(fed_tokens(tree, step) for step in group)
         local = [node for node in release if node in parents]
         written_in: dict[int, int] = {}  # cache layer -> the decoder layer that wrote it
 

@@ -68,8 +68,9 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
     layout = pass_layout(reference)
     kept: dict[int, list[Kept]] = {}  # node -> per layer, the state its own tokens leave
     parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
+    streamer = getattr(reference, "streamer", None)
     with torch.inference_mode():
-        if getattr(reference, "streamer", None) is not None and layered.runs(reference):
+        if streamer is not None and reference.tree_layered:
             # Weights streamed: the tree's levels layer-major in one group where the budget holds them (layered.py).
             def run(step, shared):
                 _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
@@ -80,16 +81,15 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
             except cascade.NotPackedPass:
                 pass  # the tree's passes run as batches from now on (reference.tree_passes_packed)
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)  # nothing of this run kept
-        if getattr(reference, "streamer", None) is not None:  # streamed, keys reused that layered.py freed: waves
-            streamer = reference.streamer
-            held = waiting_bytes(reference, tree) if streamer.per_token else None  # None: no budget given
+        if streamer is not None:  # streamed, keys reused that layered.py freed: waves
+            # None: no budget given. A pass in a wave keeps every layer's keys until it ends.
+            held = layered.waiting_bytes(reference, tree, reference.kv_bytes_per_token) if streamer.per_token else None
             limit = streamer.spare if held is not None else getattr(reference, "stream_tokens", None)
             for group, release in waves(tree, passes, parent_of_kept, limit, held):
-                fed = sum(_fed(tree, step) for step in group)
-                reference.streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept,
-                                                                    parent_of_kept, rows_of, wanted, temperature,
-                                                                    results) for step in group], check_stop, fed,
-                                       None if held is None else sum(held(step) for step in group))
+                fed = sum(layered.fed_tokens(tree, step) for step in group)
+                streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept,
+                                                          rows_of, wanted, temperature, results) for step in group],
+                             check_stop, fed, None if held is None else sum(held(step) for step in group))
                 for node in release:
                     kept.pop(node, None)
                 check_stop()
@@ -107,9 +107,10 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
           size=None) -> list[tuple[list[Pass], list]]:
     """The passes of a streamed model that reuses keys layered.py freed (cascade.FreedKeys) in waves, each
     wave's groups run layer-major (model/streaming.py): (group, the nodes to release after it), in order. Groups
-    hold at most `limit` of `size(pass)` (by default its fed tokens). A node's state is kept when its pass ends, every layer at once, so a pass goes one wave after the latest wave
-    that keeps a node it continues (an ancestor of its nodes), the first if none; within a wave the passes keep
-    their planned order, cut into groups of at most `limit` fed tokens (their activations wait between layers). A
+    hold at most `limit` of `size(pass)` (by default its fed tokens). A node's state is kept when its pass ends,
+    every layer at once, so a pass goes one wave after the latest wave that keeps a node it continues (an ancestor
+    of its nodes), the first if none; within a wave the passes keep their planned order, cut into groups of at most
+    `limit` fed tokens (their activations wait between layers). A
     streamed chunk so reads the weights once per group of a wave: about the tree's depth (system prompt, prompts,
     responses: three), not once per pass. A pass's `release` list goes after the latest wave of the passes up to
     it in the planned order: every pass that reads a node comes before the pass that releases it."""
@@ -126,38 +127,11 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         latest = max(latest, wave)
         cut[latest][1].extend(int(node) for node in step.release)
     grouped = []
-    size = size or (lambda step: _fed(tree, step))
+    size = size or (lambda step: layered.fed_tokens(tree, step))
     for wave, release in cut:  # a wave's release goes after its last group
         groups = by_tokens(wave, [size(step) for step in wave], limit)
         grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
     return grouped
-
-
-def waiting_bytes(reference, tree: Tree):
-    """pass -> what it holds while it waits between layers in a streamed group, on the safe side: per slot of its
-    batch (its nodes, each as long as the longest), the residual stream and its kin (the budget's per token,
-    streamer.per_token) and the keys and values of every layer it has been through (its cache keeps each layer's
-    new ones until the pass ends: a 44-layer model with 8 key/value heads of 128 holds 352 KiB a token in fp32,
-    22 times the residual stream); per row, its recurrent and convolution states; where the context is gathered
-    into the pass's slots rather than read in place (no cascade), the context's slots too."""
-    per_slot = reference.streamer.per_token + reference.kv_bytes_per_token
-    per_row = reference.state_tokens_per_node * reference.kv_bytes_per_token
-    in_place = reference.cascade
-
-    def held(step: Pass) -> int:
-        own = tree.end[step.nodes] - tree.start[step.nodes]  # (b,)
-        rows, longest = len(own), int(own.max())
-        total = rows * longest * per_slot + rows * per_row
-        if not in_place:
-            total += rows * int(tree.start[step.nodes].max()) * reference.kv_bytes_per_token
-        return total
-
-    return held
-
-
-def _fed(tree: Tree, step: Pass) -> int:
-    """The tokens `step` feeds: its nodes' own."""
-    return int((tree.end - tree.start)[step.nodes].sum())
 
 
 def pass_layout(reference) -> str:
@@ -226,7 +200,7 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
                          template=template)
     if shared is not None:
         cache.follow([(node, k, int(first[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
-                     fed_len, kept, shared)
+                     fed_len, shared)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
@@ -238,11 +212,12 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     if any(getattr(layer, "pending", False) for layer in cache.layers):
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
-    if shared is not None:
+    if shared is not None:  # kept layer by layer as the pass went: its last layer's now
         cache.finish()
-    for k, node in enumerate(nodes):
-        if node in parents and shared is None:  # descendants continue it: keep the state its own tokens leave
-            kept[node] = cache.state_of(k, int(first[k]), int(own[k]), fed_len)
+    else:
+        for k, node in enumerate(nodes):
+            if node in parents:  # descendants continue it: keep the state its own tokens leave
+                kept[node] = cache.state_of(k, int(first[k]), int(own[k]), fed_len)
     slot_of_start = first - (fed_len - hidden.shape[1])  # hidden's slot of each node's first own token
     _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
 
@@ -270,7 +245,7 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
                          True, None, segments)
     if shared is not None:
         cache.follow([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
-                     len(ids), kept, shared)
+                     len(ids), shared)
     with cascade.active(cache):
         out = reference.body(input_ids=torch.from_numpy(ids)[None].to(device),
                              position_ids=torch.from_numpy(positions)[None].to(device), use_cache=True,
@@ -280,9 +255,10 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     hidden = out.last_hidden_state  # (1, N, H)
     if shared is not None:
         cache.finish()
-    for k, node in enumerate(nodes):
-        if node in parents and shared is None:
-            kept[node] = cache.state_of(0, int(offsets[k]), int(own[k]), len(ids))
+    else:
+        for k, node in enumerate(nodes):
+            if node in parents:
+                kept[node] = cache.state_of(0, int(offsets[k]), int(own[k]), len(ids))
     _gather_logprobs(reference, tree, step, hidden, offsets, rows_of, wanted, temperature, results,
                      batch_rows=np.zeros(len(nodes), dtype=np.int64))
 
