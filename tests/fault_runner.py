@@ -189,6 +189,19 @@ def _install(inj: _Injector) -> None:
 
     klpipe.signals.StopOnSignal.check = check
 
+    original_handle = klpipe.signals.StopOnSignal._handle
+
+    def handle(self, signum, frame):
+        # A second signal exits at once (os._exit) from the main thread while the writer's thread may be
+        # between a chunk's rename and its `commit` line; like a kill, it takes the commit lock first.
+        if self.received is None:
+            original_handle(self, signum, frame)
+            return
+        with inj.commit_lock:
+            original_handle(self, signum, frame)
+
+    klpipe.signals.StopOnSignal._handle = handle
+
     original_wait_for_room = klpipe.threads.Background.wait_for_room
 
     def wait_for_room(self):
