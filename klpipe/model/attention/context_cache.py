@@ -200,7 +200,8 @@ class ContextCache(Cache):
                 layers.append(DummyLayer())
         super().__init__(layers=layers)
         self.packed = segments is not None
-        self.keeping = None  # a layer-major pass (`follow`): what it keeps, taken layer by layer
+        self.keeping: list[tuple[int, int, int, int]] = []  # `keep`: the nodes the pass keeps
+        self.owners: frozenset | None = None  # `keep`'s: set in a layer-major pass, which keeps layer by layer
         self.kept, self.unfilled = kept, unfilled
 
     def fill(self) -> None:
@@ -223,12 +224,16 @@ class ContextCache(Cache):
         _check_written(any(_written(layer) for layer in self.layers))
         return kept_row
 
-    def follow(self, keeping: list[tuple[int, int, int, int]], fed: int, owners: frozenset) -> None:
-        """Keep the pass's nodes layer by layer (layered.py): `keeping` (node, batch row, first slot, length), each
-        node's list in the tree's kept states filled as the pass leaves each layer (`leave`), so that a pass after it
-        in the same layer-major group reads it at that layer. What the pass made of a layer goes when it leaves the
-        layer, but for `owners`, the layers whose keys a later layer reuses (Gemma 4's KV-shared layers)."""
+    def keep(self, keeping: list[tuple[int, int, int, int]], fed: int, owners: frozenset | None = None) -> None:
+        """Before the pass's forward: the nodes others continue, (node, batch row, first slot, length) of the pass's
+        `fed` slots, each kept in the tree's kept states as the state its own tokens leave. Every layer at once when
+        the forward ends (`finish`); with `owners` (a layer-major group, layered.py), layer by layer as the pass
+        leaves each layer (`leave`), so that a pass after it in the same group reads it at that layer. What the pass
+        made of a layer then goes when it leaves the layer, but for `owners`, the layers whose keys a later layer
+        reuses (Gemma 4's KV-shared layers)."""
         self.keeping, self.fed, self.owners = keeping, fed, owners
+        if owners is None:
+            return
         self.left: set[int] = set()
         self.wrote = False
         for node, *_ in keeping:
@@ -239,7 +244,7 @@ class ContextCache(Cache):
         of its own keys; their indices. By what was written, not by the decoder layer's index: a decoder layer may
         hold several attention layers (LongCat-Flash's two)."""
         taken = []
-        if self.keeping is None:
+        if self.owners is None:  # not layer-major: kept at `finish`
             return taken
         for index, layer in enumerate(self.layers):
             if index in self.left or not _written(layer):
@@ -259,7 +264,12 @@ class ContextCache(Cache):
         return taken
 
     def finish(self) -> None:
-        """After the pass's forward: what its last decoder layer wrote kept too."""
+        """After the pass's forward: its nodes kept (`keep`), every layer now, or in a layer-major pass what its last
+        decoder layer wrote."""
+        if self.owners is None:
+            for node, row, first, length in self.keeping:
+                self.kept[node] = self.state_of(row, first, length, self.fed)
+            return
         self.leave()
         _check_written(self.wrote)
 

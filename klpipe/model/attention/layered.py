@@ -1,7 +1,7 @@
 """A streamed prefix tree run layer-major across its levels: every pass of a group through layer k, in tree order,
 before any through k + 1, so that the weights are read once per group rather than once per level of the tree.
 
-A pass that others continue keeps its nodes' state layer by layer (context_cache.ContextCache.follow): as it
+A pass that others continue keeps its nodes' state layer by layer (context_cache.ContextCache.keep): as it
 reaches layer k + 1 (streaming.py's `on_layer`), what its own tokens made of layer k is kept, and a pass after it
 in the group reads it at layer k, within the same round. Once every pass of the group is past layer k
 (`after_layer`), the nodes no later group reads hold nothing of it, and each pass frees what it made of layer k as

@@ -198,9 +198,9 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     template = reference.measured_cost().states if shared is not None and reference.keeps_state else None
     cache = ContextCache(kinds, context, [tree.path(node)[:-1] for node in nodes], cached, tree, kept, in_place, real,
                          template=template)
-    if shared is not None:
-        cache.follow([(node, k, int(first[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
-                     fed_len, shared)
+    # Descendants continue these nodes: each keeps the state its own tokens leave.
+    cache.keep([(node, k, int(first[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents], fed_len,
+               shared)
     extra = {}
     if step.only_last and reference.prefill_skips_layers and layout == "right":
         extra["logits_to_keep"] = 1  # the last position is every row's only needed output
@@ -212,12 +212,7 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     if any(getattr(layer, "pending", False) for layer in cache.layers):
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
-    if shared is not None:  # kept layer by layer as the pass went: its last layer's now
-        cache.finish()
-    else:
-        for k, node in enumerate(nodes):
-            if node in parents:  # descendants continue it: keep the state its own tokens leave
-                kept[node] = cache.state_of(k, int(first[k]), int(own[k]), fed_len)
+    cache.finish()
     slot_of_start = first - (fed_len - hidden.shape[1])  # hidden's slot of each node's first own token
     _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
 
@@ -243,9 +238,8 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     device = reference.input_device
     cache = ContextCache(kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree, kept,
                          True, None, segments)
-    if shared is not None:
-        cache.follow([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents],
-                     len(ids), shared)
+    cache.keep([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents], len(ids),
+               shared)
     with cascade.active(cache):
         out = reference.body(input_ids=torch.from_numpy(ids)[None].to(device),
                              position_ids=torch.from_numpy(positions)[None].to(device), use_cache=True,
@@ -253,12 +247,7 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     if any(getattr(layer, "pending", False) for layer in cache.layers):
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (1, N, H)
-    if shared is not None:
-        cache.finish()
-    else:
-        for k, node in enumerate(nodes):
-            if node in parents:
-                kept[node] = cache.state_of(0, int(offsets[k]), int(own[k]), len(ids))
+    cache.finish()
     _gather_logprobs(reference, tree, step, hidden, offsets, rows_of, wanted, temperature, results,
                      batch_rows=np.zeros(len(nodes), dtype=np.int64))
 
