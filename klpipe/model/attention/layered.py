@@ -54,6 +54,15 @@ def groups(reference, tree: Tree, passes: list[Pass], held_by_tokens: bool,
     return cut
 
 
+def group_limit(reference) -> tuple[int | None, bool]:
+    """What a streamed tree's group may hold, and whether in bytes: the room the budget gives waiting passes
+    (streamer.spare) where a budget is given, else fed tokens (`stream_tokens`; None: no limit)."""
+    streamer = reference.streamer
+    if streamer.per_token:
+        return streamer.spare, True
+    return getattr(reference, "stream_tokens", None), False
+
+
 def held(reference, tree: Tree):
     """pass -> what it holds while it waits in a layer-major group (`waiting_bytes`), its keys and values those of
     the `live` layers it may hold at once: the decoder layer it is in and the one it is leaving, each with as many
@@ -97,8 +106,7 @@ def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, r
     where a layer reused keys freed here (the caller runs the tree again in waves, `reference.tree_layered` now
     False)."""
     streamer = reference.streamer
-    budgeted = bool(streamer.per_token)
-    limit = streamer.spare if budgeted else getattr(reference, "stream_tokens", None)
+    limit, budgeted = group_limit(reference)
     shared = owners(reference)
     for group, release, held_bytes in groups(reference, tree, passes, not budgeted, limit):
         fed = sum(fed_tokens(tree, step) for step in group)

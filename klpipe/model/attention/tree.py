@@ -82,9 +82,9 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
                 pass  # the tree's passes run as batches from now on (reference.tree_passes_packed)
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)  # nothing of this run kept
         if streamer is not None:  # streamed, keys reused that layered.py freed: waves
-            # None: no budget given. A pass in a wave keeps every layer's keys until it ends.
-            held = layered.waiting_bytes(reference, tree, reference.kv_bytes_per_token) if streamer.per_token else None
-            limit = streamer.spare if held is not None else getattr(reference, "stream_tokens", None)
+            # A pass in a wave keeps every layer's keys until it ends; held None: no budget given.
+            limit, budgeted = layered.group_limit(reference)
+            held = layered.waiting_bytes(reference, tree, reference.kv_bytes_per_token) if budgeted else None
             for group, release in waves(tree, passes, parent_of_kept, limit, held):
                 fed = sum(layered.fed_tokens(tree, step) for step in group)
                 streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept,
