@@ -13,7 +13,6 @@ carries a hash of the output's full path or URI, so outputs of one name never sh
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import shutil
@@ -31,6 +30,7 @@ from klpipe.precompute.rollouts import BATCH, CHAT, TEXT, TOKEN_ID_TYPE, Rollout
 from klpipe.precompute.tokenize import TokenizedChunk
 from klpipe.storage.atomic import atomic_output
 from klpipe.storage.fingerprint import cache_dir
+from klpipe.storage.lock import RunLock
 from klpipe.storage.parquet import open_parquet, parquet_writer, write_batch_rows, write_table
 from klpipe.storage.store import Location, identity, is_remote
 
@@ -79,7 +79,7 @@ class WorkDir:
         if provenance.sampler_source is not None and provenance.sampler_source == self.policy_logprobs:
             self.sampler_rename = rollouts.columns.name(cache.SAMPLER_LOGPROBS)
         self.output_schema = self._output_schema(rollouts, overwrite_policy)
-        self._lock_file = None
+        self._lock: RunLock | None = None
 
     def _output_schema(self, rollouts: Rollouts, overwrite_policy: bool) -> pa.Schema:
         schema = rollouts.schema
@@ -126,17 +126,16 @@ class WorkDir:
         return _Locked(self)
 
     def _acquire(self) -> None:
+        lock = RunLock(self.path / "lock")
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(self.path / "lock", "w")
+            taken = lock.acquire()  # at once or not at all: the other run may take hours
         except OSError as exc:
             raise OutputError(f"{self.path}: cannot create the work directory ({exc.strerror or exc})") from None
-        try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            self._lock_file = None
-            raise OutputError(f"another klpipe run is writing {self.output} (lock held on {self.path / 'lock'})") from None
+        if not taken:
+            holder = lock.holder()
+            raise OutputError(f"another klpipe run is writing {self.output} (lock held on {lock.path}"
+                              + (f" by {holder})" if holder else ")"))
+        self._lock = lock
         try:
             self._check_run_file()
         except BaseException:
@@ -164,10 +163,9 @@ class WorkDir:
                 tmp.write_text(json.dumps(self.run, indent=2, sort_keys=True))
 
     def _release(self) -> None:
-        if self._lock_file is not None:
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-            self._lock_file.close()
-            self._lock_file = None
+        if self._lock is not None:
+            self._lock.release()  # the file goes with the work directory
+            self._lock = None
 
     def finished_chunks(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("chunk-*.parquet")}

@@ -319,6 +319,25 @@ def test_concurrent_run_on_the_same_output_refuses(tmp_path):
     assert not (tmp_path / "out.parquet").exists()
 
 
+def test_a_refused_run_names_the_run_that_holds_the_output(tmp_path):
+    """The lock score takes beside its state (klpipe/storage/lock.py) keeps a precompute output too: its holder
+    writes who it is, and the refusal names it."""
+    import os
+    import socket
+
+    from klpipe.storage.lock import RunLock
+
+    held = RunLock(tmp_path / "out.parquet.partial" / "lock")
+    assert held.acquire()
+    try:
+        result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet")
+    finally:
+        held.release()
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"Error: another klpipe run is writing {tmp_path / 'out.parquet'} (lock held on "
+                                     f"{held.path} by pid {os.getpid()} on host {socket.gethostname()})")
+
+
 def test_float16_on_cpu_is_refused(tmp_path):
     result = precompute("-m", TINY_GEMMA, ROLLOUTS, "-o", tmp_path / "out.parquet", "--device", "cpu",
                         "--dtype", "float16")
