@@ -37,7 +37,15 @@ class StoreError(KlpipeError):
     """A store (S3 or another) is missing the bucket, refuses the credentials or the request, or cannot be reached."""
 
 
-class Preempted(KlpipeError):
-    """Stopped by SIGTERM or SIGUSR1 after flushing finished work; rerun the same command to resume."""
+class RerunLater(KlpipeError):
+    """Stopped with nothing lost and nothing half-written; the same command, run again later, goes on."""
 
     exit_code = 75  # EX_TEMPFAIL: "try again later", distinct from bad input (2) and bugs (1)
+
+
+class Preempted(RerunLater):
+    """Stopped by SIGTERM or SIGUSR1 after flushing finished work; rerun the same command to resume."""
+
+
+class StateBusy(RerunLater):
+    """Another run holds the controller state, or saved it while this one ran: this run did not advance it."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from klpipe.cli.app import app, handle_errors
 from klpipe.cli.fields import build, options
 from klpipe.score.config import ScoreConfig
@@ -26,6 +28,10 @@ def _stderr_console(console_class):
     return console_class(stderr=True, width=LOG_WIDTH, soft_wrap=True)
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 @app.command("score")
 @handle_errors
 @options(ScoreConfig, ControllerConfig, env_prefix=ENV_PREFIX)
@@ -37,7 +43,8 @@ def score_command(given: dict) -> None:
     controller batch: all are penalised with the coefficient in force before the batch, then the
     controller updates once. Without a `step` column each row is its own batch.
 
-    The table and warnings go to stderr; stdout stays empty. Every option can also be set with
+    The table and warnings go to stderr, as do progress and a wait for the `--state` file that
+    another run holds; stdout stays empty. Every option can also be set with
     `KLPIPE_SCORE_<OPTION>`, e.g. `KLPIPE_SCORE_KL_TARGET=2`.
 
     Examples:
@@ -55,6 +62,8 @@ def score_command(given: dict) -> None:
         klpipe score groups.cached.parquet --output groups.scored.jsonl --atropos-api http://localhost:8000
 
         klpipe score s3://caches/day42/ -o s3://scored/day42.parquet --state s3://scored/kl_state.json
+
+        klpipe score day43.parquet --state kl_state.json --wait-for-state 3600 --progress log
     """
     from rich.console import Console
 
@@ -63,7 +72,7 @@ def score_command(given: dict) -> None:
     from klpipe.score import score
 
     config = build(ScoreConfig, given, controller=build(ControllerConfig, given))
-    result = score(config)
+    result = score(config, log=_stderr)
     console = _stderr_console(Console)
     report_module.render_table(result.report, console)
     for warning in result.warnings:

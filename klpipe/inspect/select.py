@@ -77,7 +77,7 @@ def open_source(path: Location) -> Source:
             raise InputError(f"{path}: corrupt klpipe score metadata ({exc})") from None
         settings.update(recorded)
         given.update(recorded.get("columns") or {})
-    schema, columns = open_caches([path], ColumnMap(given))
+    schema, columns, _ = open_caches([path], ColumnMap(given))
     present = [name for name in SCORED if name in schema.names]
     if present and len(present) < len(SCORED):
         missing = ", ".join(name for name in SCORED if name not in schema.names)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from klpipe.errors import InputError
 from klpipe.options import COLUMN_HELP, option, parse_columns
-from klpipe.progress import PROGRESS_MODES
+from klpipe.progress import check_progress, log_interval_field, progress_field
 
 if TYPE_CHECKING:
     from klpipe.sharding import Shard
@@ -156,9 +156,8 @@ class PrecomputeConfig:
                                         "model's. Without it such an input is refused.")
     overwrite: bool = option(False, panel=OUTPUT_PANEL,
                              help="Replace an output, or discard a work directory, that a different run made.")
-    progress: str = option("auto", panel=OUTPUT_PANEL,
-                           help="auto | bar | log | none. auto: a bar on a terminal, log lines under cron or Slurm.")
-    log_interval: float = option(30.0, panel=OUTPUT_PANEL, help="Seconds between progress log lines.")
+    progress: str = progress_field(OUTPUT_PANEL)
+    log_interval: float = log_interval_field(OUTPUT_PANEL)
     shard: Shard | None = None  # set: `output` is a directory and this run writes one part of it
     columns: dict[str, str] = option(
         default_factory=dict, flags=("--column",), metavar="ROLE=NAME", panel=INPUT_PANEL, show_default=False,
@@ -255,9 +254,7 @@ class PrecomputeConfig:
                                            and all(isinstance(tool, dict) for tool in self.tools)):
             raise InputError("--tools: the file must hold a JSON list of tool schemas (objects), as "
                              "GRPOTrainer(tools=...) renders them")
-        if self.progress not in PROGRESS_MODES:
-            raise InputError(f"--progress must be {', '.join(PROGRESS_MODES[:-1])} or {PROGRESS_MODES[-1]}, "
-                             f"not {self.progress!r}")
+        check_progress(self.progress)
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
         from klpipe.storage.store import is_remote, location
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 from klpipe.errors import InputError
 from klpipe.options import COLUMN_HELP, option, parse_columns
+from klpipe.progress import check_progress, log_interval_field, progress_field
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.kl import AGGREGATES, ESTIMATORS, Aggregate, Estimator
 
@@ -34,7 +35,6 @@ class ScoreConfig:
     """One scoring run: inputs, outputs, the KL estimate and the controller."""
 
     # Every path below may be local or a URI on a store (s3://bucket/key); URIs become StorePaths.
-    # Every path below may be local or a URI on a store (s3://bucket/key); URIs become StorePaths.
     inputs: list[Location] = option(
         argument=True, name="caches", help="Cache parquet files, or directories of them, scored in the order "
         "given; local paths or URIs (`s3://bucket/parts/`, `s3://bucket/day-*.parquet`).")
@@ -55,8 +55,15 @@ class ScoreConfig:
     metrics_jsonl: Location | None = option(None, metavar="FILE", panel=OUTPUT_PANEL,
                                             help="Write the same per-step metrics as JSON Lines.")
     per_token: bool = option(False, panel=OUTPUT_PANEL, help="Also write each row's per-token KL list (kl_per_token).")
+    progress: str = progress_field(OUTPUT_PANEL)
+    log_interval: float = log_interval_field(OUTPUT_PANEL)
     reset_state: bool = option(False, panel=STATE_PANEL, help="Ignore an existing --state file and start the "
                                "controller from these options.")
+    # The state is held from its read to its write (score/state.py): a second run on it waits this long.
+    wait_for_state: float = option(
+        300.0, metavar="SECONDS", panel=STATE_PANEL,
+        help="How long to wait for another klpipe run that holds the --state file, then continue from the state "
+             "it saved; past it, exit 75 (rerun later) having written nothing. 0: do not wait.")
     estimator: Estimator = option("k1", panel=KL_PANEL,
                                   help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.")
     aggregate: Aggregate = option("mean", panel=KL_PANEL, help="Per-row aggregate over response tokens.")
@@ -108,6 +115,9 @@ class ScoreConfig:
             raise InputError(f"--output-format must be {' or '.join(OUTPUT_FORMATS)}, not {self.output_format!r}")
         if self.batch_bytes < 1:
             raise InputError(f"batch_bytes must be at least 1, got {self.batch_bytes}")
+        if not self.wait_for_state >= 0:  # NaN too
+            raise InputError(f"--wait-for-state must be 0 or more seconds, not {self.wait_for_state}")
+        check_progress(self.progress)
         from klpipe.columns import ColumnMap  # pyarrow: not needed to read defaults
         from klpipe.storage.store import location
 

@@ -92,20 +92,22 @@ def expand_cache_inputs(paths: list[str | Path | Location]) -> tuple[list[Locati
     return found, skipped
 
 
-def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, ColumnMap]:
-    """Check that every input is a cache score can read and that they belong together; their schema, and
-    `columns` with the roles found under other names (the mask's TRL names) resolved.
+def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, ColumnMap, int]:
+    """Check that every input is a cache score can read and that they belong together; their schema,
+    `columns` with the roles found under other names (the mask's TRL names) resolved, and their rows in all.
 
     `columns` names each role's column (columns.for_caches).
     """
     provenances = []
     first_schema: pa.Schema | None = None
     resolved = columns
+    rows = 0
     for path in files:
         provenance = read_provenance(path)  # also rejects files that are not parquet
         provenances.append((str(path), provenance))
         with open_parquet(path) as reader:
             schema = reader.schema_arrow
+            rows += reader.metadata.num_rows
         columns.check_present(path, schema)
         resolved = columns.resolve(schema, path)
         _check_columns(path, schema, resolved)
@@ -117,7 +119,7 @@ def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, C
                 "score caches with the same columns together"
             )
     check_compatible(provenances)
-    return first_schema, resolved
+    return first_schema, resolved, rows
 
 
 def policy_source(files: list[Location]) -> dict:

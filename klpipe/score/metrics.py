@@ -19,12 +19,18 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from klpipe.errors import OutputError
 from klpipe.storage.atomic import OutputGroup, scratch_directory
 from klpipe.storage.store import Location
+
+if TYPE_CHECKING:
+    from klpipe.score.config import ScoreConfig
+    from klpipe.score.report import RunTotals
+    from klpipe.score.steps import ControllerSteps
 
 # Event tags are PREFIX + name (the mismatch figures', which hold a "/", their own name); JSONL keys are the
 # names, plus `step`.
@@ -135,6 +141,27 @@ def from_rows(kls: np.ndarray, coeffs: np.ndarray, final_coeff: float, rewards: 
         reward=rewards, kl_penalty=penalty, adjusted_reward=rewards - penalty, rows=np.ones(n, dtype=np.int64),
         tokens=tokens.astype(np.int64), kl_target=kl_target,
     )  # fmt: skip
+
+
+def write_run(outputs: OutputGroup, config: ScoreConfig, batches: ControllerSteps, totals: RunTotals,
+              batches_before: int, integer_steps: bool) -> None:
+    """A run's metrics files, as `config` asks. The x axis is the step label of an integer step column, else a
+    count of controller batches that continues from `batches_before`, the count of earlier runs on the same state."""
+    target = config.controller.kl_target
+    if batches.has_steps:
+        step_metrics = from_steps(batches.steps, target, None if integer_steps else batches_before)
+    else:
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0)
+
+        step_metrics = from_rows(
+            totals.all_kls(), joined(batches.per_row_coeffs), batches.controller.kl_coeff,
+            joined(batches.per_row_rewards), joined(batches.per_row_tokens), target, first_batch=batches_before,
+        )  # fmt: skip
+    if config.tensorboard is not None:
+        write_tensorboard(outputs, config.tensorboard, step_metrics)
+    if config.metrics_jsonl is not None:
+        write_jsonl(outputs, config.metrics_jsonl, step_metrics)
 
 
 # -- JSON Lines ---------------------------------------------------------------------------------------

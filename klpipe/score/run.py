@@ -27,6 +27,7 @@ from klpipe.atropos.writer import GroupWriter, check_groups
 from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError
+from klpipe.progress import Progress
 from klpipe.rows import RowLocator
 from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
@@ -41,7 +42,7 @@ from klpipe.score.input import (
 )
 from klpipe.score.kl import row_kl
 from klpipe.score.steps import ControllerSteps
-from klpipe.storage.atomic import OutputGroup, write_json_atomic
+from klpipe.storage.atomic import OutputGroup
 from klpipe.storage.discover import (
     PARQUET_SUFFIXES,
     output_beside,
@@ -86,12 +87,14 @@ def default_output(first_input: Location, groups: bool = False) -> Location:
     return output_beside(expand(first_input)[0], ATROPOS_SUFFIX if groups else OUTPUT_SUFFIX, PARQUET_SUFFIXES)
 
 
-def score(config: ScoreConfig) -> ScoreResult:
+def score(config: ScoreConfig, log=print) -> ScoreResult:
     """Score the caches in `config.inputs` and write the output, report, plot, metrics and state it asks for.
 
     Every file appears whole or not at all, and the state file, written last, is only advanced by a
     run that wrote everything. An error before the output is committed leaves nothing; one while
     the metrics are written (after it) leaves the state as it was, so a rerun replaces them all.
+    The state is held from its read to its write (state.py): a second run on it waits for this one,
+    then continues from the state this one saved. `log` hears of the wait and of progress.
     """
     started = time.perf_counter()
     if not config.inputs:
@@ -110,16 +113,35 @@ def score(config: ScoreConfig) -> ScoreResult:
 
         metrics.require_tensorboardx(config.tensorboard)
     names = for_caches(config.columns, files)  # role -> the caches' column names
-    schema, names = open_caches(files, names)
+    schema, names, rows = open_caches(files, names)
     if config.writes_groups:
         check_groups(schema, str(files[0]))
-    source = policy_source(files)  # a sampler's logprobs, or a model's that precompute --policy ran
     warnings: list[str] = []
     if skipped:
         warnings.append(f"skipped {len(skipped)} file(s) that klpipe score wrote into an input directory, so "
                         f"they are not scored again: {', '.join(str(p) for p in skipped)}")
+    caches = _Caches(files, output, schema, names, rows, policy_source(files))
+    with state.HeldState(config.state, config.wait_for_state, log) as held:
+        return _score(config, caches, held, warnings, started, log)
 
-    controller, previous_run = state.load_controller(config, warnings)
+
+@dataclass(frozen=True)
+class _Caches:
+    """What the checks before the run found: the caches, in order, and where their scored rows go."""
+
+    files: list[Location]
+    output: Location
+    schema: pa.Schema
+    names: ColumnMap  # role -> the caches' column names
+    rows: int  # in all the caches
+    source: dict  # a sampler's logprobs, or a model's that precompute --policy ran (input.policy_source)
+
+
+def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings: list[str], started: float,
+           log) -> ScoreResult:
+    """The run, from the state `held` read to the next state: the controller continues it, row batch by row batch."""
+    files, output, schema, names, source = caches.files, caches.output, caches.schema, caches.names, caches.source
+    controller, previous_run = state.load_controller(config, held, warnings)
     batches_before = state.batches_before(previous_run, config.state)
     if controller.kl_coeff == 0 and config.controller.kind != "fixed":
         warnings.append(f"the KL coefficient is 0: KL is measured and reported but not penalised, and the "
@@ -154,10 +176,14 @@ def score(config: ScoreConfig) -> ScoreResult:
     # on any of them (a full disk, say) leaves none. The state, the next run's starting point, is
     # written after them, so it only ever moves on from a run whose outputs are all in place.
     with OutputGroup() as outputs:
-        with outputs.file(output) as tmp:
+        progress = Progress(config.progress, total_rows=caches.rows, log=log, interval=config.log_interval)
+        with outputs.file(output) as tmp, closing(progress):
             def score_batch(batch: pa.RecordBatch, rows: RowLocator) -> list[pa.Array]:
-                return _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
-                                    kl_from == "sampler")
+                tokens = totals.tokens
+                columns = _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
+                                       kl_from == "sampler")
+                progress.update(batch.num_rows, totals.tokens - tokens)
+                return columns
 
             write = _write_groups if config.writes_groups else _write_parquet
             write(tmp, files, config, score_batch, names, out_schema)
@@ -187,8 +213,11 @@ def score(config: ScoreConfig) -> ScoreResult:
         if metrics_wanted:
             # A crash between these files and the state reruns the same continuation, whose event
             # file has the same name and replaces this one.
+            from klpipe.score import metrics  # tensorboardX is imported only when asked for
+
             integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
-            _write_metrics(outputs, config, batches, totals, batches_before, integer_steps)
+            metrics.write_run(outputs, config, batches, totals, batches_before, integer_steps)
+        held.check()  # a state on a store that another run saved meanwhile: nothing is written
         outputs.commit()
     posted = None
     if config.atropos_api is not None:
@@ -202,7 +231,7 @@ def score(config: ScoreConfig) -> ScoreResult:
         saved = controller.save_state()
         saved["last_run"] = {"inputs": run_inputs, "rows": totals.rows, "last_step": batches.last_label,
                              "controller_batches": batches_before + batches.batch_count}
-        write_json_atomic(config.state, saved)
+        held.save(saved)
     return ScoreResult(output=output, report=run_report, warnings=warnings, posted=posted)
 
 
@@ -225,29 +254,6 @@ def _require_matplotlib(plot_path: Location) -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise OutputError(f"{plot_path}: --plot needs matplotlib: pip install 'klpipe[plot]'")
-
-
-def _write_metrics(outputs: OutputGroup, config: ScoreConfig, batches: ControllerSteps, totals: report.RunTotals, batches_before: int,
-                   integer_steps: bool) -> None:
-    """The per-step metrics files. The x axis is the step label of an integer step column, else a count of
-    controller batches that continues from `batches_before`, the count of earlier runs on the same state."""
-    from klpipe.score import metrics
-
-    target = config.controller.kl_target
-    if batches.has_steps:
-        step_metrics = metrics.from_steps(batches.steps, target, None if integer_steps else batches_before)
-    else:
-        def joined(parts: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate(parts) if parts else np.zeros(0)
-
-        step_metrics = metrics.from_rows(
-            totals.all_kls(), joined(batches.per_row_coeffs), batches.controller.kl_coeff,
-            joined(batches.per_row_rewards), joined(batches.per_row_tokens), target, first_batch=batches_before,
-        )  # fmt: skip
-    if config.tensorboard is not None:
-        metrics.write_tensorboard(outputs, config.tensorboard, step_metrics)
-    if config.metrics_jsonl is not None:
-        metrics.write_jsonl(outputs, config.metrics_jsonl, step_metrics)
 
 
 def _kl_from(config: ScoreConfig, has_sampler: bool, source: dict, names: ColumnMap) -> str:

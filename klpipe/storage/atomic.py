@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -114,11 +114,18 @@ class OutputGroup:
 
 
 @contextmanager
-def atomic_output(path: str | Path | Location, tmp_dir: str | Path | None = None) -> Iterator[Path]:
-    """Yield a temporary path; rename it to `path` only if the block succeeds (an OutputGroup of one)."""
+def atomic_output(path: str | Path | Location, tmp_dir: str | Path | None = None,
+                  before_commit: Callable[[], None] | None = None) -> Iterator[Path]:
+    """Yield a temporary path; rename it to `path` only if the block succeeds (an OutputGroup of one).
+
+    `before_commit`, where given, runs once the file is complete, just before it replaces `path`: an error
+    it raises leaves `path` as it was.
+    """
     with OutputGroup() as group:
         with group.file(path, tmp_dir) as tmp:
             yield tmp
+        if before_commit is not None:
+            before_commit()
         group.commit()
 
 
@@ -188,8 +195,9 @@ def _remove_stale_tmp(directory: Path, name: str) -> None:
             os.close(fd)
 
 
-def write_json_atomic(path: str | Path | Location, data: object, tmp_dir: str | Path | None = None) -> None:
-    with atomic_output(path, tmp_dir=tmp_dir) as tmp:
+def write_json_atomic(path: str | Path | Location, data: object, tmp_dir: str | Path | None = None,
+                      before_commit: Callable[[], None] | None = None) -> None:
+    with atomic_output(path, tmp_dir=tmp_dir, before_commit=before_commit) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

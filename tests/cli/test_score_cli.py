@@ -9,7 +9,17 @@ from typer.testing import CliRunner
 
 from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.cli import app
-from tests.helpers import CACHE_SCHEMA, ROOT, RUN_KLPIPE, block_imports, make_rows, provenance, run_python, write_cache
+from tests.helpers import (
+    CACHE_SCHEMA,
+    ROOT,
+    RUN_KLPIPE,
+    block_imports,
+    make_rows,
+    provenance,
+    run_cli,
+    run_python,
+    write_cache,
+)
 
 runner = CliRunner()
 
@@ -452,3 +462,41 @@ def test_an_output_written_into_an_input_directory_is_not_scored_again(tmp_path)
            f"{caches / 'scored.parquet'}" in " ".join(again.stderr.split())
     assert pq.read_table(caches / "scored.parquet").equals(scored)  # 24 rows, not 24 + 24
     assert json.loads((caches / "report.json").read_text())["summary"]["rows"] == 24
+
+
+def test_progress_means_what_it_means_for_precompute(tmp_path):
+    """--progress and --log-interval, as precompute takes them: log lines without a terminal, none with none."""
+    day1 = write_cache(tmp_path / "day1.parquet", make_rows(12, seed=1))
+    day2 = write_cache(tmp_path / "day2.parquet", make_rows(20, seed=2))
+    args = ["score", str(day1), str(day2), "-o", str(tmp_path / "out.parquet"), "--log-interval", "0"]
+    logged = run_cli(*args)  # a process whose stderr is no terminal: auto is log lines
+    assert logged.returncode == 0, logged.stderr
+    lines = [line for line in logged.stderr.splitlines() if line.startswith("progress: ")]
+    # One line per record batch read: here one per file.
+    assert [line.split(",")[0] for line in lines] == ["progress: 12/32 rows (37.5%)", "progress: 32/32 rows (100.0%)"]
+    assert "row/s" not in logged.stderr  # no bar
+    quiet = run_cli(*args, "--progress", "none")
+    assert quiet.returncode == 0 and "progress: " not in quiet.stderr
+    drawn = run_cli(*args, "--progress", "bar")
+    assert drawn.returncode == 0 and "| 32/32 [" in drawn.stderr and "row/s" in drawn.stderr  # tqdm's bar
+    for command in (["score", str(day1)], ["precompute", "-m", "some/model", str(day1)]):
+        refused = run_cli(*command, "--progress", "fancy")
+        assert (refused.returncode, refused.stderr) == (2, ("Error: --progress must be auto, bar, log or none, "
+                                                            "not 'fancy'\n"))
+
+
+def test_a_negative_wait_for_the_state_is_refused(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(8))
+    result = invoke(cache, "--state", tmp_path / "s.json", "--wait-for-state", "-1")
+    assert result.exit_code == 2
+    assert result.stderr == "Error: --wait-for-state must be 0 or more seconds, not -1.0\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet"]
+
+
+def test_a_run_with_a_state_leaves_no_lock_file_behind(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(8))
+    for _ in range(2):  # the second run takes the lock again and continues the first's state
+        result = invoke(cache, "-o", tmp_path / "out.parquet", "--state", tmp_path / "s.json")
+        assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet", "out.parquet", "s.json"]
+    assert json.loads((tmp_path / "s.json").read_text())["last_run"]["controller_batches"] == 4  # 2 × 8 rows / 4
