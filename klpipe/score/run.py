@@ -197,7 +197,8 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
         run_report = report.build_report(
             inputs=files, output=output, settings=settings, controller=controller,
             kl_coeff_before=batches.kl_coeff_before, batch_count=batches.batch_count, steps=batches.steps,
-            totals=totals, extreme_nats=config.extreme_nats, warnings=warnings, seconds=time.perf_counter() - started,
+            totals=totals, extreme_nats=config.extreme_nats, warnings=warnings,
+            seconds=time.perf_counter() - started - held.waited,  # the run's own time, not the wait for the state
         )  # fmt: skip
         run_report["policy_logprobs"] = source
         run_report["mismatch"] = None if sampler is None else sampler.section(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from klpipe.errors import OutputError, StateBusy, StateError
@@ -45,12 +46,15 @@ class HeldState:
         self.wait = wait
         self.log = log
         self.read: bytes | None = None  # the state as this run read it; None where there was none
+        self.waited = 0.0  # seconds spent waiting for another run that held it
         self._lock = None if path is None else RunLock(lock_path(path))
 
     def __enter__(self) -> HeldState:
         if self.path is None:
             return self
+        began = time.monotonic()
         self._take_lock()
+        self.waited = time.monotonic() - began
         try:
             self.read = self._current()
         except BaseException:
