@@ -31,9 +31,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from klpipe.cache import STEP
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.helpers import ROLLOUTS, ROOT, TINY_LLAMA, repeated_rollouts, with_checkout
+from tests.fault_runner import Child, Fault, Runner
+from tests.helpers import (
+    ROLLOUTS,
+    ROOT,
+    TINY_LLAMA,
+    make_rows,
+    provenance,
+    repeated_rollouts,
+    with_checkout,
+    write_cache,
+)
 
 EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent  # the environment running the tests, where `klpipe` is installed
@@ -307,6 +318,9 @@ def test_sbatch_directives():
     assert any(d.startswith("--output=") and "%A" in d and "%a" in d for d in array), array
     follow = directives(EXAMPLES / "score-after.sbatch")
     assert any(d.startswith("--output=") for d in follow) and not any("gres" in d for d in follow)
+    nightly = directives(EXAMPLES / "score-nightly.sbatch")
+    assert "--requeue" in nightly and "--open-mode=append" in nightly and not any("gres" in d for d in nightly)
+    assert any(d.startswith("--output=") for d in nightly) and any(d.startswith("--time=") for d in nightly)
 
 
 def test_submit_chains_score_after_the_array(tmp_path):
@@ -415,3 +429,99 @@ def test_cron_nightly_runs_once_and_never_overlaps(tmp_path, single, spawn):
     assert again.wait(timeout=60) == 0
     assert "already scored; nothing to do" in log.read_text()
     assert (data / "kl_state.json").read_bytes() == state  # the controller did not move twice
+
+
+# -- a nightly score job that may overlap the previous night's (examples/score-nightly.sbatch) -----------
+
+
+@pytest.fixture(scope="module")
+def nights(tmp_path_factory) -> dict:
+    """Two nights' caches, one controller batch per 48 rows; night 2's steps carry on from night 1's."""
+    directory = tmp_path_factory.mktemp("nights")
+    night1, night2 = make_rows(480, seed=1, rows_per_step=48), make_rows(480, seed=2, rows_per_step=48)
+    for row in night2:
+        row[STEP] += 10
+    return {"night1": write_cache(directory / "night1.parquet", night1, provenance=provenance()),
+            "night2": write_cache(directory / "night2.parquet", night2, provenance=provenance())}
+
+
+@pytest.fixture(scope="module")
+def klpipe_runs(tmp_path_factory):
+    """klpipe score runs from the fault harness (tests/fault_runner.py), which can hold one paused mid-run."""
+    runner = Runner(tmp_path_factory.mktemp("runs"))
+    yield runner
+    runner.close()
+
+
+def night_args(cache: Path, directory: Path) -> list:
+    """What score-nightly.sbatch runs for a night, without the wait."""
+    scored = directory / "scored" / cache.stem
+    return ["score", cache, "--output", scored / "scored.parquet", "--report", scored / "report.json",
+            "--state", directory / "kl_state.json"]
+
+
+def night_holding_the_state(runs: Runner, cache: Path, directory: Path) -> Child:
+    """Last night's job, still scoring: its state read and held, paused at its first record batch."""
+    child = runs.start(night_args(cache, directory), Fault("score_batch", at=1, action="pause"))
+    deadline = time.monotonic() + 60
+    while not child.paused():
+        assert child.poll() is None and time.monotonic() < deadline, "last night's run never started scoring"
+        time.sleep(0.01)
+    return child
+
+
+def nightly_job(spawn, tmp_path: Path, cache: Path, log: Path, **settings) -> subprocess.Popen:
+    """examples/score-nightly.sbatch as Slurm runs it for job 5150, its output appended to `log`."""
+    env = script_env(tmp_path, DAY=cache.stem, CACHE=cache, SCORE_DIR=tmp_path / "scored" / cache.stem,
+                     KL_STATE=tmp_path / "kl_state.json", SLURM_JOB_ID=5150, **settings)
+    with open(log, "ab") as out:
+        return spawn(["bash", str(EXAMPLES / "score-nightly.sbatch")], cwd=tmp_path, env=env, stdout=out,
+                     stderr=subprocess.STDOUT)
+
+
+def test_nightly_score_jobs_that_overlap_give_the_nights_in_order(tmp_path, nights, klpipe_runs, spawn):
+    serial = tmp_path / "serial"  # the two nights one after the other
+    for cache in nights.values():
+        result = klpipe_runs.run(night_args(cache, serial))
+        assert result.returncode == 0, result.stderr
+    overlap = tmp_path / "overlap"
+    overlap.mkdir()
+    first = night_holding_the_state(klpipe_runs, nights["night1"], overlap)
+    log = overlap / "nightly.out"
+    job = nightly_job(spawn, overlap, nights["night2"], log)
+    deadline = time.monotonic() + 60
+    while "waiting for" not in log.read_text():
+        assert job.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    assert f"another klpipe run (pid {first.pid} on host " in log.read_text()
+    assert "up to 3600 s (--wait-for-state)" in log.read_text()
+    first.go()
+    assert first.wait().returncode == 0
+    assert job.wait(timeout=120) == 0, log.read_text()
+    for night in nights:
+        got = pq.read_table(overlap / "scored" / night / "scored.parquet")
+        assert got.equals(pq.read_table(serial / "scored" / night / "scored.parquet"), check_metadata=True), night
+    assert (overlap / "kl_state.json").read_bytes() == (serial / "kl_state.json").read_bytes()
+    assert slurm_calls(overlap / "slurm.log") == []  # no requeue
+
+
+def test_a_nightly_job_past_its_wait_requeues_itself_having_written_nothing(tmp_path, nights, klpipe_runs, spawn):
+    first = night_holding_the_state(klpipe_runs, nights["night1"], tmp_path)
+    log = tmp_path / "nightly.out"
+    began = time.monotonic()
+    job = nightly_job(spawn, tmp_path, nights["night2"], log, WAIT=1)
+    assert job.wait(timeout=60) == 75, log.read_text()
+    assert time.monotonic() - began >= 1
+    text = log.read_text()
+    assert "still holds this state after 1 s (--wait-for-state); nothing was written: rerun later" in text
+    assert "requeueing job 5150" in text
+    assert slurm_calls(tmp_path / "slurm.log") == ["scontrol requeue 5150"]
+    assert not (tmp_path / "scored" / "night2").exists() and not (tmp_path / "kl_state.json").exists()
+    first.go()
+    assert first.wait().returncode == 0
+    # Slurm runs the requeued job again, now that the state is free: night 2 continues from night 1.
+    again = nightly_job(spawn, tmp_path, nights["night2"], log, SLURM_RESTART_COUNT=1)
+    assert again.wait(timeout=120) == 0, log.read_text()
+    state = json.loads((tmp_path / "kl_state.json").read_text())
+    assert state["last_run"]["controller_batches"] == 20 and state["last_run"]["last_step"] == 19
