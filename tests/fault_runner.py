@@ -394,6 +394,17 @@ class Child:
     def go(self) -> None:
         Path(str(self.trace_path) + ".go").touch()
 
+    def wait_paused(self, timeout: float = 60) -> Child:
+        """Once the child has reached its `pause` fault (the test then acts while it waits there)."""
+        deadline = time.monotonic() + timeout
+        while not self.paused():
+            if self.poll() is not None:
+                raise RuntimeError(f"klpipe child {self.pid} exited before its pause: {self.stderr()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"klpipe child {self.pid} did not reach its pause in {timeout}s")
+            time.sleep(0.01)
+        return self
+
     def poll(self) -> Result | None:
         """The result if the child has exited, else None."""
         status = self.runner._wait(self.pid, 0)

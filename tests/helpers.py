@@ -242,6 +242,17 @@ def make_rows(n: int, seed: int = 0, rows_per_step: int = 4, max_tokens: int = 6
     return rows
 
 
+def two_days(directory: Path, rows: int = 480, rows_per_step: int = 48, names=("day1", "day2")) -> list[Path]:
+    """Two caches a day apart, as one state file continues them: one controller batch per `rows_per_step`
+    rows, the second's steps carrying on from the first's."""
+    first, second = make_rows(rows, seed=1, rows_per_step=rows_per_step), make_rows(rows, seed=2,
+                                                                                    rows_per_step=rows_per_step)
+    for row in second:
+        row[STEP] += -(-rows // rows_per_step)
+    return [write_cache(directory / f"{name}.parquet", day, provenance=provenance())
+            for name, day in zip(names, (first, second), strict=True)]
+
+
 def provenance(**changes) -> Provenance:
     fields = dict(
         model="tiny", revision="abc", tokenizer="sha-1", dtype="float32", temperature=1.0, klpipe_version="0.1.0"

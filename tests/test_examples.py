@@ -31,7 +31,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe.cache import STEP
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
 from tests.fault_runner import Child, Fault, Runner
@@ -39,11 +38,9 @@ from tests.helpers import (
     ROLLOUTS,
     ROOT,
     TINY_LLAMA,
-    make_rows,
-    provenance,
     repeated_rollouts,
+    two_days,
     with_checkout,
-    write_cache,
 )
 
 EXAMPLES = ROOT / "examples"
@@ -437,12 +434,7 @@ def test_cron_nightly_runs_once_and_never_overlaps(tmp_path, single, spawn):
 @pytest.fixture(scope="module")
 def nights(tmp_path_factory) -> dict:
     """Two nights' caches, one controller batch per 48 rows; night 2's steps carry on from night 1's."""
-    directory = tmp_path_factory.mktemp("nights")
-    night1, night2 = make_rows(480, seed=1, rows_per_step=48), make_rows(480, seed=2, rows_per_step=48)
-    for row in night2:
-        row[STEP] += 10
-    return {"night1": write_cache(directory / "night1.parquet", night1, provenance=provenance()),
-            "night2": write_cache(directory / "night2.parquet", night2, provenance=provenance())}
+    return {cache.stem: cache for cache in two_days(tmp_path_factory.mktemp("nights"), names=("night1", "night2"))}
 
 
 @pytest.fixture(scope="module")
@@ -462,12 +454,7 @@ def night_args(cache: Path, directory: Path) -> list:
 
 def night_holding_the_state(runs: Runner, cache: Path, directory: Path) -> Child:
     """Last night's job, still scoring: its state read and held, paused at its first record batch."""
-    child = runs.start(night_args(cache, directory), Fault("score_batch", at=1, action="pause"))
-    deadline = time.monotonic() + 60
-    while not child.paused():
-        assert child.poll() is None and time.monotonic() < deadline, "last night's run never started scoring"
-        time.sleep(0.01)
-    return child
+    return runs.start(night_args(cache, directory), Fault("score_batch", at=1, action="pause")).wait_paused()
 
 
 def nightly_job(spawn, tmp_path: Path, cache: Path, log: Path, **settings) -> subprocess.Popen:

@@ -17,9 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe.cache import STEP
 from tests.fault_runner import Child, Fault, Runner
-from tests.helpers import make_rows, provenance, write_cache
+from tests.helpers import two_days
 
 RERUN_LATER = 75
 DAY_ROWS, ROWS_PER_STEP = 480, 48
@@ -34,13 +33,7 @@ def runner(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def days(tmp_path_factory) -> dict[str, Path]:
-    directory = tmp_path_factory.mktemp("caches")
-    rows = {"day1": make_rows(DAY_ROWS, seed=1, rows_per_step=ROWS_PER_STEP),
-            "day2": make_rows(DAY_ROWS, seed=2, rows_per_step=ROWS_PER_STEP)}
-    for row in rows["day2"]:
-        row[STEP] += DAY_ROWS // ROWS_PER_STEP
-    return {day: write_cache(directory / f"{day}.parquet", day_rows, provenance=provenance())
-            for day, day_rows in rows.items()}
+    return {cache.stem: cache for cache in two_days(tmp_path_factory.mktemp("caches"), DAY_ROWS, ROWS_PER_STEP)}
 
 
 def day_args(cache: Path, where: str) -> list:
@@ -72,15 +65,6 @@ class Machine:
         return self.runner.start(args, fault, env=self.env)
 
 
-def paused(child: Child) -> Child:
-    deadline = time.monotonic() + 60
-    while not child.paused():
-        assert child.poll() is None, "the run ended before the pause"
-        assert time.monotonic() < deadline, "the run never reached the pause"
-        time.sleep(0.01)
-    return child
-
-
 def assert_on_s3_as(server, bucket: str, expected: Path, days: tuple[str, ...]) -> None:
     """The state and `days`' outputs on S3 are, byte for byte, those of the local runs in `expected`."""
     assert server.read(bucket, "out/kl_state.json") == (expected / "kl_state.json").read_bytes()
@@ -103,7 +87,7 @@ def test_two_machines_end_with_one_refusal_and_no_lost_update(runner, s3_server,
     day 1 then finds the state changed, exits 75 and leaves day 2's state; its rerun continues from it."""
     where = f"s3://{bucket}/out"
     a, b = (Machine(runner, s3_server, tmp_path / name) for name in ("machine-a", "machine-b"))
-    first = paused(a.start(day_args(days["day1"], where), pause))
+    first = a.start(day_args(days["day1"], where), pause).wait_paused()
     second = b.start(day_args(days["day2"], where)).wait()
     assert second.returncode == 0, second.stderr
     first.go()
@@ -122,7 +106,7 @@ def test_one_machine_waits_for_the_run_that_holds_a_state_on_s3(runner, s3_serve
     """On one machine the runs share a lock (in KLPIPE_CACHE_DIR): day 2 waits for day 1, then continues from it."""
     where = f"s3://{bucket}/out"
     machine = Machine(runner, s3_server, tmp_path / "machine")
-    first = paused(machine.start(day_args(days["day1"], where), Fault("score_batch", at=1, action="pause")))
+    first = machine.start(day_args(days["day1"], where), Fault("score_batch", at=1, action="pause")).wait_paused()
     second = machine.start(day_args(days["day2"], where))
     deadline = time.monotonic() + 60
     while "waiting for" not in second.stderr():

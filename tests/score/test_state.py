@@ -18,9 +18,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe.cache import STEP
 from tests.fault_runner import Child, Fault, Runner
-from tests.helpers import make_rows, provenance, write_cache
+from tests.helpers import two_days
 
 DAY_ROWS = 480
 ROWS_PER_STEP = 48  # one controller batch per 48 rows: 10 a day
@@ -35,15 +34,8 @@ def runner(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def days(tmp_path_factory) -> tuple[Path, Path]:
-    """Two days of caches; day 2's steps carry on from day 1's."""
-    directory = tmp_path_factory.mktemp("caches")
-    day1 = make_rows(DAY_ROWS, seed=1, rows_per_step=ROWS_PER_STEP)
-    day2 = make_rows(DAY_ROWS, seed=2, rows_per_step=ROWS_PER_STEP)
-    for row in day2:
-        row[STEP] += DAY_ROWS // ROWS_PER_STEP
-    return (write_cache(directory / "day1.parquet", day1, provenance=provenance()),
-            write_cache(directory / "day2.parquet", day2, provenance=provenance()))
+def days(tmp_path_factory) -> list[Path]:
+    return two_days(tmp_path_factory.mktemp("caches"), DAY_ROWS, ROWS_PER_STEP)
 
 
 def day_args(cache: Path, directory: Path, *extra) -> list:
@@ -85,13 +77,7 @@ def assert_serial(directory: Path, serial: Serial) -> None:
 
 def paused_at_first_batch(runner: Runner, cache: Path, directory: Path) -> Child:
     """A run holding the state: its lock taken and the state read, paused before its first record batch."""
-    child = runner.start(day_args(cache, directory), Fault("score_batch", at=1, action="pause"))
-    deadline = time.monotonic() + 60
-    while not child.paused():
-        assert child.poll() is None, "the first run ended before its first batch"
-        assert time.monotonic() < deadline, "the first run never reached its first batch"
-        time.sleep(0.01)
-    return child
+    return runner.start(day_args(cache, directory), Fault("score_batch", at=1, action="pause")).wait_paused()
 
 
 def holder(child: Child) -> str:
