@@ -71,6 +71,19 @@ class TextOnly:
     text_config: object  # a copy of the checkpoint's text config, tied as the full model ties its head
     key_mapping: dict  # checkpoint key prefix -> the causal LM's (`model.language_model.` -> `model.`)
     skipped: set  # the checkpoint's keys outside the decoder and head: towers and their projectors
+    towers: frozenset  # the full model's modules that hold them (`model.vision_tower`, `model.embed_audio`, ...)
+
+    def outside(self, path: str) -> bool:
+        """Whether `path` (a module, parameter or key of the full model) lies in a tower or projector: no part of
+        the text model, and never run for text rows (the full model's forward runs them on images and audio)."""
+        return any(path == tower or path.startswith(tower + ".") for tower in self.towers)
+
+    def text_key(self, key: str) -> str:
+        """`key` of the full model as the causal LM names it, renamed by `key_mapping` as transformers renames the
+        checkpoint's keys (a key already in the causal LM's names, matching no prefix, unchanged)."""
+        for pattern, target in self.key_mapping.items():
+            key = re.sub(pattern, target, key, count=1)
+        return key
 
 
 def text_only(config) -> TextOnly | None:
@@ -101,6 +114,9 @@ def text_only(config) -> TextOnly | None:
     text.tie_word_embeddings = full.get_output_embeddings().weight is full.get_input_embeddings().weight
     kept = (full_decoder + ".", full_head + ".")
     skipped = {key for key in full.state_dict() if not key.startswith(kept)}
+    # A tower: the outermost module of a skipped key off the way to the decoder and head (model.language_model).
+    on_the_way = {prefix for path in (full_decoder, full_head) for prefix in _prefixes(path)}
+    towers = frozenset(next(p for p in _prefixes(key) if p not in on_the_way) for key in skipped)
     del full
     with torch.device("meta"):
         causal = causal_class._from_config(text)
@@ -111,7 +127,13 @@ def text_only(config) -> TextOnly | None:
     for source, target in ((full_decoder, causal_decoder), (full_head, causal_head)):
         if source != target:
             mapping["^" + re.escape(source) + r"\."] = target + "."
-    return TextOnly(causal_class, text, mapping, skipped)
+    return TextOnly(causal_class, text, mapping, skipped, towers)
+
+
+def _prefixes(path: str) -> list[str]:
+    """`a.b.c` -> `a`, `a.b`, `a.b.c`: the modules on the way to `path`, outermost first."""
+    parts = path.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
 
 
 def module_path(root, module) -> str:

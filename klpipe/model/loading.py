@@ -207,12 +207,14 @@ def weights_fingerprint(spec: ModelSpec, config) -> str | None:
 
 
 def load_model(spec: ModelSpec):
-    """(model, input device, dtype): the causal LM of `spec` in eval mode, gradients off, on its device.
+    """(model, input device, dtype, text-only plan or None): the causal LM of `spec` in eval mode, gradients off, on
+    its device.
 
     A multimodal checkpoint (the hub's Gemma 4: `...ForConditionalGeneration` with a `text_config`)
-    loads as its text decoder and head alone (see `text_only`): the vision and audio towers are
-    never read, and the text model's own forward (Gemma 4's skips its KV-shared layers for positions
-    nobody needs) is the one that runs.
+    loads as its text decoder and head alone (see `text_only`, the plan returned: an adapter saved over
+    the full model is renamed by it too, lora.py): the vision and audio towers are never read, and the
+    text model's own forward (Gemma 4's skips its KV-shared layers for positions nobody needs) is the
+    one that runs.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -249,7 +251,7 @@ def load_model(spec: ModelSpec):
             model.set_experts_implementation("eager")  # the grouped-matmul expert kernels take no fp64
     model.eval()
     model.requires_grad_(False)
-    return model, device, dtype
+    return model, device, dtype, plan
 
 
 # transformers' own words when a hybrid layer's kernel package is missing (integrations/hub_kernels.py).

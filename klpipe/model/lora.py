@@ -8,9 +8,14 @@ forward hook that, while its adapter is the active one, adds PEFT's update to th
     DoRA   y = W x + b + (f − 1) · W x + f · s · B (A x)              f = m / ‖W + s·B A‖ per output row
 
 which is PEFT's `lora.Linear.forward` in eval (no dropout), the update in the adapter's fp32 as PEFT's
-`autocast_adapter_dtype` keeps it, and f computed once (the base weights are frozen). `modules_to_save` (a trained
-copy of a module, the LM head most often) is the adapter's tensors swapped in as the module's parameters while its
-side is active: parameter objects exchanged, no arithmetic, so switching back gives the base exactly.
+`autocast_adapter_dtype` keeps it (fp64 in an fp64 model: wide.py's fp64 all the way through), and f computed once
+(the base weights are frozen). `modules_to_save` (a trained copy of a module, the LM head most often) is the
+adapter's tensors swapped in as the module's parameters while its side is active: parameter objects exchanged, no
+arithmetic, so switching back gives the base exactly.
+
+An adapter saved over a multimodal checkpoint (PEFT over the hub's Gemma4ForConditionalGeneration) names the full
+model's modules: its keys are renamed to the text model's as the checkpoint's are (architecture.TextOnly), and what
+it holds for the vision and audio towers, which text rows never run, is left out, noted.
 
 The hooks fire wherever the module runs: rows run whole, packed, the prefix tree's passes. The tree's caches live
 for one `run_plan` (model/attention/tree.py), run under one side, so no side ever reads the other's keys and values.
@@ -38,10 +43,10 @@ LORA_KEYS = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight
 class LoraUpdate:
     """One adapter's update of one Linear."""
 
-    down: torch.Tensor  # A: (r, in), fp32
-    up: torch.Tensor  # B: (out, r), fp32
+    down: torch.Tensor  # A: (r, in), fp32 (fp64 in an fp64 model)
+    up: torch.Tensor  # B: (out, r), as A
     scaling: float
-    dora: torch.Tensor | None = None  # f = m / ‖W + s·B A‖ per output row: (out,), fp32; None for LoRA
+    dora: torch.Tensor | None = None  # f = m / ‖W + s·B A‖ per output row: (out,), as A; None for LoRA
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Adapter:
     path: str
     updates: dict[str, LoraUpdate] = field(default_factory=dict)  # module path -> update
     saved: dict[str, dict[str, torch.nn.Parameter]] = field(default_factory=dict)  # module path -> name -> tensor
+    towers: set[str] = field(default_factory=set)  # the multimodal checkpoint's tower modules it adapts or saves
 
 
 class Adapters:
@@ -64,21 +70,27 @@ class Adapters:
         self.default = default  # the side forwards run under outside `use` (the reference's)
         self._base: dict[str, dict[str, torch.nn.Parameter]] = {}  # modules_to_save: the base's own parameters
         self._hooked: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self.notes: list[str] = []  # one log line for each adapter whose towers' modules were left out
 
     @property
     def module_paths(self) -> set[str]:
         """Every module an adapter changes (compiled.py leaves them eager: a hook or a swap per side)."""
         return {path for adapter in self.adapters.values() for path in (*adapter.updates, *adapter.saved)}
 
-    def add(self, name: str, path: str, config: dict, weight_of=None, device=None) -> None:
+    def add(self, name: str, path: str, config: dict, weight_of=None, device=None, text_only=None) -> None:
         """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
         until `activate` (or `use`) names it.
 
         A streamed model's Linears hold meta weights between forwards (streamed.py): `device` is where they compute,
         and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA layer's
-        norm reads (streamed.py loads its layer). By default, each Linear's own weight and its device."""
-        adapter = read(name, path, config, self.model, weight_of, device)
+        norm reads (streamed.py loads its layer). By default, each Linear's own weight and its device. `text_only`:
+        the plan the model was loaded by from a multimodal checkpoint (architecture.TextOnly), or None."""
+        adapter = read(name, path, config, self.model, weight_of, device, text_only)
         self.adapters[name] = adapter
+        if adapter.towers:
+            self.notes.append(f"{path}: {len(adapter.towers)} of its modules lie in the multimodal checkpoint's "
+                              f"towers and projectors ({', '.join(sorted(text_only.towers))}), which text rows never "
+                              "run: left out")
         modules = dict(self.model.named_modules())
         for module_path in adapter.updates:
             if module_path not in self._hooked:
@@ -128,13 +140,14 @@ class Adapters:
             self.activate(self.default)
 
 
-def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None, device=None) -> Adapters:
+def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None, device=None,
+           text_only=None) -> Adapters:
     """`adapters` ((name, folder, checked config)) hooked into `model`, `default` active; LoRA on the LM head refused
-    (the chunked head reads the head's weight, not its forward: the update would be lost). `weight_of`, `device`: as
-    Adapters.add's."""
+    (the chunked head reads the head's weight, not its forward: the update would be lost). `weight_of`, `device`,
+    `text_only`: as Adapters.add's."""
     attached = Adapters(model, default)
     for name, path, config in adapters:
-        attached.add(name, path, config, weight_of, device)
+        attached.add(name, path, config, weight_of, device, text_only)
     attached.activate(default)
     head = model.get_output_embeddings()
     adapted_head = [a.path for a in attached.adapters.values() if any(model.get_submodule(p) is head for p in a.updates)]
@@ -144,15 +157,18 @@ def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_
     return attached
 
 
-def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None, device=None) -> Adapter:
+def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None, device=None,
+         text_only=None) -> Adapter:
     """The adapter's tensors, checked against the model: every key a Linear's update or a module's replacement of
     the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks).
-    `weight_of`, `device`: as Adapters.add's."""
+    Keys in a multimodal checkpoint's names are the text model's by `text_only`'s renaming, its towers' left out.
+    `weight_of`, `device`, `text_only`: as Adapters.add's."""
     from safetensors import safe_open
 
     adapter = Adapter(name, path)
     modules = dict(model.named_modules())
     dtype = next(model.parameters()).dtype
+    update_dtype = torch.promote_types(dtype, torch.float32)  # fp32 as PEFT keeps updates, fp64 in an fp64 model
     parts: dict[str, dict[str, torch.Tensor]] = {}
     to_save = tuple(config.get("modules_to_save") or ())
     file = Path(path).expanduser() / WEIGHTS_FILE
@@ -163,6 +179,11 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
         raise ModelError(f"{file}: cannot read the adapter's weights ({exc})") from None
     for key, tensor in tensors.items():
         local = key.removeprefix(PREFIX)
+        if text_only is not None and text_only.outside(local):  # a tower's, or its projector's
+            match = LORA_KEYS.match(local)
+            adapter.towers.add(match["module"] if match is not None else local.rpartition(".")[0])
+            continue
+        local = text_only.text_key(local) if text_only is not None else local
         match = LORA_KEYS.match(local)
         if match is not None:
             parts.setdefault(match["module"], {})[match["part"].split(".")[0]] = tensor
@@ -185,17 +206,21 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
             replacement = torch.nn.Parameter(tensor.to(dtype=dtype, device=current.device), requires_grad=False)
             adapter.saved.setdefault(module_path, {})[attribute] = replacement
             continue
-        raise ModelError(f"{path}: holds {key}, which klpipe does not apply (LoRA on Linear layers and "
+        what = f"a trained bias (bias={config.get('bias')!r}), which" if attribute == "bias" else "which"
+        raise ModelError(f"{path}: holds {key}, {what} klpipe does not apply (LoRA on Linear layers and "
                          "modules_to_save only; merge it with PEFT's merge_and_unload and pass the merged model)")
     for module_path, found in sorted(parts.items()):
         adapter.updates[module_path] = _update(path, module_path, found, config, modules.get(module_path),
-                                               weight_of or (lambda _, module: module.weight), device)
+                                               weight_of or (lambda _, module: module.weight), device,
+                                               update_dtype)
     if not adapter.updates and not adapter.saved:
-        raise ModelError(f"{path}: holds no LoRA weights")
+        towers = " but its multimodal checkpoint's towers' and projectors', which text rows never run"
+        raise ModelError(f"{path}: holds no LoRA weights" + (towers if adapter.towers else ""))
     return adapter
 
 
-def _update(path: str, module_path: str, found: dict, config: dict, module, weight_of, device) -> LoraUpdate:
+def _update(path: str, module_path: str, found: dict, config: dict, module, weight_of, device,
+            dtype: torch.dtype) -> LoraUpdate:
     if not isinstance(module, torch.nn.Linear):
         what = "no such module" if module is None else type(module).__name__
         raise ModelError(f"{path}: adapts {module_path}, which in the base model is {what}: an adapter for another "
@@ -203,7 +228,7 @@ def _update(path: str, module_path: str, found: dict, config: dict, module, weig
     if "lora_A" not in found or "lora_B" not in found:
         raise ModelError(f"{path}: {module_path} has {' and '.join(sorted(found))} only; an update needs lora_A and "
                          "lora_B")
-    down, up = found["lora_A"].float(), found["lora_B"].float()  # (r, in), (out, r)
+    down, up = found["lora_A"].to(dtype), found["lora_B"].to(dtype)  # (r, in), (out, r)
     rank = down.shape[0]
     if down.ndim != 2 or up.ndim != 2 or down.shape[1] != module.in_features or up.shape != (module.out_features, rank):
         raise ModelError(f"{path}: {module_path}'s lora_A is {tuple(down.shape)} and lora_B {tuple(up.shape)}, for a "
@@ -223,8 +248,8 @@ def _update(path: str, module_path: str, found: dict, config: dict, module, weig
                              f"{module.out_features}")
         weight = weight_of(module_path, module)  # loaded
         with torch.no_grad():  # ‖W + s·B A‖ per output row, once: (out,)
-            norm = torch.linalg.vector_norm(weight.float() + scaling * (up @ down), dim=1)
-        dora = magnitude.float().to(device) / norm
+            norm = torch.linalg.vector_norm(weight.to(dtype) + scaling * (up @ down), dim=1)
+        dora = magnitude.to(dtype=dtype, device=device) / norm
     elif "lora_magnitude_vector" in found:
         raise ModelError(f"{path}: {module_path} holds a DoRA magnitude vector and its config says use_dora false")
     return LoraUpdate(down, up, float(scaling), dora)

@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import nullcontext
+import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from klpipe.errors import ModelError, first_line
+from klpipe.errors import KlpipeError, ModelError, first_line
 
 PROBE_LENGTH = 24
 # Why rows run by the model's own forward alone (ReferenceModel.own_forward), as the prefix tree's refusal says it.
 NOT_CAUSAL = "its forward is not causal: a position's logits move when later tokens are added"
 NO_HEAD = "no head klpipe can apply to hidden states reproduces its forward"
 CAUSAL_PROBE_LENGTH = 64  # check_causal's probe: non-causal attention shows only past a few dozen tokens
+KLPIPE_DIR = Path(__file__).resolve().parents[1]  # a failure raised in here is klpipe's bug, not the model's
+TORCH_DIR = Path(torch.__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -127,12 +131,44 @@ def oracle_row(reference) -> tuple[np.ndarray, np.ndarray]:
 def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
     prompt, response = oracle_row(reference)
-    try:
+    with failing_in_one_line(reference.model):  # the model's own code fails: nothing klpipe computes could be right
         return Oracle(np.concatenate([prompt, response]), own_rows(reference, [(prompt, response)])[0])
-    except Exception as exc:  # noqa: BLE001 - the model's own code fails: nothing klpipe computes could be right
-        cause = config_cause(reference.model) or f"{type(exc).__name__}: {first_line(exc)}"
-        name = type(reference.model).__name__
-        raise ModelError(f"{name}: its own forward fails on a probe sequence ({cause})") from None
+
+
+@contextmanager
+def failing_in_one_line(model):
+    """Within: a probe's forward of `model`; its failure said in one line (forward_failure), the exception it
+    replaces kept as its context (KLPIPE_DEBUG's traceback shows both)."""
+    try:
+        yield
+    except KlpipeError:
+        raise  # in its own words (a streamed layer's file that cannot be read)
+    except Exception as exc:  # noqa: BLE001 - every failure of a forward, said as what it is
+        raise forward_failure(model, exc)  # its context: the failure it replaces
+
+
+def forward_failure(model, exc: Exception) -> Exception:
+    """What a probe's forward failing with `exc` says: a klpipe bug (exit 1) where klpipe's own code raised it (an
+    adapter's hook: lora.py), else the model's own forward failing (exit 2)."""
+    what, name = f"{type(exc).__name__}: {first_line(exc)}", type(model).__name__
+    ours = raised_in_klpipe(exc)
+    if ours is not None:
+        return RuntimeError(f"klpipe bug: {ours} fails in {name}'s forward on a probe sequence ({what})")
+    return ModelError(f"{name}: its own forward fails on a probe sequence ({config_cause(model) or what})")
+
+
+def raised_in_klpipe(exc: BaseException) -> str | None:
+    """klpipe's file (`klpipe/model/lora.py`) where `exc` was raised, or None where the model's code raised it: the
+    innermost frame of its traceback outside torch's own Python code (a torch call fails in its caller's line) and
+    wide.py's fp64 mode (every torch call passes through it)."""
+    from klpipe.model.wide import passes_through
+
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        file = Path(frame.f_code.co_filename).resolve()
+        if passes_through(frame.f_code) or file.is_relative_to(TORCH_DIR):
+            continue
+        return str(file.relative_to(KLPIPE_DIR.parent)) if file.is_relative_to(KLPIPE_DIR) else None
+    return None
 
 
 def config_cause(model) -> str | None:

@@ -8,6 +8,7 @@ batch row (`score_batch`); rows that share prefixes run through a prefix tree (t
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -110,9 +111,10 @@ class ReferenceModel:
             from klpipe.model import streamed as streamed_model
 
             return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room)
-        model, device, dtype = loading.load_model(spec)
+        model, device, dtype, text_only = loading.load_model(spec)
         reference = cls(model, device, dtype)
-        reference.adapters = lora.attach(model, adapters, default) if adapters else None
+        reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None
+        reference.notes.extend(reference.adapters.notes if adapters else ())  # a multimodal adapter's towers left out
         with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
             reference.check_head()
         reference.slow_kernels = tuple(missing)
@@ -122,8 +124,6 @@ class ReferenceModel:
 
     def side(self, name: str | None):
         """Within: forwards run with adapter `name` active (None: the weights alone); outside, the default side."""
-        from contextlib import nullcontext
-
         return self.adapters.use(name) if self.adapters is not None else nullcontext()
 
     def check_sides(self) -> None:
@@ -136,7 +136,9 @@ class ReferenceModel:
                 continue
             ids = self.oracle.ids
             with self.side(name):  # the oracle's forward with klpipe's attention taken out, as check_head's was
-                found = probes.gap(self, probes.Oracle(ids, self.own_logprobs([(ids[:1], ids[1:])])[0]))
+                with probes.failing_in_one_line(self.model):
+                    own = self.own_logprobs([(ids[:1], ids[1:])])[0]
+                found = probes.gap(self, probes.Oracle(ids, own))
             if found > self.probe_tolerance:
                 raise ModelError(f"{adapter.path}: klpipe's logprobs with the adapter on differ from the model's own "
                                  f"forward by {found:.3g}")
@@ -252,8 +254,6 @@ class ReferenceModel:
 
     def eager(self):
         """Within: the compiled modules, if any, run their eager forward (the model's own, as loaded)."""
-        from contextlib import nullcontext
-
         return self.compiled.eager() if self.compiled is not None else nullcontext()
 
     @property

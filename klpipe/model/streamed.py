@@ -38,8 +38,9 @@ def _build(spec):
 
 
 def load(spec):
-    """(model, input device, dtype, LayerMajor): `spec`'s causal LM with its decoder layers streamed from its files.
-    What loading.load_model does for the model in memory, checked the same way; refuses what does not stream yet."""
+    """(model, input device, dtype, LayerMajor, text-only plan or None): `spec`'s causal LM with its decoder layers
+    streamed from its files. What loading.load_model does for the model in memory, checked the same way; refuses what
+    does not stream yet."""
     refused = "--trust-remote-code" if spec.trust_remote_code else None
     if refused is None:
         try:
@@ -53,7 +54,7 @@ def load(spec):
                          f"with {refused} yet")
     store = WeightStore(model, weights_directory(spec), dtype, plan.key_mapping if plan is not None else None,
                         frozenset(plan.skipped) if plan is not None else frozenset(), device)
-    return model, device, dtype, LayerMajor(store)
+    return model, device, dtype, LayerMajor(store), plan
 
 
 # The LM head's fp32 blocks on CPU (head.py: 1,024 x 4,096 fp32), its running sums and a gathered copy of the hidden
@@ -208,7 +209,7 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     if compile == "on":
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
                          "with --compile on yet")
-    model, device, dtype, streamer = load(spec)
+    model, device, dtype, streamer, text_only = load(spec)
     streamer.trim_above = trim_above  # before the checks' forwards, which stream too
     streamer.spare, streamer.per_token = room
     model_ = cls(model, device, dtype)
@@ -228,7 +229,8 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
             return module.weight
 
         try:
-            model_.adapters = lora.attach(model, adapters, default, weight_of, device)
+            model_.adapters = lora.attach(model, adapters, default, weight_of, device, text_only)
+            model_.notes.extend(model_.adapters.notes)
         finally:
             streamer.release_all()
     with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so

@@ -35,6 +35,12 @@ class _Fp64(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def passes_through(code) -> bool:
+    """Whether `code` is the fp64 mode's own, which every torch call inside fp64() passes through (a traceback's
+    innermost frame when the call fails: probes.raised_in_klpipe looks past it)."""
+    return code is _Fp64.__torch_function__.__code__
+
+
 @contextmanager
 def fp64():
     """Every fp32 asked for inside is fp64 (this thread; factories without a dtype make fp64 in every thread while

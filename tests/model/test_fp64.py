@@ -4,8 +4,8 @@ chaos. Every path runs in fp64: rows run whole (packed or padded), the prefix tr
 its plain-torch kernel (the CPU flash kernel takes no fp64), and each kind of continuation (keys and values, Gated
 DeltaNet and Mamba-2 states, convolution windows).
 
-The architecture matrix's fast half runs in `make test`; its slow half and every family of the registry matrix
-(tests/matrix.py) are marked `fp64` and run in `make test-fp64`.
+The architecture matrix's fast half runs in `make test`; its slow half, every family of the registry matrix
+(tests/matrix.py) and LoRA adapters' sides (against PEFT's merge in fp64) are marked `fp64` and run in `make test-fp64`.
 """
 
 import json
@@ -130,6 +130,38 @@ def without_figures(record: dict) -> dict:
     """A record with the figures its reasons quote (a probe's max |Δ logprob|) left out: fp64 measures other ones."""
     return {key: re.sub(r"= [-+0-9.e]+", "= …", value) if isinstance(value, str) else value
             for key, value in record.items()}
+
+
+# -- LoRA adapters in fp64 ------------------------------------------------------------------------------
+
+ADAPTERS = {"lora": {"rank": 4}, "dora": {"rank": 4, "dora": True}, "head": {"rank": 2, "modules_to_save": ["lm_head"]}}
+
+
+@pytest.mark.fp64
+@pytest.mark.parametrize("case", sorted(ADAPTERS))
+def test_an_adapters_side_is_the_fp64_forward_of_peft_merge(tmp_path, case):
+    """An adapter over fp64 weights (model/lora.py): its update in fp64 too, each mode of its side within 1e-9 of the
+    fp64 forward of PEFT's own merge_and_unload done in fp64, and the base's side within 1e-9 of the base's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import TINY_LLAMA
+    from tests.model.test_lora import merged, save_adapter
+
+    adapter = save_adapter(TINY_LLAMA, tmp_path / case, **ADAPTERS[case])
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    reference = ReferenceModel.load(ModelSpec(str(TINY_LLAMA), dtype="float64", device="cpu"),
+                                    adapters=(("policy", str(adapter), config),))
+    reference.use_cascade()
+    exact = matrix.fp64_forward(merged(TINY_LLAMA, adapter, torch.float64), ROWS)
+    base = matrix.fp64_forward(AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=torch.float64).eval(), ROWS)
+    assert worst(exact, base) > 0.01  # the adapter moves the logprobs
+    for sharing in ("off", "on"):
+        with reference.side("policy"):
+            error = worst(chunk_logprobs(reference, ROWS, 96, 1.0, sharing, ForwardStats()), exact)
+        assert error <= EXACT, f"{case} {sharing}: {error:.3g} from PEFT's fp64 merge"
+        error = worst(chunk_logprobs(reference, ROWS, 96, 1.0, sharing, ForwardStats()), base)
+        assert error <= EXACT, f"{case} {sharing}, the base's side: {error:.3g} from the base's fp64 forward"
 
 
 # -- the fp32 tests' oracle ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tests.helpers import (
     ROLLOUTS,
     RUN_KLPIPE,
     TINY_GEMMA,
+    TINY_GEMMA_MM,
     TINY_LLAMA,
     Fp64Oracle,
     agent_rollouts,
@@ -59,11 +60,13 @@ def save_adapter(base: Path, directory: Path, rank: int = 4, targets=ATTENTION +
     return directory
 
 
-def merged(base: Path, adapter: Path):
-    """PEFT's own merge of the adapter into the base: the policy the oracle runs."""
+def merged(base: Path, adapter: Path, dtype: torch.dtype | None = None):
+    """PEFT's own merge of the adapter into the base: the policy the oracle runs. `dtype`: the base and the adapter in
+    it, the merge done in it (fp64: W + s·B A rounded in fp64, not in the adapter's fp32)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # PEFT's call of a transformers method deprecated in v6
-        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), adapter)
+        return (model if dtype is None else model.to(dtype)).merge_and_unload().eval()
 
 
 def run(tmp_path, inputs, model, policy, name="out.parquet", log=lambda message: None, **kwargs):
@@ -126,6 +129,43 @@ def test_both_columns_at_their_oracles_with_one_copy_of_the_base(tmp_path, qwen3
     assert mean_gap(table) > 0.05  # the adapter moves the logprobs: the policy is not the reference again
 
 
+# PEFT over the hub's Gemma 4 (Gemma4ForConditionalGeneration), its language model's MLPs by a regex as users write it.
+LANGUAGE_MLP = r".*language_model.*\.(gate_proj|up_proj|down_proj)"
+
+
+def test_adapters_saved_over_the_hubs_multimodal_gemma4(tmp_path):
+    # PEFT over the multimodal checkpoint names its modules (model.language_model.layers.N...), renamed to the text
+    # model's as the checkpoint's keys are; the reference's adapter trains its head too (tied to the embeddings in
+    # the checkpoint: PEFT's copy is the head's alone). all-linear adapts the vision and audio towers and their
+    # projectors too, which text rows never run: left out, in one line, and the policy is still PEFT's merge of all
+    # of it (towers included) run by the whole multimodal model's own forward on the text rows.
+    sft = save_adapter(TINY_GEMMA_MM, tmp_path / "sft", rank=4, targets=LANGUAGE_MLP, modules_to_save=["lm_head"],
+                       seed=1)
+    policy = save_adapter(TINY_GEMMA_MM, tmp_path / "policy", rank=4, targets="all-linear", seed=2)
+    keys = list(load_file(policy / "adapter_model.safetensors"))
+    language_model = "base_model.model.model.language_model."  # PEFT's prefix, then the full model's names
+    assert all(k.startswith(language_model + "layers.") or k == "base_model.model.lm_head.weight"
+               for k in load_file(sft / "adapter_model.safetensors"))
+    towers = {k.split(".")[3] for k in keys if not k.startswith(language_model)}
+    assert towers == {"audio_tower", "embed_audio", "embed_vision", "vision_tower"}, towers  # what is left out
+    lines = []
+    summary = run(tmp_path, [bare_rollouts(tmp_path)], sft, policy, log=lines.append, prefix_sharing="auto",
+                  chunk_rows=5)
+    table = pq.read_table(summary.output)
+    assert_at_oracle(table, "ref_logprobs", merged(TINY_GEMMA_MM, sft))
+    assert_at_oracle(table, "policy_logprobs", merged(TINY_GEMMA_MM, policy))
+    assert mean_gap(table) > 0.05
+    left_out = [line for line in lines if "towers" in line]
+    tower_modules = {k.split(".lora_")[0] for k in keys if k.split(".")[3] in towers}
+    assert left_out == [(f"{policy}: {len(tower_modules)} of its modules lie in the multimodal checkpoint's towers and "
+                         "projectors (model.audio_tower, model.embed_audio, model.embed_vision, model.vision_tower), "
+                         "which text rows never run: left out")], lines
+    # An adapter of the towers alone changes no text row: refused, saying so.
+    towers_only = save_adapter(TINY_GEMMA_MM, tmp_path / "towers", rank=2, targets=r".*vision_tower.*\.q_proj\.linear")
+    with pytest.raises(ModelError, match="holds no LoRA weights but its multimodal checkpoint's towers'"):
+        run(tmp_path, [bare_rollouts(tmp_path)], TINY_GEMMA_MM, towers_only, name="towers.parquet")
+
+
 def test_rslora_and_per_module_rank_and_alpha(tmp_path):
     # rsLoRA scales by alpha / sqrt(r), and rank_pattern / alpha_pattern give some modules their own r and alpha:
     # each a scale that, read wrong, moves the policy's logprobs silently. Held to PEFT's merge of the same folder.
@@ -136,6 +176,55 @@ def test_rslora_and_per_module_rank_and_alpha(tmp_path):
     table = pq.read_table(run(tmp_path, [bare_rollouts(tmp_path)], TINY_LLAMA, adapter, chunk_rows=5).output)
     assert_at_oracle(table, "policy_logprobs", merged(TINY_LLAMA, adapter))
     assert mean_gap(table) > 0.05
+
+
+def test_adapters_under_dtype_float64(tmp_path):
+    # --dtype float64 (model/wide.py): each side's update in fp64 too, an SFT adapter as the reference and a DoRA
+    # adapter with a trained head as the policy. The cache holds the fp64 forward of PEFT's fp64 merge of each,
+    # rounded to float32 (within 1e-9 of it before rounding: tests/model/test_fp64.py holds the adapters there).
+    from tests.matrix import EXACT, fp64_forward
+
+    sft = save_adapter(TINY_LLAMA, tmp_path / "sft", rank=8, targets=MLP, seed=1)
+    dora = save_adapter(TINY_LLAMA, tmp_path / "dora", rank=4, dora=True, modules_to_save=["lm_head"], seed=2)
+    table = pq.read_table(run(tmp_path, [bare_rollouts(tmp_path)], sft, dora, dtype="float64", prefix_sharing="on",
+                              chunk_rows=5).output)
+    assert json.loads(table.schema.metadata[b"klpipe"])["dtype"] == "float64"
+    rows = [(np.array(r["prompt_ids"]), np.array(r["response_ids"])) for r in table.to_pylist()]
+    for column, adapter in (("ref_logprobs", sft), ("policy_logprobs", dora)):
+        exact = fp64_forward(merged(TINY_LLAMA, adapter, torch.float64), rows)
+        for got, want in zip(table.column(column).to_pylist(), exact, strict=True):
+            got = np.array(got, dtype=np.float64)
+            assert got.shape == want.shape
+            assert np.all(np.abs(got - want) <= np.spacing(np.abs(want).astype(np.float32)) / 2 + EXACT), column
+    assert mean_gap(table) > 0.05
+
+
+# An adapter's update one input column short: its hook, in klpipe/model/lora.py, fails on the load-time probe.
+BROKEN_UPDATE = """
+import sys
+from klpipe.model import lora
+update = lora._update
+def broken(*args, **kwargs):
+    found = update(*args, **kwargs)
+    found.down = found.down[:, 1:]
+    return found
+lora._update = broken
+"""
+
+
+def test_a_failure_in_klpipes_adapter_code_is_a_klpipe_bug(tmp_path):
+    # --model ADAPTER: the adapter is on while the probe runs the model's own forward, in fp64 through wide.py's mode
+    # too (every torch call's innermost frame). What fails there in klpipe's own code is klpipe's bug (exit 1), never
+    # the model's forward failing (exit 2).
+    adapter = save_adapter(TINY_LLAMA, tmp_path / "adapter", rank=2)
+    output = tmp_path / "out.parquet"
+    result = run_python(BROKEN_UPDATE + RUN_KLPIPE, "precompute", "--model", str(adapter), str(bare_rollouts(tmp_path)),
+                        "-o", str(output), "--device", "cpu", "--progress", "none", "--dtype", "float64")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("Error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "klpipe bug: klpipe/model/lora.py fails in LlamaForCausalLM's forward" in result.stderr, result.stderr
+    assert "its own forward fails" not in result.stderr
+    assert not list(tmp_path.glob("out.parquet*"))
 
 
 @pytest.mark.slow
@@ -380,7 +469,7 @@ def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
     from klpipe.model import ModelSpec, lora, streamed
 
     adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj"], dora=dora)
-    model, device, _, streamer = streamed.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    model, device, _, streamer, _ = streamed.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
     store, asked = streamer.store, []
 
     def weight_of(module_path, module):
