@@ -27,14 +27,25 @@ INERT = {"target_modules", "exclude_modules", "layers_to_transform", "layers_pat
          "lora_dropout", "inference_mode", "auto_mapping", "peft_version", "loftq_config", "eva_config",
          "corda_config", "lora_ga_config", "megatron_core", "qalora_group_size", "bias", "fan_in_fan_out",
          "lora_bias", "ensure_weight_tying"}
-# Fields that must hold these values (PEFT's defaults), or the adapter computes something klpipe does not.
-REQUIRED = {"bias": "none", "fan_in_fan_out": False, "lora_bias": False, "ensure_weight_tying": False}
+# Fields that must hold these values (PEFT's defaults), or the adapter computes something klpipe does not. Not `bias`:
+# its trained biases are tensors in the file, refused there (model/lora.py); a base without biases saves none.
+REQUIRED = {"fan_in_fan_out": False, "lora_bias": False, "ensure_weight_tying": False}
+MODEL_CONFIG = "config.json"  # what every model folder holds
 CAUSAL_TASKS = (None, "CAUSAL_LM")
 
 
 def is_adapter(name: str | None) -> bool:
     """Whether `name` is a local PEFT adapter folder (hub adapters: download the folder first)."""
     return name is not None and (Path(name).expanduser() / CONFIG_FILE).is_file()
+
+
+def refuse_bare_weights(option: str, name: str | None) -> None:
+    """Refuse a folder holding an adapter's weights without its config (copied apart, say): no model folder either."""
+    root = Path(name).expanduser() if name is not None else None
+    if root is not None and (root / WEIGHTS_FILE).is_file() and not any(
+            (root / file).is_file() for file in (CONFIG_FILE, MODEL_CONFIG)):
+        raise ModelError(f"{option} {name}: holds an adapter's weights ({WEIGHTS_FILE}) without its {CONFIG_FILE}, "
+                         "which says its base, rank and scaling; copy it in from where PEFT saved the two together")
 
 
 def read_config(path: str) -> dict:
@@ -68,8 +79,31 @@ def read_config(path: str) -> dict:
 
 
 def recorded_base(path: str) -> str | None:
-    """The base model the adapter was trained on, as its config records it (None when it records none)."""
-    return read_config(path).get("base_model_name_or_path") or None
+    """The base model the adapter was trained on, as its config records it (None when it records none): a relative
+    path (TRL and PEFT record the path as the trainer was given it) found from here, else from the adapter's folder."""
+    recorded = read_config(path).get("base_model_name_or_path") or None
+    if recorded is None or Path(recorded).expanduser().is_absolute() or Path(recorded).is_dir():
+        return recorded
+    beside = Path(path).expanduser() / recorded
+    return str(beside.resolve()) if beside.is_dir() else recorded
+
+
+def base_to_load(option: str, path: str) -> str:
+    """The base model to load under the adapter at `path` (`option`): its recorded base, which a relative path must
+    lead to from here or from the adapter's folder (a hub id is looked up on the hub)."""
+    from klpipe.model.loading import is_local  # torch lives behind this import: the base loads next
+
+    base = recorded_base(path)
+    if base is None:
+        raise ModelError(f"{option} {path}: an adapter that records no base model (base_model_name_or_path in its "
+                         f"{CONFIG_FILE})")
+    found = Path(base).expanduser()
+    if is_local(base) and not found.is_absolute() and not found.is_dir():
+        remedy = ("pass the base as --model" if option == "--policy" else
+                  f"set base_model_name_or_path in its {CONFIG_FILE} to the base's path")
+        raise ModelError(f"{option} {path}: records its base model as {base}, a relative path found neither from "
+                         f"here nor from the adapter's folder; {remedy}")
+    return base
 
 
 def check_base(option: str, path: str, base: str, base_fingerprint: str | None, fingerprint_of) -> None:

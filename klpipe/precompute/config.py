@@ -215,6 +215,7 @@ class PrecomputeConfig:
         """Without --model, the reference is the base an adapter --policy records (TRL's reference in a LoRA run)."""
         from klpipe.precompute import adapters
 
+        adapters.refuse_bare_weights("--policy", self.policy)
         base = adapters.recorded_base(self.policy) if adapters.is_adapter(self.policy) else None
         if base is None:
             raise InputError("--model is required" + ("" if self.policy is None else

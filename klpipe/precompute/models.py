@@ -41,13 +41,11 @@ def resolve(config: PrecomputeConfig) -> Models:
         return reference.ModelSpec(name=name, revision=revision, dtype=config.dtype, device=device,
                                    trust_remote_code=config.trust_remote_code)
 
+    adapters.refuse_bare_weights("--model", config.model)
+    adapters.refuse_bare_weights("--policy", config.policy)
     models = Models(spec(config.model, config.revision, config.device))
     if adapters.is_adapter(config.model):
-        base = adapters.recorded_base(config.model)
-        if base is None:
-            raise ModelError(f"--model {config.model}: an adapter that records no base model "
-                             f"(base_model_name_or_path in its {adapters.CONFIG_FILE})")
-        models.spec = spec(base, config.revision, config.device)
+        models.spec = spec(adapters.base_to_load("--model", config.model), config.revision, config.device)
         models.adapters.append((REFERENCE, config.model, _read(config, "--model", config.model)))
         models.reference_side = REFERENCE
     if adapters.is_adapter(config.policy):
@@ -56,6 +54,8 @@ def resolve(config: PrecomputeConfig) -> Models:
             if value is not None and not (option == "--policy-device" and value == config.device):
                 raise InputError(f"{option} does not apply to an adapter --policy: it runs on the reference's "
                                  "weights, on the reference's device")
+        if config.model == adapters.recorded_base(config.policy):  # no --model: the base it records, found
+            adapters.base_to_load("--policy", config.policy)
         fingerprint = base_fingerprint(models.spec)
         adapters.check_base("--policy", config.policy, models.spec.name, fingerprint, local_fingerprint)
         models.adapters.append((POLICY, config.policy, _read(config, "--policy", config.policy)))
