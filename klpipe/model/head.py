@@ -84,6 +84,46 @@ class HeadBlocks:
                 "minimum": vocab_size * hidden_size * weight_bytes / n + 4.0}
 
 
+@dataclass(frozen=True)
+class HeadView:
+    """One head's weight, bias and logit transforms, fixed: what a vocabulary block of its logits is made of. Held
+    apart from LMHead so that two sides' heads (the reference's and an adapter policy's modules_to_save, one module)
+    can be applied side by side (joint_head.py)."""
+
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    multiplier: float  # Cohere's logit_scale, over Granite's logits_scaling
+    softcap: float | None  # Gemma 2/3/4's final_logit_softcapping
+
+    def transform(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The model's logit transforms and the temperature, in place on fp32 `logits` (any shape)."""
+        scale = self.multiplier
+        if self.softcap:
+            # c · tanh(m·z / c) / T: the multiplier and 1/c in one pass, c/T in another.
+            logits.mul_(scale / self.softcap).tanh_().mul_(self.softcap / temperature)
+        elif scale / temperature != 1.0:
+            logits.mul_(scale / temperature)
+        return logits
+
+    def block(self, hidden: torch.Tensor, start: int, stop: int, temperature: float,
+              weight: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, stop - start) fp32 transformed logits of vocabulary block [start, stop), accumulated in fp32; `weight`:
+        those rows of the weight where they were read from elsewhere (a streamed head's block)."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        rows = self.weight[start:stop] if weight is None else weight
+        return self.transform(_fp32_matmul(hidden, rows, bias), temperature)
+
+    def targets(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(M,) fp32 transformed logits of each (hidden state, target) pair: one fp32 dot product each; `weight_rows`:
+        the targets' rows of the weight where they were read from elsewhere."""
+        rows = (self.weight[targets] if weight_rows is None else weight_rows).float()  # (M, H)
+        logits = torch.einsum("mh,mh->m", hidden.float(), rows)
+        if self.bias is not None:
+            logits += self.bias[targets].float()
+        return self.transform(logits, temperature)
+
+
 class LMHead:
     """A causal LM's own output layer and logit transforms, as logprobs of chosen targets."""
 
@@ -148,28 +188,9 @@ class LMHead:
             return blocked_logprobs(self._logits, self.rows, self.weight.device, hidden, targets, temperature, rows)
         return fused_logprobs(self, hidden, targets, temperature, rows)
 
-    def _transform(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """The model's logit transforms and the temperature, in place on fp32 `logits` (any shape)."""
-        scale = self.logit_multiplier
-        if self.softcap:
-            # c · tanh(m·z / c) / T: the multiplier and 1/c in one pass, c/T in another.
-            logits.mul_(scale / self.softcap).tanh_().mul_(self.softcap / temperature)
-        elif scale / temperature != 1.0:
-            logits.mul_(scale / temperature)
-        return logits
-
-    def _block_logits(self, hidden: torch.Tensor, start: int, stop: int, temperature: float) -> torch.Tensor:
-        """(n, stop - start) fp32 transformed logits of vocabulary block [start, stop), accumulated in fp32."""
-        bias = None if self.bias is None else self.bias[start:stop]
-        return self._transform(_fp32_matmul(hidden, self.weight[start:stop], bias), temperature)
-
-    def _target_logits(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        """(M,) fp32 transformed logits of each (hidden state, target) pair: one fp32 dot product each."""
-        rows = self.weight[targets].float()  # (M, H)
-        logits = torch.einsum("mh,mh->m", hidden.float(), rows)
-        if self.bias is not None:
-            logits += self.bias[targets].float()
-        return self._transform(logits, temperature)
+    def view(self) -> HeadView:
+        """The head as it stands now: the weight in place (an adapter's where its side is active) and its transforms."""
+        return HeadView(self.weight, self.bias, self.logit_multiplier, self.softcap)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, V) fp32 logits of (n, H) hidden states, transformed as the model does (the row-blocked head)."""
@@ -216,13 +237,13 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
         hidden = hidden.to(head.weight.dtype)
     if not hidden.is_cuda and hidden.dtype != torch.float32:
         hidden = hidden.float()  # CPU: widened once for every vocabulary block (_fp32_matmul would each time)
-    blocks, vocab = head.blocks, head.vocab_size
+    blocks, vocab, view = head.blocks, head.vocab_size, head.view()
     for start in range(0, n, blocks.rows):
         part = hidden[start:start + blocks.rows]  # (r, H)
         best = torch.full((part.shape[0],), -torch.inf, dtype=torch.float32, device=device)  # (r,) running max
         total = torch.zeros(part.shape[0], dtype=torch.float32, device=device)  # (r,) Σ exp(z - best)
         for low in range(0, vocab, blocks.vocab):
-            logits = head._block_logits(part, low, min(low + blocks.vocab, vocab), temperature)  # (r, v) fp32
+            logits = view.block(part, low, min(low + blocks.vocab, vocab), temperature)  # (r, v) fp32
             new_best = torch.maximum(best, logits.amax(dim=1))
             total.mul_(torch.exp(best - new_best))  # rescale what was summed under the old max (0 at first)
             total.add_(logits.sub_(new_best[:, None]).exp_().sum(dim=1))
@@ -233,7 +254,7 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
     else:
         rows = rows.to(device, non_blocking=True)
         picked = hidden[rows]  # (M, H)
-    out = head._target_logits(picked, targets, temperature) - lse[rows]  # (M,)
+    out = view.targets(picked, targets, temperature) - lse[rows]  # (M,)
     return to_host(out)
 
 
@@ -254,27 +275,24 @@ def streamed_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor,
     best = torch.full((n,), -torch.inf, dtype=torch.float32)  # (N,) running max
     total = torch.zeros(n, dtype=torch.float32)  # (N,) Σ exp(z - best)
     target_logits = torch.full((targets.shape[0],), torch.nan, dtype=torch.float32)  # (M,) each set by its block
-    bias = head.bias
+    view = head.view()
     for low, block in head.streamed.blocks(hidden.device, multiple=width):  # (r, H) rows low .. low + r - 1
         for sub in range(0, block.shape[0], width):
             part_weight = block[sub:sub + width]
             start_col = low + sub
-            part_bias = None if bias is None else bias[start_col:start_col + part_weight.shape[0]]
             for start in range(0, n, blocks.rows):
                 part = hidden[start:start + blocks.rows]  # (r, H)
-                logits = head._transform(_fp32_matmul(part, part_weight, part_bias), temperature)  # (r, v) fp32
+                logits = view.block(part, start_col, start_col + part_weight.shape[0], temperature,
+                                    part_weight)  # (r, v) fp32
                 end = start + part.shape[0]
                 new_best = torch.maximum(best[start:end], logits.amax(dim=1))
                 total[start:end].mul_(torch.exp(best[start:end] - new_best))
                 total[start:end].add_(logits.sub_(new_best[:, None]).exp_().sum(dim=1))
                 best[start:end] = new_best
         inside = torch.nonzero((targets >= low) & (targets < low + block.shape[0])).flatten()  # (m,)
-        if len(inside):
-            picked = block[targets[inside] - low].float()  # (m, H) the targets' rows of the weight
-            logits = torch.einsum("mh,mh->m", hidden[rows[inside]].float(), picked)
-            if bias is not None:
-                logits += bias[targets[inside]].float()
-            target_logits[inside] = head._transform(logits, temperature)
+        if len(inside):  # the targets' rows of the weight, off this block
+            target_logits[inside] = view.targets(hidden[rows[inside]], targets[inside], temperature,
+                                                 block[targets[inside] - low])
     return target_logits - (best + torch.log(total))[rows]
 
 

@@ -57,8 +57,8 @@ def test_a_wrong_attention_substitute_is_dropped_with_one_line(monkeypatch):
 
 
 def test_a_wrong_head_substitute_is_dropped_for_the_models_own_head(monkeypatch):
-    right = head.LMHead._transform  # the fused head's logit transforms, of every block and every target
-    monkeypatch.setattr(head.LMHead, "_transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))  # wrong
+    right = head.HeadView.transform  # the fused head's logit transforms, of every block and every target
+    monkeypatch.setattr(head.HeadView, "transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))  # wrong
     reference = load()
     assert isinstance(reference.head, head.ModelHead)
     assert len(reference.notes) == 1 and reference.notes[0].startswith(
