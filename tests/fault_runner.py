@@ -172,9 +172,9 @@ def _install(inj: _Injector) -> None:
     # Always traced: which chunks were committed before a fault.
     original_write_chunk = workdir.WorkDir.write_chunk
 
-    def write_chunk(self, tokenized, logprobs, policy_logprobs=None):
+    def write_chunk(self, tokenized, *args, **kwargs):
         with inj.commit_lock:
-            original_write_chunk(self, tokenized, logprobs, policy_logprobs)
+            original_write_chunk(self, tokenized, *args, **kwargs)
             inj.log(f"commit {tokenized.chunk.index}")
         if inj.reached("commit"):
             inj.fire()

@@ -497,10 +497,10 @@ def crash_at_chunk(monkeypatch, index: int = 2):
 
     real_write = WorkDir.write_chunk
 
-    def write_chunk(self, tokenized, logprobs, policy_logprobs=None):
+    def write_chunk(self, tokenized, *args, **kwargs):
         if tokenized.chunk.index == index:
             raise RuntimeError("simulated crash")
-        real_write(self, tokenized, logprobs, policy_logprobs)
+        real_write(self, tokenized, *args, **kwargs)
 
     with monkeypatch.context() as crashing:
         crashing.setattr(WorkDir, "write_chunk", write_chunk)

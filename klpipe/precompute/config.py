@@ -28,6 +28,10 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "tools", "tokenize", "add_genera
 
 OUTPUT_FORMATS = ("parquet", "atropos")
 
+# --ref-topk: NeMo-RL's and verl's distillation recipes read the teacher's top 64 / top 32; 256 ids and logprobs a
+# token are 2 KiB, already 2,000 times a logprob's size.
+MAX_TOPK = 256
+
 # --compile: torch.compile of the decoder layers' norms and MLPs (klpipe/model/compiled.py). auto: on for CUDA, where
 # those passes over activations cost about what the GEMMs do; off on CPU, where the compile (tens of seconds) costs
 # more than it wins (docs/precompute.md, "Compiled norms and MLPs").
@@ -148,6 +152,15 @@ class PrecomputeConfig:
              "(adapter_config.json + adapter_model.safetensors: TRL, Unsloth, verl, OpenRLHF), run on the "
              "reference's own weights with the adapter on, or a full model (hub id or local directory). It must "
              "share the reference's tokenizer.")
+    full_kl: bool = option(
+        True, flags=("--full-kl/--no-full-kl",), panel=POLICY_PANEL,
+        help="With --policy: also write the exact per-token KL over the whole vocabulary, both ways "
+             "(kl_policy_ref, kl_ref_policy), and both models' entropies, from the two heads applied together "
+             "(`klpipe score --estimator full` reads it).")
+    ref_topk: int = option(
+        0, metavar="K", panel=POLICY_PANEL,
+        help="Also write the reference's K most likely token ids and their logprobs per response token "
+             "(ref_topk_ids, ref_topk_logprobs), for distillation; at most 256. 0: none.")
     policy_revision: str | None = option(None, panel=POLICY_PANEL, help="Hub revision of the policy model.")
     policy_device: str | None = option(None, panel=POLICY_PANEL, show_default=False,
                                        help="Device of the policy model (cpu, cuda, cuda:N). Default: the reference's.")
@@ -225,6 +238,11 @@ class PrecomputeConfig:
     def __post_init__(self) -> None:
         if self.temperature <= 0:
             raise InputError("--temperature must be positive")
+        if not 0 <= self.ref_topk <= MAX_TOPK:
+            raise InputError(f"--ref-topk must be between 0 and {MAX_TOPK}, not {self.ref_topk}")
+        if self.ref_topk and self.output_format == "atropos":
+            raise InputError("--ref-topk writes list columns into the parquet cache; Atropos groups out carry "
+                             "ref_logprobs alone")
         if self.chunk_rows < 1:
             raise InputError("--chunk-rows must be at least 1")
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:

@@ -86,6 +86,8 @@ def provenance(config: PrecomputeConfig, models, model_config, tokenizer: str, r
         policy_revision=policy_revision(models, model_config, policy_config),
         policy_dtype=str(dtype).removeprefix("torch.") if config.policy is not None else None,
         sampler_source=sampler_source(config, rollouts),
+        full_kl=config.full_kl and config.policy is not None and config.output_format == "parquet",
+        ref_topk=config.ref_topk or None,
     )
 
 

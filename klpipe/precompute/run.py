@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from klpipe import cache, sharding
 from klpipe.atropos.reader import ATROPOS
@@ -28,7 +29,7 @@ from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.precompute import budget, provenance
 from klpipe.precompute.config import PrecomputeConfig
-from klpipe.precompute.logprobs import ForwardStats, packs_passes, plan_stats, run_plan
+from klpipe.precompute.logprobs import ForwardStats
 from klpipe.precompute.models import resolve as resolve_models
 from klpipe.precompute.rollouts import (
     CHAT,
@@ -37,6 +38,7 @@ from klpipe.precompute.rollouts import (
     iter_chunks,
     open_rollouts,
 )
+from klpipe.precompute.scorer import ChunkScorer, Joint
 from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.tokenize import ChunkTokenizer
 from klpipe.precompute.workdir import WorkDir
@@ -156,7 +158,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
         if len(done) < len(sizes):
             # Validate every row before loading gigabytes of weights: a bad row at the end of the
             # input should fail in seconds, not after hours of compute.
-            _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
+            tokens = _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
+            if config.ref_topk:
+                _check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
             load_started = time.perf_counter()
             trim_above = streamed.trim_above if streamed is not None else None
             # What the groups leave of the budget keeps layers loaded (streaming.py): none where the policy streams.
@@ -239,11 +243,42 @@ def _require_model_extra() -> None:
 
 
 def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tuple[int, int], done: set[int],
-                   stop: StopOnSignal) -> None:
-    """Tokenize and check every chunk not yet done; the first bad row raises."""
+                   stop: StopOnSignal) -> int:
+    """Tokenize and check every chunk not yet done; the first bad row raises. The response tokens they score."""
+    tokens = 0
     for chunk in iter_chunks(rollouts, chunk_rows, skip=done, rows=rows):
-        tokenize(chunk)
+        tokens += tokenize(chunk).scored_tokens()
         stop.check()
+    return tokens
+
+
+def _check_topk_room(k: int, rows: int, tokens: int, output: Location, work: WorkDir, log) -> None:
+    """--ref-topk's size said before any row, and refused where the disks cannot hold it: the checkpoints in the work
+    directory, then the merged cache beside them (on its own disk, or staged in the work directory for a store)."""
+    import shutil
+
+    from klpipe.storage.store import is_remote
+
+    size = tokens * k * 8  # an int32 id and a float32 logprob each
+    log(f"--ref-topk {k}: {rows:,} rows, {tokens:,} response tokens x {k} x 8 bytes = {_size(size)} of top-k "
+        "(before parquet's compression)")
+    places = [work.path, work.path if is_remote(output) else Path(output).parent]
+    need: dict[int, tuple[Path, int]] = {}
+    for place in places:
+        device = place.stat().st_dev
+        need[device] = (place, need.get(device, (place, 0))[1] + size)
+    for place, wanted in need.values():
+        free = shutil.disk_usage(place).free
+        if free < wanted:
+            raise OutputError(f"--ref-topk {k} would write {_size(wanted)} onto {place}, which has {_size(free)} free; "
+                              "lower --ref-topk or make room")
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size} bytes"
 
 
 def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
@@ -267,26 +302,29 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
                       sides=(policy_side,) if policy is model else ())
     if model.kernel_note:
         log(model.kernel_note)
+    policy_sharing = None
     if own is not None:
         # The two run one after the other, so each may hold the whole cache budget in turn.
         policy_sharing = Sharing(own, config.prefix_sharing, work.provenance.max_cache_mib if own.stream_cache_mib
                                  is None else own.stream_cache_mib, log)
         if own.kernel_note and own.kernel_note != model.kernel_note:
             log(own.kernel_note)
+    joint = Joint(exact=work.provenance.full_kl, topk=work.provenance.ref_topk or 0)
+    scorer = ChunkScorer(model, policy, policy_side, sharing, policy_sharing, config.temperature, max_tokens, joint)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
     try:
         chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
-        def read_ahead(chunk):  # in the read-ahead thread: tokenized rows and, where it can be made there, the plan
+        def read_ahead(chunk):  # in the read-ahead thread: tokenized rows and, where they can be made there, the plans
             tokenized = tokenize(chunk)
             pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
             needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
-            return tokenized, pairs, needed, sharing.plan_ahead(pairs, max_tokens, needed)
+            return tokenized, pairs, needed, scorer.plan_ahead(pairs, needed)
 
         def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk, as before
-            tokenized, logprobs, policy_logprobs = item
-            work.write_chunk(tokenized, logprobs, policy_logprobs)
+            tokenized, scored = item
+            work.write_chunk(tokenized, scored.ref_logprobs, scored.policy_logprobs, scored.extra)
             response_tokens = tokenized.scored_tokens()
             summary.rows += tokenized.num_rows
             summary.tokens += response_tokens
@@ -311,26 +349,14 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
                 writer.check()
 
             for tokenized, pairs, needed, ahead in stream:
-                if ahead is None or not sharing.current(ahead):  # not made ahead, or under a mode since changed
-                    ahead = sharing.plan(pairs, max_tokens, needed)
-                plan = ahead
-                plan_stats(plan, summary.forward, packs_passes(model))
-                logprobs = run_plan(model, plan, pairs, config.temperature, check)
-                policy_logprobs = None
-                if policy is model:  # the same weights, the policy's adapter on: the same plan, its own caches
-                    with model.side(policy_side):
-                        policy_logprobs = run_plan(model, plan, pairs, config.temperature, check)
-                elif own is not None:
-                    # One plan for both where the policy's architecture plans alike (a fine-tune of the reference).
-                    policy_plan = policy_sharing.plan_like(sharing, plan, pairs, max_tokens, needed)
-                    policy_logprobs = run_plan(own, policy_plan, pairs, config.temperature, check)
+                scored = scorer.score(pairs, needed, ahead, summary.forward, check)
                 for line in _compile_failures(model) + (_compile_failures(own) if own is not None else []):
                     log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager now
                 # The last chunk written first, then the check: a stop asked for during that write leaves this
                 # chunk unwritten, as it did when each write was followed by a check on this thread.
                 writer.wait_for_room()
                 check()
-                writer.submit((tokenized, logprobs, policy_logprobs))
+                writer.submit((tokenized, scored))
         # Here the last chunk is written (the block waits for it: the merge reads every chunk). A stop asked
         # for while it was written stops the run before the merge, as it did when the write was not behind.
         stop.check()

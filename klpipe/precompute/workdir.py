@@ -120,7 +120,21 @@ class WorkDir:
             if policy in schema.names:
                 schema = schema.remove(schema.get_field_index(policy))
             schema = schema.append(pa.field(policy, cache.REF_LOGPROBS_TYPE))
+        added = [(name, cache.REF_LOGPROBS_TYPE) for name in self.extra_columns if name in cache.FULL_KL_COLUMNS]
+        if self.provenance.ref_topk:
+            added += [(cache.REF_TOPK_IDS, cache.REF_TOPK_IDS_TYPE),
+                      (cache.REF_TOPK_LOGPROBS, cache.REF_TOPK_LOGPROBS_TYPE)]
+        for name, kind in added:
+            if name in schema.names:
+                raise InputError(f"{rollouts.files[0].path}: already has a {name} column, which this run writes")
+            schema = schema.append(pa.field(name, kind))
         return cache.schema_with_provenance(schema, self.provenance)
+
+    @property
+    def extra_columns(self) -> tuple[str, ...]:
+        """The joint head's columns this run writes (precompute/scorer.py), in the cache's order."""
+        return (cache.FULL_KL_COLUMNS if self.provenance.full_kl else ()) + (
+            (cache.REF_TOPK_IDS, cache.REF_TOPK_LOGPROBS) if self.provenance.ref_topk else ())
 
     def locked(self):
         return _Locked(self)
@@ -171,8 +185,10 @@ class WorkDir:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("chunk-*.parquet")}
 
     def write_chunk(self, tokenized: TokenizedChunk, logprobs: list[np.ndarray],
-                    policy_logprobs: list[np.ndarray] | None = None) -> None:
-        """Checkpoint a chunk: its rows, the reference's logprobs and, with --policy, the policy's."""
+                    policy_logprobs: list[np.ndarray] | None = None,
+                    extra: dict[str, list[np.ndarray]] | None = None) -> None:
+        """Checkpoint a chunk: its rows, the reference's logprobs and, with --policy, the policy's; `extra`: the joint
+        head's columns by name (a value per token, or K of them for the top-k's)."""
         column = _logprobs_column(logprobs, tokenized.mask)  # cache.REF_LOGPROBS_TYPE
         table = tokenized.table
         if policy_logprobs is not None:
@@ -187,6 +203,11 @@ class WorkDir:
         table = table.append_column(self.ref_logprobs, column)
         if policy_logprobs is not None:
             table = table.append_column(self.policy_logprobs, _logprobs_column(policy_logprobs, tokenized.mask))
+        for name in self.extra_columns:
+            values = (extra or {})[name]  # a missing column is a klpipe bug: never a chunk without it
+            column = (_topk_column(values, tokenized.mask, self.provenance.ref_topk) if name in _TOPK
+                      else _logprobs_column(values, tokenized.mask))
+            table = table.append_column(name, column)
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)
         with atomic_output(path) as tmp:
@@ -235,6 +256,20 @@ def _logprobs_column(logprobs: list[np.ndarray], mask: np.ndarray | None) -> pa.
     offsets = offsets_from_lengths([len(x) for x in logprobs])
     values = np.concatenate(logprobs).astype(np.float32, copy=False) if logprobs else np.zeros(0, np.float32)
     return list_array(offsets, values, valid=mask)
+
+
+_TOPK = (cache.REF_TOPK_IDS, cache.REF_TOPK_LOGPROBS)
+
+
+def _topk_column(values: list[np.ndarray], mask: np.ndarray | None, k: int) -> pa.Array:
+    """A list<list<...>> column of per-row (tokens, k) arrays: per token its k values, null where the mask is 0."""
+    offsets = offsets_from_lengths([len(x) for x in values])
+    flat = np.concatenate(values) if values else np.zeros((0, k))  # (tokens, k)
+    kind = np.int32 if flat.dtype.kind == "i" else np.float32
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, flat.size + 1, k, dtype=np.int32)),
+                                     pa.array(flat.astype(kind, copy=False).reshape(-1)),
+                                     mask=None if mask is None else pa.array(~mask.astype(bool)))
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32, copy=False)), inner)
 
 
 def _row_groups(path: Path):

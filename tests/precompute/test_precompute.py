@@ -284,7 +284,7 @@ def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
         streams.append(stream := real_prefetch(items, depth))
         return stream
 
-    def disk_full(self, tokenized, logprobs, policy_logprobs=None):
+    def disk_full(self, tokenized, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
     real_prefetch = precompute_module.prefetch
@@ -299,7 +299,7 @@ def test_a_failed_run_stops_its_reader_thread(tmp_path, monkeypatch):
 def test_the_model_runs_the_next_chunk_while_the_last_is_written(tmp_path, monkeypatch, models):
     """Write behind: chunk 0's write is held until the model has begun chunk 1, which it can only do if the
     write is off the model's thread. Writes stay in order, and the output and counts are those of the rows."""
-    from klpipe.precompute import run as precompute_module
+    from klpipe.precompute import scorer as precompute_module
     from klpipe.precompute.workdir import WorkDir
 
     chunks = -(-pq.read_metadata(ROLLOUTS).num_rows // 8)
@@ -312,11 +312,11 @@ def test_the_model_runs_the_next_chunk_while_the_last_is_written(tmp_path, monke
         began[len(calls) - 1].set()
         return real_run_plan(*args, **kwargs)
 
-    def held_write(self, tokenized, logprobs, policy_logprobs=None):
+    def held_write(self, tokenized, *args, **kwargs):
         if tokenized.chunk.index == 0:
             overlapped.append(began[1].wait(timeout=60))  # a write on the model's thread waits here in vain
         written.append((tokenized.chunk.index, threading.current_thread().name))
-        real_write(self, tokenized, logprobs, policy_logprobs)
+        real_write(self, tokenized, *args, **kwargs)
 
     monkeypatch.setattr(precompute_module, "run_plan", run_plan)
     monkeypatch.setattr(WorkDir, "write_chunk", held_write)
