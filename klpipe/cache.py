@@ -40,14 +40,14 @@ TOOLS = "tools"  # conversational rows: the tool schemas the chat template rende
 REF_LOGPROBS = "ref_logprobs"
 REF_LOGPROBS_TYPE = pa.list_(pa.float32())
 
-# Added by precompute --policy with the exact KL on: per response token, over the whole vocabulary of the
+# Added by precompute --policy with --full-kl (the exact KL): per response token, over the whole vocabulary of the
 # temperature-scaled distributions the rollouts were sampled from (π the policy, π_ref the reference), in nats;
 # null where the mask is 0, as ref_logprobs. Each is list<float32>, as REF_LOGPROBS_TYPE.
 KL_POLICY_REF = "kl_policy_ref"  # KL(π ‖ π_ref) = Σ_v π(v) (log π(v) − log π_ref(v)): the penalty's divergence
 KL_REF_POLICY = "kl_ref_policy"  # KL(π_ref ‖ π), the other direction
 POLICY_ENTROPY = "policy_entropy"  # H(π) = −Σ_v π(v) log π(v)
 REF_ENTROPY = "ref_entropy"  # H(π_ref)
-EXACT_COLUMNS = (KL_POLICY_REF, KL_REF_POLICY, POLICY_ENTROPY, REF_ENTROPY)
+FULL_KL_COLUMNS = (KL_POLICY_REF, KL_REF_POLICY, POLICY_ENTROPY, REF_ENTROPY)
 # Added by precompute --ref-topk K: per response token the reference's K most likely token ids and their
 # (temperature-scaled) logprobs, most likely first; null where the mask is 0.
 REF_TOPK_IDS = "ref_topk_ids"
@@ -97,8 +97,8 @@ class Provenance:
     # With --policy on rollouts that carry the sampler's logprobs: the rollouts' column they came from, kept in the
     # cache under the sampler_logprobs role (None: the rollouts had none, or --overwrite-policy-logprobs dropped them).
     sampler_source: str | None = None
-    # --policy with the exact KL: the cache holds EXACT_COLUMNS (False: not computed, or a cache from before them).
-    exact_kl: bool = False
+    # --policy with --full-kl: the cache holds FULL_KL_COLUMNS (False: not computed, or a cache from before them).
+    full_kl: bool = False
     ref_topk: int | None = None  # --ref-topk: the K of REF_TOPK_IDS and REF_TOPK_LOGPROBS (None: none written)
 
     # The fields that decide what the numbers in ref_logprobs (and, with --policy, policy_logprobs) are
