@@ -8,6 +8,7 @@ its per-row KLs are held until it closes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -30,11 +31,22 @@ class _OpenStep:
     tokens: int = 0  # response tokens
 
 
+class StepSection(Protocol):
+    """Figures measured beside the KL per controller step (score/sampler.py's mismatch, score/exact.py's exact KL):
+    each record batch is measured first, then its rows go to the step they belong to."""
+
+    def open_step(self) -> None: ...
+
+    def add_rows(self, start: int, stop: int) -> None: ...
+
+    def close_step(self) -> dict: ...
+
+
 class ControllerSteps:
     """Cuts the row stream into controller batches and hands each row its coefficient."""
 
     def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str],
-                 keep_rows: bool = False, sampler=None):
+                 keep_rows: bool = False, sections: dict[str, StepSection] | None = None):
         self.controller = controller
         self.has_steps = has_steps
         self.previous_last_step = previous_last_step
@@ -50,8 +62,8 @@ class ControllerSteps:
         self.keep_rows = keep_rows and not has_steps
         self.per_row_rewards: list[np.ndarray] = []
         self.per_row_tokens: list[np.ndarray] = []
-        # With a sampler column, a score.sampler.SamplerRun: each step's rows go to it, and its figures to the entry.
-        self.sampler = sampler
+        # By the key of the step entry that holds its figures: each step's rows go to it.
+        self.sections = sections or {}
 
     def coefficients(
         self, steps: pa.Array | None, kl: np.ndarray, reward: np.ndarray, negative_k1: np.ndarray, tokens: np.ndarray
@@ -82,8 +94,8 @@ class ControllerSteps:
             step.rewards.append(reward[start:end])
             step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
             step.tokens += int(np.sum(tokens[start:end]))
-            if self.sampler is not None:
-                self.sampler.add_rows(start, end)
+            for section in self.sections.values():
+                section.add_rows(start, end)
             coeffs[start:end] = step.kl_coeff
         return coeffs
 
@@ -106,8 +118,8 @@ class ControllerSteps:
                 "as a new controller batch, so its coefficients differ from scoring both runs together"
             )
         self.open = _OpenStep(label=label, kl_coeff=self.controller.kl_coeff)
-        if self.sampler is not None:
-            self.sampler.open_step()
+        for section in self.sections.values():
+            section.open_step()
         self.batch_count += 1
         self.last_label = label
 
@@ -120,8 +132,8 @@ class ControllerSteps:
         rewards = np.concatenate(step.rewards)
         entry = report.step_entry(step.label, kls, rewards, step.kl_coeff, step.negative_k1, step.tokens,
                                   self.controller)
-        if self.sampler is not None:
-            entry["mismatch"] = self.sampler.close_step()
+        for key, section in self.sections.items():
+            entry[key] = section.close_step()
         self.steps.append(entry)
 
     def finish(self) -> None:
