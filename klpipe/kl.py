@@ -4,6 +4,7 @@
 
     sequence_kl(policy_logprobs, ref_logprobs)               # one response: the clamped mean k1, in nats
     row_kl(policy, ref, offsets, estimator="k3").kl          # every row of flat arrays at once (numpy)
+    row_kl(policy, ref, offsets, estimator="full", exact=kl).kl  # the exact per-token KL, aggregated per row
     kl_divergence(policy_probs, reference_probs)             # two discrete distributions
     estimate_kl_from_samples(policy_texts, reference_texts, tokenizer)  # from samples' token counts
 

@@ -64,8 +64,10 @@ class ScoreConfig:
         300.0, metavar="SECONDS", panel=STATE_PANEL,
         help="How long to wait for another klpipe run that holds the --state file, then continue from the state "
              "it saved; past it, exit 75 (rerun later) having written nothing. 0: do not wait.")
-    estimator: Estimator = option("k1", panel=KL_PANEL,
-                                  help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1.")
+    estimator: Estimator = option(
+        "k1", panel=KL_PANEL,
+        help="Per-token KL: k1 = policy−ref, abs = |k1|, k2 = ½k1², k3 = exp(−k1)+k1−1; full = the exact KL over the "
+             "vocabulary, from a cache `klpipe precompute --policy` wrote it into (kl_policy_ref).")
     aggregate: Aggregate = option("mean", panel=KL_PANEL, help="Per-row aggregate over response tokens.")
     clamp: bool = option(True, flags=("--clamp/--no-clamp",), panel=KL_PANEL,
                          help="Clamp the per-row k1 at 0, so that a row whose policy sits below the reference is "
@@ -109,6 +111,10 @@ class ScoreConfig:
             raise InputError(f"unknown aggregate {self.aggregate!r}; choose one of {', '.join(AGGREGATES)}")
         if self.kl_from is not None and self.kl_from not in KL_FROM:
             raise InputError(f"unknown --kl-from {self.kl_from!r}; choose one of {', '.join(KL_FROM)}")
+        if self.estimator == "full" and self.kl_from == "sampler":
+            # The exact KL is of the distribution precompute --policy computed: the trainer's, never the sampler's.
+            raise InputError("--estimator full reads the exact KL of the policy model klpipe precompute --policy ran, "
+                             "not the sampler's: drop --kl-from sampler, or choose a sampled estimator")
         if self.batch_tokens < 1:
             raise InputError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
         if self.output_format not in OUTPUT_FORMATS:

@@ -9,6 +9,9 @@ The per-token estimators of KL(policy ‖ ref), with d = policy − ref on the s
     abs  |d|
     k2   ½·d²                     low variance, biased
     k3   exp(−d) + d − 1          unbiased and never negative (Schulman's k3)
+
+and `full`, which estimates nothing: the exact per-token KL(π ‖ π_ref) over the whole vocabulary, which
+`klpipe precompute --policy` computes (cache.KL_POLICY_REF), handed to `row_kl` as `exact`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Literal
 
 import numpy as np
 
-Estimator = Literal["k1", "abs", "k2", "k3"]
+Estimator = Literal["k1", "abs", "k2", "k3", "full"]
 Aggregate = Literal["mean", "sum"]
-ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3")
+ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "full")
+SAMPLED_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3")  # from the sampled token's two logprobs alone
 AGGREGATES: tuple[str, ...] = ("mean", "sum")
 
 # estimate_kl_from_samples: additive smoothing of token counts, the original controller's value.
@@ -55,6 +59,9 @@ def token_kl(diff: np.ndarray, estimator: Estimator) -> np.ndarray:
             out = np.expm1(-diff)
         out += diff
         return out
+    if estimator == "full":
+        raise ValueError("the full estimator is the exact KL over the vocabulary, not a function of policy − ref: "
+                         "pass its per-token values to row_kl as exact=")
     raise ValueError(f"unknown estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
 
 
@@ -80,10 +87,13 @@ def row_kl(
     aggregate: Aggregate = "mean",
     clamp: bool = True,
     per_token: bool = False,
+    exact: np.ndarray | None = None,
 ) -> RowKL:
     """Per-row KL from flat policy and reference logprobs that share the row `offsets`.
 
     `clamp` applies to k1 only, the original controller's `max(0, kl)`: the other estimators are never negative.
+    The `full` estimator aggregates `exact` (tokens,), the exact per-token KL(π ‖ π_ref) of the same tokens, which
+    is never negative either; the diagnostics (negative k1, largest gap) still come from policy − ref.
     An empty row has KL 0.
     """
     if aggregate not in AGGREGATES:
@@ -94,7 +104,13 @@ def row_kl(
     # max |d| from the row max and min: two cheap reductions instead of a full |d| array.
     max_abs_diff = np.maximum(row_reduce(np.maximum, diff, offsets), -row_reduce(np.minimum, diff, offsets))
 
-    tokens = token_kl(diff, estimator)
+    if estimator == "full":
+        if exact is None or np.shape(exact) != diff.shape:
+            got = "none" if exact is None else f"{np.size(exact)} values"
+            raise ValueError(f"the full estimator needs exact= with one value per token ({diff.size}), got {got}")
+        tokens = np.asarray(exact, dtype=np.float64)
+    else:
+        tokens = token_kl(diff, estimator)
     kl = k1_sum.copy() if estimator == "k1" else row_reduce(np.add, tokens, offsets)
     if aggregate == "mean":
         lengths = np.diff(offsets)
@@ -116,14 +132,19 @@ def sequence_kl(
     estimator: Estimator = "k1",
     aggregate: Aggregate = "mean",
     clamp: bool = True,
+    exact: Sequence[float] | None = None,
 ) -> float:
-    """The KL of one response; the defaults are the original controller's `compute_kl_from_logprobs`."""
+    """The KL of one response; the defaults are the original controller's `compute_kl_from_logprobs`.
+
+    With `estimator="full"`, `exact` holds each token's exact KL(π ‖ π_ref) over the vocabulary.
+    """
     if len(policy_logprobs) != len(ref_logprobs):
         raise ValueError(f"policy_logprobs has {len(policy_logprobs)} tokens but ref_logprobs has {len(ref_logprobs)}")
     offsets = np.array([0, len(policy_logprobs)])
     policy = np.asarray(policy_logprobs, dtype=np.float64)
     ref = np.asarray(ref_logprobs, dtype=np.float64)
-    return float(row_kl(policy, ref, offsets, estimator, aggregate, clamp).kl[0])
+    values = None if exact is None else np.asarray(exact, dtype=np.float64)
+    return float(row_kl(policy, ref, offsets, estimator, aggregate, clamp, exact=values).kl[0])
 
 
 def kl_divergence(policy_probs: Sequence[float], reference_probs: Sequence[float]) -> float:

@@ -112,7 +112,9 @@ class SamplerRun:
     """The mismatch sums of one scoring run."""
 
     def __init__(self, estimator: str, has_steps: bool):
-        self.estimator = estimator
+        # The mismatch's KL figures compare the two sides' sampled tokens; the exact KL has no sampler's side
+        # (it is the trainer's distribution against the reference's), so under `full` they are k1's.
+        self.estimator = "k1" if estimator == "full" else estimator
         self.has_steps = has_steps
         self.run = MismatchSums()
         self.corrections = CorrectionSums()

@@ -136,6 +136,22 @@ def test_sequence_kl_is_the_seeds_compute_kl_from_logprobs(pairs):
     assert sequence_kl(policy, ref) == pytest.approx(seed.compute_kl_from_logprobs(policy, ref), rel=1e-12, abs=1e-12)
 
 
+def test_full_aggregates_the_exact_values_with_no_clamp_and_keeps_the_diagnostics():
+    # Two rows: k1 says −1 (and would clamp to 0), the exact values 0.5 and 1.5; an empty row; one of 4.
+    policy, ref = np.array([-3.0, -1.0, -2.0]), np.array([-1.0, -1.0, -1.0])
+    offsets = np.array([0, 2, 2, 3])
+    exact = np.array([0.5, 1.5, 4.0], np.float32)
+    mean = row_kl(policy, ref, offsets, estimator="full", exact=exact, per_token=True)
+    assert mean.kl.tolist() == [1.0, 0.0, 4.0] and mean.token_kl.tolist() == [0.5, 1.5, 4.0]
+    assert mean.negative_k1.tolist() == [True, False, True] and mean.max_abs_diff.tolist() == [2.0, 0.0, 1.0]
+    assert row_kl(policy, ref, offsets, "full", "sum", exact=exact).kl.tolist() == [2.0, 0.0, 4.0]
+    assert sequence_kl([-3.0, -1.0], [-1.0, -1.0], "full", exact=[0.5, 1.5]) == 1.0
+    with pytest.raises(ValueError, match=r"the full estimator needs exact= with one value per token \(3\), got none"):
+        row_kl(policy, ref, offsets, estimator="full")
+    with pytest.raises(ValueError, match=r"one value per token \(3\), got 2 values"):
+        row_kl(policy, ref, offsets, estimator="full", exact=exact[:2])
+
+
 def test_sequence_kl_refuses_unequal_lengths():
     with pytest.raises(ValueError, match="policy_logprobs has 2 tokens but ref_logprobs has 1"):
         sequence_kl([-1.0, -2.0], [-1.0])
