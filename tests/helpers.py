@@ -24,7 +24,9 @@ import pytest
 
 from klpipe.arrow import offsets_from_lengths
 from klpipe.cache import (
+    EXACT_COLUMNS,
     ID,
+    MASK,
     METADATA_KEY,
     POLICY_LOGPROBS,
     REF_LOGPROBS,
@@ -259,6 +261,36 @@ def provenance(**changes) -> Provenance:
     )
     fields.update(changes)
     return Provenance(**fields)
+
+
+# A cache with a mask and the exact KL's columns, as `klpipe precompute --policy` writes them (cache.EXACT_COLUMNS).
+EXACT_SCHEMA = pa.schema(list(CACHE_SCHEMA) + [pa.field(MASK, pa.list_(pa.int8()))]
+                         + [pa.field(name, pa.list_(pa.float32())) for name in EXACT_COLUMNS])
+
+
+def exact_provenance(**changes) -> Provenance:
+    """The provenance of a cache `klpipe precompute --policy` made with the exact KL."""
+    return provenance(**{"policy_model": "tiny-policy", "policy_revision": "local:def", "policy_dtype": "float32",
+                         "exact_kl": True, **changes})
+
+
+def with_exact_columns(rows: list[dict], seed: int = 0) -> list[dict]:
+    """`rows` (make_rows') with a mask, 0 on a tool span in every third row of 3 tokens or more, and the exact
+    KL's columns: dyadic values ≥ 0 (multiples of 1/64, exact in float32), null where the mask is 0; the reference
+    logprob is null there too, as precompute writes it."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i, row in enumerate(rows):
+        n = len(row[POLICY_LOGPROBS])
+        mask = [0 if i % 3 == 1 and n >= 3 and 1 <= k <= n - 2 else 1 for k in range(n)]
+        ref = [r if m else None for r, m in zip(row[REF_LOGPROBS], mask, strict=True)]
+        row = dict(row, **{MASK: mask, REF_LOGPROBS: ref})
+        for name in EXACT_COLUMNS:
+            row[name] = [rng.randint(0, 256) / 64 if m else None for m in mask]
+        out.append(row)
+    return out
 
 
 # -- running klpipe ---------------------------------------------------------------------------------

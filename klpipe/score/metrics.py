@@ -80,13 +80,16 @@ class StepMetrics:
     # Per batch, the sampler-against-trainer figures (score/mismatch.py) under their own names, verl's
     # `rollout_corr/…` and klpipe's `mismatch/…`: written unprefixed, so dashboards line up with verl's.
     mismatch: list[dict] | None = None
+    # Per batch, with the exact KL's columns, score/exact.py's FIGURES (`exact_kl`, `k1_spread`, ...), prefixed.
+    exact: list[dict] | None = None
 
     def records(self) -> Iterator[dict]:
         """One dict per batch: `step`, then every name in METRICS, as Python numbers."""
         target = self.kl_target
         columns = (self.step, self.kl, self.kl_coef, self.kl_coef_after, self.reward, self.kl_penalty,
                    self.adjusted_reward, self.rows, self.tokens)
-        extras = self.mismatch or [{}] * len(self.step)
+        none = [{}] * len(self.step)
+        extras = [a | b for a, b in zip(self.mismatch or none, self.exact or none, strict=True)]
         for (step, kl, coef, after, reward, penalty, adjusted, rows, tokens), extra in zip(
             zip(*(c.tolist() for c in columns), strict=True), extras, strict=True
         ):
@@ -117,12 +120,17 @@ def from_steps(entries: list[dict], kl_target: float, first_batch: int | None) -
         reward=column("reward_mean_before"), kl_penalty=column("kl_penalty_mean"),
         adjusted_reward=column("reward_mean_after"), rows=column("rows", np.int64),
         tokens=column("tokens", np.int64), kl_target=kl_target,
-        mismatch=[_numbers(entry["mismatch"]) for entry in entries] if entries and "mismatch" in entries[0] else None,
+        mismatch=_section(entries, "mismatch"), exact=_section(entries, "exact"),
     )  # fmt: skip
 
 
+def _section(entries: list[dict], key: str) -> list[dict] | None:
+    """Each step's figures of the section under `key` (score/steps.py), None when the run has no such section."""
+    return [_numbers(entry[key]) for entry in entries] if entries and key in entries[0] else None
+
+
 def _numbers(figures: dict) -> dict:
-    """The numeric figures of a step's mismatch entry (a quantile of no tokens is None: left out)."""
+    """The numeric figures of a step's section entry (a quantile of no tokens is None: left out)."""
     return {name: value for name, value in figures.items() if isinstance(value, int | float)}
 
 

@@ -226,6 +226,22 @@ def render_table(report: dict, console) -> None:
     if mismatch:
         for line in mismatch_lines(mismatch):
             console.print(line, markup=False, highlight=False)
+    if report.get("exact"):
+        console.print(exact_line(report["exact"]), markup=False, highlight=False)
+
+
+def exact_line(exact: dict) -> str:
+    """The exact KL beside the sampled estimators', and both entropies, for the whole run, in one line."""
+    run = exact["run"]
+
+    def number(key: str) -> str:
+        value = run.get(key)
+        return "n/a" if value is None else f"{value:.4g}"
+
+    return (f"exact KL per sampled token ({run['tokens']:,} tokens): KL(π‖π_ref) {number('exact_kl')} against k1 "
+            f"{number('k1_kl')} (spread {number('k1_spread')}) and k3 {number('k3_kl')} (spread "
+            f"{number('k3_spread')}); KL(π_ref‖π) {number('exact_kl_ref_policy')}; entropy π "
+            f"{number('policy_entropy')}, π_ref {number('ref_entropy')}")
 
 
 def mismatch_lines(mismatch: dict) -> list[str]:

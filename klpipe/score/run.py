@@ -29,6 +29,7 @@ from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError
 from klpipe.progress import Progress
 from klpipe.rows import RowLocator
+from klpipe.score import exact as exact_section
 from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
 from klpipe.score.config import ScoreConfig
@@ -154,6 +155,8 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
         )
     has_sampler = names.name(SAMPLER_LOGPROBS) in schema.names
     kl_from = _kl_from(config, has_sampler, source, names)
+    has_exact, unread = exact_section.exact_source(files, schema, config.estimator)  # refuses full without it
+    warnings += [unread] if unread else []
     replaced = [name for name in SCORED_COLUMNS + (sampler_section.COLUMNS if has_sampler else ())
                 if name in schema.names]
     if replaced:
@@ -163,13 +166,14 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
     has_steps = names.name(STEP) in schema.names
     metrics_wanted = config.tensorboard is not None or config.metrics_jsonl is not None
     sampler = sampler_section.SamplerRun(config.estimator, has_steps) if has_sampler else None
+    exact = exact_section.ExactRun(has_steps) if has_exact else None
     batches = ControllerSteps(
         controller,
         has_steps=has_steps,
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
         keep_rows=metrics_wanted,
-        sampler=sampler,
+        sections={key: part for key, part in (("mismatch", sampler), ("exact", exact)) if part is not None},
     )
     totals = report.RunTotals()
     # The output, report, plot and metrics appear together, once all are written: a run that fails
@@ -181,7 +185,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
             def score_batch(batch: pa.RecordBatch, rows: RowLocator) -> list[pa.Array]:
                 tokens = totals.tokens
                 columns = _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
-                                       kl_from == "sampler")
+                                       kl_from == "sampler", exact)
                 progress.update(batch.num_rows, totals.tokens - tokens)
                 return columns
 
@@ -204,6 +208,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
         run_report["mismatch"] = None if sampler is None else sampler.section(
             names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), kl_from,
             source.get("model") if source["computed"] else None)
+        run_report["exact"] = None if exact is None else exact.section(names.name(POLICY_LOGPROBS))
         if config.plot is not None:
             trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
             with outputs.file(config.plot) as tmp:
@@ -336,12 +341,18 @@ def _score_batch(
     names: ColumnMap,
     sampler: sampler_section.SamplerRun | None = None,
     kl_from_sampler: bool = False,
+    exact: exact_section.ExactRun | None = None,
 ) -> list[pa.Array]:
     """Check one record batch and return its output columns."""
     logprobs = check_batch(batch, rows, batches.has_steps, names, kl_from_sampler)
+    exact_tokens = None
+    if exact is not None:  # measured before the coefficients, which hand each step its rows
+        exact_tokens = exact_section.read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS))
     estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, config.estimator, config.aggregate,
-                      config.clamp, config.per_token)
+                      config.clamp, config.per_token, exact=exact_tokens.kl if config.estimator == "full" else None)
     check_finite(estimate, logprobs, rows, config.estimator, names)
+    if exact is not None:
+        exact.measure(exact_tokens)
 
     measured = None
     if sampler is not None:  # before the coefficients, which hand each step its rows

@@ -11,13 +11,16 @@ from klpipe.cache import ID, POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP
 from klpipe.cli import app
 from tests.helpers import (
     CACHE_SCHEMA,
+    EXACT_SCHEMA,
     ROOT,
     RUN_KLPIPE,
     block_imports,
+    exact_provenance,
     make_rows,
     provenance,
     run_cli,
     run_python,
+    with_exact_columns,
     write_cache,
 )
 
@@ -234,9 +237,30 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path):
 def test_bad_option_values_are_usage_errors(tmp_path):
     cache = write_cache(tmp_path / "a.parquet", make_rows(3))
     result = invoke(cache, "--estimator", "k9")
-    assert result.exit_code == 2 and "'k9' is not one of 'k1', 'abs', 'k2', 'k3'" in result.stderr
+    assert result.exit_code == 2 and "'k9' is not one of 'k1', 'abs', 'k2', 'k3', 'full'" in result.stderr
     result = invoke(cache, "--kl-coeff-min", "0.5", "--kl-coeff-max", "0.2")
     assert result.exit_code == 2 and result.stderr == "Error: kl_coeff_min 0.5 is above kl_coeff_max 0.2\n"
+
+
+def test_full_without_the_exact_kl_is_one_line_naming_precompute_policy(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", make_rows(6), provenance=provenance())
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(cache, "--estimator", "full", "--output", tmp_path / "out.parquet", "--report", tmp_path / "r.json")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (f"Error: {cache}: --estimator full reads the exact per-token KL (kl_policy_ref), and this "
+                             "cache has no kl_policy_ref or kl_ref_policy or policy_entropy or ref_entropy column; "
+                             "`klpipe precompute --policy MODEL` computes it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_full_prints_the_exact_kl_beside_the_sampled_estimators(tmp_path):
+    cache = write_cache(tmp_path / "a.parquet", with_exact_columns(make_rows(12)), schema=EXACT_SCHEMA,
+                        provenance=exact_provenance())
+    result = invoke(cache, "--estimator", "full", "--output", tmp_path / "out.parquet", "--report", tmp_path / "r.json")
+    assert result.exit_code == 0, result.stderr
+    run = json.loads((tmp_path / "r.json").read_text())["exact"]["run"]
+    assert (f"exact KL per sampled token ({run['tokens']:,} tokens): KL(π‖π_ref) {run['exact_kl']:.4g} against k1 "
+            f"{run['k1_kl']:.4g} (spread {run['k1_spread']:.4g}) and k3 {run['k3_kl']:.4g}") in result.stderr
 
 
 def test_state_mismatch_message_and_reset(tmp_path):

@@ -15,7 +15,18 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from klpipe.cache import POLICY_LOGPROBS, REWARD, STEP
 from klpipe.score.metrics import METRICS, PREFIX
-from tests.helpers import CACHE_SCHEMA, RUN_KLPIPE, block_imports, make_rows, run_cli, run_python, write_cache
+from tests.helpers import (
+    CACHE_SCHEMA,
+    EXACT_SCHEMA,
+    RUN_KLPIPE,
+    block_imports,
+    exact_provenance,
+    make_rows,
+    run_cli,
+    run_python,
+    with_exact_columns,
+    write_cache,
+)
 
 TARGET = 3.0  # the default --kl-target
 STRING_STEPS = pa.schema([pa.field(STEP, pa.string()) if f.name == STEP else f for f in CACHE_SCHEMA])
@@ -94,6 +105,26 @@ def test_every_scalar_of_every_step_matches_the_report(tmp_path):
     assert [list(r) for r in read_jsonl(jsonl)] == [["step", *METRICS]] * 12
     assert read_events(runs) == as_events(expected)
     assert [p.name for p in runs.iterdir()] == ["events.out.tfevents.00000000000000000000.klpipe"]
+
+
+def test_the_exact_figures_of_every_step_go_beside_the_kl(tmp_path):
+    """With the exact KL's columns each record gains score/exact.py's figures, as the report's step entries hold them,
+    under klpipe/ in TensorBoard like the rest."""
+    rows = with_exact_columns(make_rows(24, rows_per_step=4, dyadic=False))
+    cache = write_cache(tmp_path / "day.parquet", rows, schema=EXACT_SCHEMA, provenance=exact_provenance())
+    runs, jsonl = tmp_path / "runs", tmp_path / "metrics.jsonl"
+    report = score(tmp_path, cache, "out", "--tensorboard", str(runs), "--metrics-jsonl", str(jsonl))
+    steps = report["steps"]
+    figures = ["exact_kl", "exact_kl_ref_policy", "k1_kl", "k3_kl", "k1_spread", "k3_spread", "policy_entropy",
+               "ref_entropy"]
+    expected = [entry["exact"] | record for entry, record in zip(steps, from_report(report, list(range(6))),
+                                                                  strict=True)]
+    assert all(set(entry["exact"]) == set(figures) for entry in steps)
+    assert read_jsonl(jsonl) == expected
+    events = read_events(runs)
+    assert events == as_events(expected) | {
+        PREFIX + name: [(r["step"], float(np.float32(r[name]))) for r in expected] for name in figures}
+    assert {tag for tag in events if not tag.startswith(PREFIX)} == set()  # every tag under klpipe/
 
 
 def write_days(tmp_path: Path, kind: str) -> tuple[Path, Path, Path]:
