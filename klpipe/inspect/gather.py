@@ -12,7 +12,17 @@ import numpy as np
 import pyarrow as pa
 
 from klpipe.arrow import numpy_valid, numpy_view
-from klpipe.cache import ID, MASK, POLICY_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, SAMPLER_LOGPROBS
+from klpipe.cache import (
+    ID,
+    KL_POLICY_REF,
+    MASK,
+    POLICY_ENTROPY,
+    POLICY_LOGPROBS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    SAMPLER_LOGPROBS,
+)
 from klpipe.errors import InputError
 from klpipe.inspect.select import Source
 from klpipe.mask import read_mask
@@ -31,6 +41,9 @@ class PickedRow:
     ref: np.ndarray  # (response tokens,) likewise; NaN where the mask is 0 (precompute computes none there)
     mask: np.ndarray | None  # (response tokens,) bool: 1 where the policy sampled the token
     sampler: np.ndarray | None = None  # (response tokens,) the sampler's logprobs as stored; NaN where null
+    # With the exact KL's columns (select.py has checked them on every row): as stored, NaN where the mask is 0.
+    exact: np.ndarray | None = None  # (response tokens,) KL(π ‖ π_ref) over the vocabulary
+    entropy: np.ndarray | None = None  # (response tokens,) H(π)
 
 
 def check_token_columns(source: Source) -> None:
@@ -51,7 +64,7 @@ def gather(source: Source, indices: np.ndarray, batch_tokens: int) -> dict[int, 
     """The rows at `indices` (positions in the file), by position."""
     names = source.columns
     roles = [role for role in (PROMPT_IDS, RESPONSE_IDS, POLICY_LOGPROBS, REF_LOGPROBS, MASK, SAMPLER_LOGPROBS)
-             if source.has(role)]
+             if source.has(role)] + ([KL_POLICY_REF, POLICY_ENTROPY] if source.exact else [])
     only = [names.name(role) for role in roles] + ([names.name(ID)] if source.has(ID) else [])
     wanted = np.sort(np.asarray(indices, dtype=np.int64))
     found: dict[int, PickedRow] = {}
@@ -94,8 +107,10 @@ def _row(batch: pa.RecordBatch, index: int, name: str, source: Source) -> Picked
         sampler = values(SAMPLER_LOGPROBS)
         if len(sampler) != len(policy):  # another length: klpipe score names the row misaligned; nothing to align
             sampler = None
+    exact, entropy = (values(KL_POLICY_REF), values(POLICY_ENTROPY)) if source.exact else (None, None)
     return PickedRow(index=index, name=name, prompt_ids=None if prompt is None else prompt.astype(np.int64),
-                     response_ids=response_ids, policy=policy, ref=ref, mask=mask, sampler=sampler)
+                     response_ids=response_ids, policy=policy, ref=ref, mask=mask, sampler=sampler, exact=exact,
+                     entropy=entropy)
 
 
 def _dtype(kind: pa.DataType) -> np.dtype:

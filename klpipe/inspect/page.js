@@ -56,6 +56,18 @@
     const a = Math.min(1, Math.abs(gap) / scale) * 0.85;
     return (gap >= 0 ? "rgba(var(--pos)," : "rgba(var(--neg),") + a.toFixed(3) + ")";
   }
+  // The exact layers hold values ≥ 0: one hue each, from white at 0.
+  function shade(value, scale, hue) {
+    if (!Number.isFinite(value)) return "";
+    return "rgba(var(" + hue + ")," + (Math.min(1, value / scale) * 0.85).toFixed(3) + ")";
+  }
+  // Each line of a row's tokens: how a token is coloured, and what the line says it shows.
+  const LAYERS = {
+    gap: { cls: "", colour: (v, k) => colour(v.policy[k] - v.ref[k], data.scale) },
+    mismatch: { cls: "mismatch-tokens", colour: (v, k) => colour(v.policy[k] - v.sampler[k], data.mismatchScale) },
+    exact: { cls: "exact-tokens", colour: (v, k) => shade(v.exact[k], data.exactScale, "--exact") },
+    entropy: { cls: "entropy-tokens", colour: (v, k) => shade(v.entropy[k], data.entropyScale, "--entropy") },
+  };
   function el(tag, cls, text) {
     const node = document.createElement(tag);
     if (cls) node.className = cls;
@@ -131,26 +143,24 @@
   const container = document.getElementById("row-views");
   const views = new Map();
 
-  // mode "gap": policy − ref (today's view); "mismatch": ℓ = trainer − sampler, on its own scale.
+  // mode: a key of LAYERS ("gap", policy − ref, is the first line; each other on its own scale).
   function token(row, values, k, pieceIndex, prompt, mode) {
     const piece = pieces[pieceIndex];
     const span = el("span", "tok" + (piece[2] === SPECIAL ? " special" : piece[2] === PARTIAL ? " partial" : ""),
                     visible(piece[1]));
     span.tabIndex = -1;
     span.setAttribute("data-k", k);
-    if (!prompt) {
-      const mismatch = mode === "mismatch";
-      const gap = mismatch ? values.policy[k] - values.sampler[k] : values.policy[k] - values.ref[k];
-      if (!values.mask || values.mask[k]) span.style.background = colour(gap, mismatch ? data.mismatchScale : data.scale);
-    }
+    if (!prompt && (!values.mask || values.mask[k])) span.style.background = LAYERS[mode].colour(values, k);
     return span;
   }
   function drawResponse(row, target) {
-    const mode = target.classList.contains("mismatch-tokens") ? "mismatch" : "gap";
+    const mode = Object.keys(LAYERS).find((m) => LAYERS[m].cls && target.classList.contains(LAYERS[m].cls)) || "gap";
     const values = {
       pieces: uints(row.response), policy: floats(row.policy, row.float), ref: floats(row.ref, row.float),
       mask: row.mask === null ? null : bytes(row.mask),
       sampler: row.sampler === null ? null : floats(row.sampler, row.float),
+      exact: row.exact === null ? null : floats(row.exact, row.float),
+      entropy: row.entropy === null ? null : floats(row.entropy, row.float),
     };
     target.values = values;
     const out = document.createDocumentFragment();
@@ -195,6 +205,7 @@
     parts.push(row.tokens + " tokens scored" + (row.masked ? ", " + row.masked + " masked" : ""));
     parts.push("largest |gap| " + fixed(row.maxGap, 3));
     if (row.logPplDiff !== null && row.logPplDiff !== undefined) parts.push("log_ppl_diff " + fixed(row.logPplDiff, 5));
+    if (row.exact !== null) parts.push("exact KL " + fixed(row.exactKl, 4) + " · entropy " + fixed(row.entropyMean, 4));
     return parts.join(" · ");
   }
   const pending = new Map();
@@ -245,6 +256,17 @@
       view.appendChild(mismatch);
       lines.push(mismatch);
     }
+    if (row.exact !== null) {
+      for (const [mode, label, key] of [["exact", "exact KL(π‖π_ref) over the vocabulary (nats): white 0 … ", "exactScale"],
+                                        ["entropy", "policy entropy H(π) (nats): white 0 … ", "entropyScale"]]) {
+        view.appendChild(el("p", "layer-label " + mode + "-label", label + data[key].toPrecision(2)));
+        const layer = el("div", "tokens response " + LAYERS[mode].cls);
+        layer.style.minHeight = response.style.minHeight;
+        layer.setAttribute("aria-label", mode + " tokens of row " + (row.id === null ? row.index : row.id));
+        view.appendChild(layer);
+        lines.push(layer);
+      }
+    }
     container.appendChild(view);
     views.set(row.rank, view);
     for (const line of lines) {
@@ -255,7 +277,7 @@
   // -- hover and focus -----------------------------------------------------------------------------
   function line(name, value) {
     const div = el("div");
-    div.appendChild(el("b", "", name.padEnd(7)));
+    div.appendChild(el("b", "", name.padEnd(8)));
     const v = el("span", "", value);
     v.dataset.field = name;
     div.appendChild(v);
@@ -285,6 +307,7 @@
           const ratio = v.policy[k] - v.sampler[k];
           out.push(line("ℓ", (ratio >= 0 ? "+" : "") + ratio.toPrecision(4)));
         }
+        if (v.exact) out.push(line("exact", exact(v.exact[k], row.float)), line("entropy", exact(v.entropy[k], row.float)));
       }
     }
     tip.replaceChildren(...out);

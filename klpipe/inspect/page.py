@@ -78,6 +78,7 @@ def page_data(page: PageInput) -> dict:
     encoded = []
     gaps = []
     ratios = []  # |trainer − sampler| of the embedded rows' sampled tokens
+    layers: dict[str, list[np.ndarray]] = {"exact": [], "entropy": []}  # the exact layers' sampled tokens
     for rank, (index, extreme) in enumerate(zip(page.selection.indices.tolist(), page.selection.extreme.tolist(),
                                                 strict=True)):
         row = page.rows[index]
@@ -90,8 +91,11 @@ def page_data(page: PageInput) -> dict:
         gap = row.policy.astype(np.float64) - row.ref.astype(np.float64)
         scored = np.isfinite(gap) if row.mask is None else row.mask & np.isfinite(gap)
         gaps.append(np.abs(gap[scored]))
-        float_type = "<f8" if np.float64 in (row.policy.dtype, row.ref.dtype) or (
-            row.sampler is not None and row.sampler.dtype == np.float64) else "<f4"
+        stored = [v for v in (row.policy, row.ref, row.sampler, row.exact, row.entropy) if v is not None]
+        float_type = "<f8" if any(v.dtype == np.float64 for v in stored) else "<f4"
+        for key in (layers if row.exact is not None else ()):
+            values = getattr(row, key).astype(np.float64)
+            layers[key].append(values[np.isfinite(values) if row.mask is None else row.mask & np.isfinite(values)])
         if row.sampler is not None:
             ratio = row.policy.astype(np.float64) - row.sampler.astype(np.float64)
             counted = np.isfinite(ratio) if row.mask is None else row.mask & np.isfinite(ratio)
@@ -113,6 +117,9 @@ def page_data(page: PageInput) -> dict:
             "sampler": None if row.sampler is None else _b64(row.sampler, float_type),
             "logPplDiff": None if figures.log_ppl_diff is None or not np.isfinite(figures.log_ppl_diff[index])
             else float(figures.log_ppl_diff[index]),
+            "exactKl": _number(figures.exact_kl, index), "entropyMean": _number(figures.policy_entropy, index),
+            "exact": None if row.exact is None else _b64(row.exact, float_type),
+            "entropy": None if row.entropy is None else _b64(row.entropy, float_type),
         }  # fmt: skip
         encoded.append(entry)
     # Two bytes a token into the token table while it has fewer than 65,536 entries (it nearly always has).
@@ -127,10 +134,20 @@ def page_data(page: PageInput) -> dict:
     every_ratio = np.concatenate(ratios) if ratios else np.zeros(0)
     # The mismatch view's own scale: trainer − sampler gaps are orders of magnitude below policy − ref ones.
     mismatch_scale = max(1e-6, float(np.percentile(every_ratio, 99))) if every_ratio.size else 1.0
+    # The exact layers' scales, each from 0 (white) to the 99th percentile of the embedded sampled tokens' values.
+    exact_scales = {key: max(1e-6, float(np.percentile(np.concatenate(parts), 99))) if any(len(v) for v in parts)
+                    else 1.0 for key, parts in layers.items()}
     return {"rows": encoded, "pieces": pieces.rows(), "index": index_type[1:], "scale": scale,
             "mismatch": figures.log_ppl_diff is not None, "mismatchScale": mismatch_scale,
+            "exact": figures.exact is not None, "exactScale": exact_scales["exact"],
+            "entropyScale": exact_scales["entropy"],
             "extremeNats": page.extreme_nats,
             "estimator": page.source.settings.get("estimator"), "aggregate": page.source.settings.get("aggregate")}
+
+
+def _number(values: np.ndarray | None, index: int) -> float | None:
+    """A row's figure for the JSON: None where the file has none or the row has no token to take it over."""
+    return None if values is None or not np.isfinite(values[index]) else float(values[index])
 
 
 def _json_value(value: object) -> object:
@@ -235,7 +252,8 @@ def summary_html(page: PageInput) -> str:
     extreme = int(np.count_nonzero(f.max_gap > page.extreme_nats))
     if extreme:
         parts.append(f"{extreme} row(s) with a token above {page.extreme_nats:g} nats")
-    return "<p class=\"summary\">" + escape("; ".join(parts)) + "</p>"
+    exact = "" if f.exact is None else f'<p class="summary exact">{escape(report.exact_line(f.exact))}</p>'
+    return "<p class=\"summary\">" + escape("; ".join(parts)) + "</p>" + exact
 
 
 def embedded_note(page: PageInput) -> str:
@@ -289,6 +307,8 @@ def table_head(page: PageInput) -> str:
                ("masked", "masked", "num"), ("maxGap", "largest gap", "num")]
     if page.figures.penalty is None:
         columns = [col for col in columns if col[0] != "penalty"]
+    if page.figures.exact_kl is not None:  # beside the row's KL: its mean exact KL over the same tokens
+        columns.insert(5, ("exactKl", "exact KL", "num"))
     if page.figures.log_ppl_diff is not None:
         columns.append(("logPplDiff", "log_ppl_diff", "num"))
     return "".join(f'<th scope="col" data-key="{key}" data-type="{kind}" aria-sort="none">'

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from klpipe.arrow import from_numpy, numpy_valid, numpy_view
 from klpipe.cache import (
+    EXACT_COLUMNS,
     ID,
     MASK,
     POLICY_LOGPROBS,
@@ -33,8 +34,9 @@ from klpipe.cache import (
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
 from klpipe.score.config import ScoreConfig
+from klpipe.score.exact import ExactRun, exact_source, read_exact
 from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
-from klpipe.score.kl import row_kl
+from klpipe.score.kl import row_kl, row_reduce
 from klpipe.score.sampler import SamplerRun, group_keys
 from klpipe.storage.parquet import read_schema
 from klpipe.storage.store import Location
@@ -58,6 +60,7 @@ class Source:
     provenance: Provenance | None  # precompute's record; None for a file klpipe did not write
     settings: dict  # score's settings (estimator, aggregate, clamp, controller) or score's defaults
     scored: bool  # the file has klpipe score's columns
+    exact: bool = False  # the file holds the exact KL's columns (cache.EXACT_COLUMNS) as precompute wrote them
 
     def has(self, role: str) -> bool:
         return self.columns.name(role) in self.schema.names
@@ -82,7 +85,8 @@ def open_source(path: Location) -> Source:
     if present and len(present) < len(SCORED):
         missing = ", ".join(name for name in SCORED if name not in schema.names)
         raise InputError(f"{path}: has {', '.join(present)} but no {missing}; inspect a file klpipe score wrote whole")
-    return Source(path, schema, columns, provenance, settings, scored=bool(present))
+    exact, _ = exact_source([path], schema, settings["estimator"])  # a file scored with `full` must still have them
+    return Source(path, schema, columns, provenance, settings, scored=bool(present), exact=exact)
 
 
 @dataclass
@@ -104,6 +108,11 @@ class RowFigures:
     # mismatch section klpipe score would write (score/sampler.py), the whole file as one controller batch.
     log_ppl_diff: np.ndarray | None = None
     mismatch: dict | None = None
+    # With the exact KL's columns: each row's mean exact KL(π ‖ π_ref) and H(π) over its scored tokens (NaN
+    # without one), and the exact section klpipe score would write (score/exact.py) for the whole file.
+    exact_kl: np.ndarray | None = None
+    policy_entropy: np.ndarray | None = None
+    exact: dict | None = None
 
     def __len__(self) -> int:
         return len(self.reward)
@@ -121,7 +130,9 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     wanted = [names.name(role) for role in roles if source.has(role)]
     sampler = SamplerRun(source.settings["estimator"], has_steps=False) if has_sampler else None
     log_ppl_diff = []
-    wanted += [name for name in SCORED if source.scored]
+    wanted += [name for name in SCORED if source.scored] + (list(EXACT_COLUMNS) if source.exact else [])
+    exact = ExactRun(has_steps=False) if source.exact else None
+    exact_means: dict[str, list] = {"kl": [], "policy_entropy": []}
     has_steps = source.has(STEP)
     parts: dict[str, list] = {key: [] for key in ("ids", "steps", "reward", "kl", "kl_coeff", "penalty", "adjusted",
                                                   "tokens", "masked", "max_gap", "negative_k1")}
@@ -129,9 +140,17 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     batch_bytes = ScoreConfig.batch_bytes
     for batch, rows in read_batches([source.path], batch_tokens, batch_bytes, names, only=wanted):
         logprobs = check_batch(batch, rows, has_steps, names)
+        tokens = read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS)) if exact is not None else None
         estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, settings["estimator"],
-                          settings["aggregate"], settings["clamp"])
+                          settings["aggregate"], settings["clamp"],
+                          exact=tokens.kl if settings["estimator"] == "full" else None)
         check_finite(estimate, logprobs, rows, settings["estimator"], names)
+        if tokens is not None:
+            exact.measure(tokens)
+            counts = np.diff(tokens.offsets)
+            for key, values in exact_means.items():
+                sums = row_reduce(np.add, getattr(tokens, key).astype(np.float64), tokens.offsets, empty=np.nan)
+                values.append(sums / np.maximum(counts, 1))
         if sampler is not None:
             keys = group_keys(batch, [names.name(PROMPT_IDS), names.name(PROMPT)])
             measured = sampler.measure(logprobs, rows.name, keys)[0]
@@ -160,6 +179,9 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     def joined(key: str, dtype=np.float64) -> np.ndarray:
         return np.concatenate(parts[key]) if parts[key] else np.zeros(0, dtype=dtype)
 
+    def exact_joined(key: str) -> np.ndarray:
+        return np.concatenate(exact_means[key]) if exact_means[key] else np.zeros(0)
+
     def arrow(key: str) -> pa.Array | None:
         if not parts[key]:
             return None
@@ -177,6 +199,9 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         log_ppl_diff=(np.concatenate(log_ppl_diff) if log_ppl_diff else np.zeros(0)) if has_sampler else None,
         mismatch=sampler.section(names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), "trainer", None)
         if has_sampler else None,
+        exact_kl=exact_joined("kl") if source.exact else None,
+        policy_entropy=exact_joined("policy_entropy") if source.exact else None,
+        exact=None if exact is None else exact.section(names.name(POLICY_LOGPROBS)),
     )  # fmt: skip
 
 

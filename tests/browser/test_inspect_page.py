@@ -230,3 +230,52 @@ def test_a_page_of_50_rows_of_4096_tokens_is_small_and_opens_fast(tmp_path, open
           "scrolling to them")
     assert size < 6 * 2**20
     assert navigation["loadEventEnd"] < 5000 and painted < 3000
+
+
+def test_the_exact_kl_and_entropy_layers_colour_each_token_by_the_files_values(tool_calls, tmp_path, open_page):
+    """The tool-calling sample with the exact KL's columns added as precompute --policy writes them (values ≥ 0,
+    null where the mask is 0), scored with --estimator full: each row carries two more lines of its tokens."""
+    from klpipe.cache import EXACT_COLUMNS, Provenance
+
+    scored, _ = tool_calls
+    table = pq.read_table(scored).drop_columns(["kl", "kl_coeff", "kl_penalty", "adjusted_reward"])
+    rng = np.random.default_rng(7)
+    masks = table.column("tool_mask").to_pylist()
+    for name in EXACT_COLUMNS:
+        values = [[float(np.float32(rng.gamma(1.0, 0.5))) if m else None for m in mask] for mask in masks]
+        table = table.append_column(name, pa.array(values, pa.list_(pa.float32())))
+    made = Provenance.from_json(table.schema.metadata[METADATA_KEY])
+    made.exact_kl = True
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: made.to_json()}), tmp_path / "exact.parquet")
+    for args in (["score", str(tmp_path / "exact.parquet"), "-o", str(tmp_path / "exact.scored.parquet"),
+                  "--estimator", "full"],
+                 ["inspect", str(tmp_path / "exact.scored.parquet"), "-o", str(tmp_path / "kl.html")]):
+        result = run_cli(*args)
+        assert result.returncode == 0, result.stderr
+    opened = open_page(tmp_path / "kl.html")
+    page = opened.page
+    index = draw(page, 1)
+    page.wait_for_selector("#row-1 .entropy-tokens .tok")
+    row = pq.read_table(tmp_path / "exact.scored.parquet").to_pylist()[index]
+    mask = row["tool_mask"]
+    scales = page.evaluate("JSON.parse(document.getElementById('klpipe-data').textContent)")
+    for layer, name, scale, hue in (("exact", "kl_policy_ref", scales["exactScale"], (123, 97, 168)),
+                                    ("entropy", "policy_entropy", scales["entropyScale"], (34, 139, 96))):
+        colours = page.locator(f"#row-1 .{layer}-tokens .tok").evaluate_all(
+            "spans => spans.map(s => getComputedStyle(s).backgroundColor)")
+        assert len(colours) == len(mask)
+        for k, m in enumerate(mask):
+            if not m:
+                assert colours[k] == MASKED_GREY
+                continue
+            alpha = min(1.0, row[name][k] / scale) * 0.85
+            found = [float(x) for x in colours[k][colours[k].index("(") + 1:-1].split(",")]
+            # Chromium keeps alpha in 8 bits and prints it to 2 decimals: within 1/255 + 0.005 of the value.
+            assert tuple(found[:3]) == hue and abs(found[3] - alpha) <= 1 / 255 + 0.005, (k, colours[k])
+        assert 0.1 < scale < 10 and page.inner_text(f"#row-1 .{layer}-label").endswith(f"{scale:.2g}")
+    k = mask.index(1)
+    page.hover(f"#row-1 .exact-tokens .tok[data-k='{k}']")
+    assert np.float32(float(tip(page, "exact"))) == np.float32(row["kl_policy_ref"][k])
+    assert np.float32(float(tip(page, "entropy"))) == np.float32(row["policy_entropy"][k])
+    assert "exact KL" in page.inner_text("#row-1 .figures")
+    assert column(page, "exactKl")[0] == column(page, "kl")[0]  # scored with full: the row's KL is its exact KL

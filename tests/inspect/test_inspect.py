@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from klpipe.cache import METADATA_KEY
+from klpipe.cache import EXACT_COLUMNS, KL_POLICY_REF, METADATA_KEY, POLICY_ENTROPY, REF_ENTROPY
 from klpipe.cli import app
 from klpipe.errors import InputError
 from klpipe.inspect import InspectConfig, inspect
@@ -340,4 +340,87 @@ def test_sort_by_log_ppl_diff_embeds_the_worst_rows(with_sampler, tmp_path):
 def test_sort_by_log_ppl_diff_needs_the_samplers_logprobs(scored, tmp_path):
     with pytest.raises(InputError, match="--sort log-ppl-diff needs the sampler's logprobs"):
         inspect(InspectConfig(input=scored, output=tmp_path / "kl.html", sort="log-ppl-diff"))
+    assert not (tmp_path / "kl.html").exists()
+
+
+# -- the exact KL's layers --------------------------------------------------------------------------
+
+
+EXACT_FIELDS = [(name, pa.list_(pa.float32())) for name in EXACT_COLUMNS]
+
+
+def with_exact(rows: list[dict], seed: int = 5) -> list[dict]:
+    """token_rows' rows with the exact KL's columns as precompute --policy writes them: values ≥ 0 on mask-1 tokens
+    (float32-exact), null where the mask is 0."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for row in rows:
+        values = {name: [float(np.float32(rng.gamma(1.0, scale))) if m else None for m in row["mask"]]
+                  for name, scale in zip(EXACT_COLUMNS, (0.3, 0.3, 2.0, 2.5), strict=True)}
+        out.append(row | values)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact_scored(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("exact")
+    rows = with_exact(token_rows(12, extreme=(7,)))
+    schema = pa.schema(list(SCHEMA) + EXACT_FIELDS)
+    table = pa.Table.from_pylist(rows, schema=schema).replace_schema_metadata({METADATA_KEY: provenance(
+        model=str(TINY_GEMMA), revision="local:abc", policy_model="policy", exact_kl=True).to_json()})
+    pq.write_table(table, tmp / "cache.parquet")
+    report = score(ScoreConfig(inputs=[tmp / "cache.parquet"], output=tmp / "scored.parquet", estimator="full")).report
+    return tmp / "scored.parquet", report
+
+
+def sampled(row: dict, name: str) -> np.ndarray:
+    return np.array([v for v, m in zip(row[name], row["mask"], strict=True) if m], np.float64)
+
+
+@pytest.mark.parametrize("which", ["scored", "cache"])
+def test_the_exact_kl_and_the_policys_entropy_are_layers_beside_k1(exact_scored, tmp_path, which):
+    scored, _ = exact_scored
+    path = scored if which == "scored" else scored.parent / "cache.parquet"
+    inspect(InspectConfig(input=path, output=tmp_path / "kl.html", top=12, tokenizer=str(TINY_GEMMA)))
+    html = (tmp_path / "kl.html").read_text()
+    data = page_data(html)
+    table = pq.read_table(scored).to_pylist()
+    assert data["exact"] is True and len(data["rows"]) == 12
+    for entry in data["rows"]:
+        row = table[entry["index"]]
+        for key, name in (("exact", KL_POLICY_REF), ("entropy", POLICY_ENTROPY)):  # the file's float32, NaN at mask 0
+            expected = np.array([np.nan if v is None else v for v in row[name]], np.float32)
+            np.testing.assert_array_equal(decoded(entry[key], "<f4"), expected)
+        assert entry["exactKl"] == pytest.approx(sampled(row, KL_POLICY_REF).mean(), rel=1e-12)
+        assert entry["entropyMean"] == pytest.approx(sampled(row, POLICY_ENTROPY).mean(), rel=1e-12)
+        if which == "scored":  # scored with full: the row's KL is its mean exact KL
+            assert entry["kl"] == pytest.approx(entry["exactKl"], rel=1e-12)
+    # Each layer's colours saturate at the 99th percentile of the embedded sampled tokens' values.
+    for key, name in (("exactScale", KL_POLICY_REF), ("entropyScale", POLICY_ENTROPY)):
+        assert data[key] == pytest.approx(np.percentile(np.concatenate([sampled(r, name) for r in table]), 99),
+                                          rel=1e-12)
+    assert 'data-key="exactKl"' in html
+    every = {name: np.concatenate([sampled(r, name) for r in table]) for name in EXACT_COLUMNS}
+    assert (f"KL(π‖π_ref) {every[KL_POLICY_REF].mean():.4g} against k1" in html
+            and f"entropy π {every[POLICY_ENTROPY].mean():.4g}, π_ref {every[REF_ENTROPY].mean():.4g}" in html)
+    assert ("scored with</dt><dd>full mean" in html) == (which == "scored")
+
+
+def test_without_the_exact_columns_there_are_no_layers(scored, tmp_path):
+    inspect(InspectConfig(input=scored, output=tmp_path / "kl.html", top=3))
+    html = (tmp_path / "kl.html").read_text()
+    data = page_data(html)
+    assert data["exact"] is False and all(r["exact"] is None and r["exactKl"] is None for r in data["rows"])
+    served = html.split('<script type="application/json"')[0]  # the page without its script
+    assert 'data-key="exactKl"' not in served and "KL(π‖π_ref)" not in served
+
+
+def test_a_file_scored_with_full_that_lost_its_exact_columns_is_refused(exact_scored, tmp_path):
+    scored, _ = exact_scored
+    table = pq.read_table(scored)
+    pq.write_table(table.drop_columns([KL_POLICY_REF]), tmp_path / "dropped.parquet")
+    with pytest.raises(InputError, match="--estimator full reads the exact per-token KL .kl_policy_ref., and this "
+                                         "cache has no kl_policy_ref column"):
+        inspect(InspectConfig(input=tmp_path / "dropped.parquet", output=tmp_path / "kl.html",
+                              tokenizer=str(TINY_GEMMA)))
     assert not (tmp_path / "kl.html").exists()
