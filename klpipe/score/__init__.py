@@ -2,6 +2,7 @@
 
 input.py       open caches, read them in record batches, check every row
 kl.py          per-token KL estimators and per-row aggregates (numpy)
+exact.py       the exact KL's columns read and checked; beside k1 and k3, per step and for the run
 controller.py  the KL controllers: window (the original controller's rule), proportional, fixed
 steps.py       controller batches: the coefficient each row gets, one update per step
 report.py      the report JSON, the per-step table, warnings, the plot

@@ -32,9 +32,11 @@ from klpipe.errors import InputError
 from klpipe.kl import kl_divergence
 from klpipe.score import ScoreConfig, score
 from klpipe.score.controller import ControllerConfig
+from klpipe.score.report import exact_line
 from tests.helpers import (
     CACHE_SCHEMA,
     EXACT_SCHEMA,
+    ROOT,
     exact_provenance,
     make_rows,
     provenance,
@@ -124,6 +126,8 @@ def test_full_replays_the_controller_by_hand(tmp_path):
     every_exact = exact + [0.0, 0.25, 0.25, 0.5, 1.0, 8.0]
     assert run_figures["k1_spread"] == pytest.approx(statistics.pstdev(
         [a - b for a, b in zip(every_k1, every_exact, strict=True)]), rel=1e-12)
+    # docs/score.md shows this run's stderr line.
+    assert exact_line(result.report["exact"]) in (ROOT / "docs" / "score.md").read_text()
 
 
 def test_full_with_the_sum_aggregate_by_hand(tmp_path):
