@@ -236,6 +236,19 @@ def test_without_a_step_column_the_exact_figures_are_the_runs(tmp_path):
     assert result.report["exact"]["run"] == pytest.approx(exact_figures(tokens) | {"tokens": len(tokens)}, rel=1e-9)
 
 
+def test_a_k3_that_overflows_is_null_and_left_out_of_the_metrics(tmp_path):
+    rows = with_exact_columns(make_rows(8))
+    rows[0][POLICY_LOGPROBS] = [-800.0] + rows[0][POLICY_LOGPROBS][1:]  # k1 = −800: exp(800) is past float64
+    rows[0][REF_LOGPROBS] = [0.0] + rows[0][REF_LOGPROBS][1:]
+    cache = write_cache(tmp_path / "a.parquet", rows, schema=EXACT_SCHEMA, provenance=exact_provenance())
+    result = run(tmp_path, [cache], metrics_jsonl=tmp_path / "steps.jsonl")
+    first = result.report["steps"][0]["exact"]
+    assert first["k3_kl"] is None and first["k3_spread"] is None and first["k1_kl"] < -50
+    assert result.report["steps"][1]["exact"]["k3_kl"] is not None  # the next step is its own
+    record = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
+    assert "k3_kl" not in record and record["k1_kl"] == first["k1_kl"]
+
+
 def test_without_the_columns_the_report_is_as_it_was(tmp_path):
     result = run(tmp_path, [write_cache(tmp_path / "a.parquet", make_rows(12))])
     assert result.report["exact"] is None  # as `mismatch` is null without a sampler column
