@@ -24,7 +24,7 @@ import pytest
 
 from klpipe.arrow import offsets_from_lengths
 from klpipe.cache import (
-    EXACT_COLUMNS,
+    FULL_KL_COLUMNS,
     ID,
     MASK,
     METADATA_KEY,
@@ -263,15 +263,15 @@ def provenance(**changes) -> Provenance:
     return Provenance(**fields)
 
 
-# A cache with a mask and the exact KL's columns, as `klpipe precompute --policy` writes them (cache.EXACT_COLUMNS).
+# A cache with a mask and the exact KL's columns, as `klpipe precompute --policy` writes them (cache.FULL_KL_COLUMNS).
 EXACT_SCHEMA = pa.schema(list(CACHE_SCHEMA) + [pa.field(MASK, pa.list_(pa.int8()))]
-                         + [pa.field(name, pa.list_(pa.float32())) for name in EXACT_COLUMNS])
+                         + [pa.field(name, pa.list_(pa.float32())) for name in FULL_KL_COLUMNS])
 
 
 def exact_provenance(**changes) -> Provenance:
     """The provenance of a cache `klpipe precompute --policy` made with the exact KL."""
     return provenance(**{"policy_model": "tiny-policy", "policy_revision": "local:def", "policy_dtype": "float32",
-                         "exact_kl": True, **changes})
+                         "full_kl": True, **changes})
 
 
 def with_exact_columns(rows: list[dict], seed: int = 0) -> list[dict]:
@@ -287,7 +287,7 @@ def with_exact_columns(rows: list[dict], seed: int = 0) -> list[dict]:
         mask = [0 if i % 3 == 1 and n >= 3 and 1 <= k <= n - 2 else 1 for k in range(n)]
         ref = [r if m else None for r, m in zip(row[REF_LOGPROBS], mask, strict=True)]
         row = dict(row, **{MASK: mask, REF_LOGPROBS: ref})
-        for name in EXACT_COLUMNS:
+        for name in FULL_KL_COLUMNS:
             row[name] = [rng.randint(0, 256) / 64 if m else None for m in mask]
         out.append(row)
     return out

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from klpipe.arrow import from_numpy, numpy_valid, numpy_view
 from klpipe.cache import (
-    EXACT_COLUMNS,
+    FULL_KL_COLUMNS,
     ID,
     MASK,
     POLICY_LOGPROBS,
@@ -60,7 +60,7 @@ class Source:
     provenance: Provenance | None  # precompute's record; None for a file klpipe did not write
     settings: dict  # score's settings (estimator, aggregate, clamp, controller) or score's defaults
     scored: bool  # the file has klpipe score's columns
-    exact: bool = False  # the file holds the exact KL's columns (cache.EXACT_COLUMNS) as precompute wrote them
+    exact: bool = False  # the file holds the exact KL's columns (cache.FULL_KL_COLUMNS) as precompute wrote them
 
     def has(self, role: str) -> bool:
         return self.columns.name(role) in self.schema.names
@@ -130,7 +130,7 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     wanted = [names.name(role) for role in roles if source.has(role)]
     sampler = SamplerRun(source.settings["estimator"], has_steps=False) if has_sampler else None
     log_ppl_diff = []
-    wanted += [name for name in SCORED if source.scored] + (list(EXACT_COLUMNS) if source.exact else [])
+    wanted += [name for name in SCORED if source.scored] + (list(FULL_KL_COLUMNS) if source.exact else [])
     exact = ExactRun(has_steps=False) if source.exact else None
     exact_means: dict[str, list] = {"kl": [], "policy_entropy": []}
     has_steps = source.has(STEP)

@@ -1,7 +1,7 @@
 """The exact KL beside the sampled estimators, per controller step and for the whole run.
 
 `klpipe precompute --policy` can write, per response token, the exact KL(π ‖ π_ref) over the whole vocabulary
-and its companions (cache.EXACT_COLUMNS). Where a cache holds them, `klpipe score` reads them on every
+and its companions (cache.FULL_KL_COLUMNS). Where a cache holds them, `klpipe score` reads them on every
 sampled (mask-1) token and reports, whatever `--estimator` is:
 
     exact_kl              mean KL(π ‖ π_ref)                     the penalty's divergence, exactly
@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from klpipe.arrow import first_null, is_list_type, list_values, numpy_valid
 from klpipe.cache import (
-    EXACT_COLUMNS,
+    FULL_KL_COLUMNS,
     KL_POLICY_REF,
     KL_REF_POLICY,
     POLICY_ENTROPY,
@@ -47,25 +47,25 @@ PRECOMPUTE = "`klpipe precompute --policy MODEL` computes it"
 def exact_source(files: list[Location], schema: pa.Schema, estimator: str) -> tuple[bool, str | None]:
     """Whether the caches hold the exact KL's columns as precompute wrote them, and a warning when some such
     column is there but is not read. `--estimator full` without them is refused."""
-    missing = [name for name in EXACT_COLUMNS if name not in schema.names]
+    missing = [name for name in FULL_KL_COLUMNS if name not in schema.names]
     # A rollouts' own column of one of these names passes through precompute untouched: the provenance says
     # whether precompute computed it (a file klpipe did not write can only be taken at its word).
-    disowned = [path for path in files if (made := read_provenance(path)) is not None and not made.exact_kl]
+    disowned = [path for path in files if (made := read_provenance(path)) is not None and not made.full_kl]
     if estimator == "full" and (missing or disowned):
         path, why = ((files[0], f"has no {' or '.join(missing)} column") if missing else
-                     (disowned[0], "was made without it (its provenance says exact_kl false)"))
+                     (disowned[0], "was made without it (its provenance says full_kl false)"))
         raise InputError(f"{path}: --estimator full reads the exact per-token KL ({KL_POLICY_REF}), and this cache "
                          f"{why}; {PRECOMPUTE}")
-    present = [name for name in EXACT_COLUMNS if name in schema.names]
+    present = [name for name in FULL_KL_COLUMNS if name in schema.names]
     if not present:
         return False, None
     if disowned:
         return False, (f"{disowned[0]}: holds {', '.join(present)} but its provenance says klpipe precompute did not "
-                       "compute the exact KL (exact_kl false): those columns are passed through, not read")
+                       "compute the exact KL (full_kl false): those columns are passed through, not read")
     if missing:
         return False, (f"the caches hold {', '.join(present)} but no {', '.join(missing)}: the exact KL's columns "
                        "come together from klpipe precompute --policy, and none is read")
-    for name in EXACT_COLUMNS:
+    for name in FULL_KL_COLUMNS:
         kind = schema.field(name).type
         if not (is_list_type(kind) and pa.types.is_floating(kind.value_type)):
             raise InputError(f"{files[0]}: {name} must be a list of floats, got {kind}")
@@ -95,7 +95,7 @@ def read_exact(batch: pa.RecordBatch, logprobs: Logprobs, rows: RowLocator, poli
     """The batch's exact values on the tokens `logprobs` scores; a list of another length than the response, or a
     null, NaN, ±inf or negative value on a scored token, is refused naming the row."""
     offsets = logprobs.offsets if logprobs.keep is None else logprobs.response_offsets
-    values = [_column(batch.column(name), name, offsets, logprobs.keep, rows, policy_name) for name in EXACT_COLUMNS]
+    values = [_column(batch.column(name), name, offsets, logprobs.keep, rows, policy_name) for name in FULL_KL_COLUMNS]
     trainer = logprobs.trainer if logprobs.trainer is not None else logprobs.policy
     return ExactTokens(*values, policy=trainer, ref=logprobs.ref, offsets=logprobs.offsets)
 

@@ -235,17 +235,17 @@ def test_a_page_of_50_rows_of_4096_tokens_is_small_and_opens_fast(tmp_path, open
 def test_the_exact_kl_and_entropy_layers_colour_each_token_by_the_files_values(tool_calls, tmp_path, open_page):
     """The tool-calling sample with the exact KL's columns added as precompute --policy writes them (values ≥ 0,
     null where the mask is 0), scored with --estimator full: each row carries two more lines of its tokens."""
-    from klpipe.cache import EXACT_COLUMNS, Provenance
+    from klpipe.cache import FULL_KL_COLUMNS, Provenance
 
     scored, _ = tool_calls
     table = pq.read_table(scored).drop_columns(["kl", "kl_coeff", "kl_penalty", "adjusted_reward"])
     rng = np.random.default_rng(7)
     masks = table.column("tool_mask").to_pylist()
-    for name in EXACT_COLUMNS:
+    for name in FULL_KL_COLUMNS:
         values = [[float(np.float32(rng.gamma(1.0, 0.5))) if m else None for m in mask] for mask in masks]
         table = table.append_column(name, pa.array(values, pa.list_(pa.float32())))
     made = Provenance.from_json(table.schema.metadata[METADATA_KEY])
-    made.exact_kl = True
+    made.full_kl = True
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: made.to_json()}), tmp_path / "exact.parquet")
     for args in (["score", str(tmp_path / "exact.parquet"), "-o", str(tmp_path / "exact.scored.parquet"),
                   "--estimator", "full"],

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from klpipe.cache import EXACT_COLUMNS, KL_POLICY_REF, METADATA_KEY, POLICY_ENTROPY, REF_ENTROPY
+from klpipe.cache import FULL_KL_COLUMNS, KL_POLICY_REF, METADATA_KEY, POLICY_ENTROPY, REF_ENTROPY
 from klpipe.cli import app
 from klpipe.errors import InputError
 from klpipe.inspect import InspectConfig, inspect
@@ -346,7 +346,7 @@ def test_sort_by_log_ppl_diff_needs_the_samplers_logprobs(scored, tmp_path):
 # -- the exact KL's layers --------------------------------------------------------------------------
 
 
-EXACT_FIELDS = [(name, pa.list_(pa.float32())) for name in EXACT_COLUMNS]
+EXACT_FIELDS = [(name, pa.list_(pa.float32())) for name in FULL_KL_COLUMNS]
 
 
 def with_exact(rows: list[dict], seed: int = 5) -> list[dict]:
@@ -356,7 +356,7 @@ def with_exact(rows: list[dict], seed: int = 5) -> list[dict]:
     out = []
     for row in rows:
         values = {name: [float(np.float32(rng.gamma(1.0, scale))) if m else None for m in row["mask"]]
-                  for name, scale in zip(EXACT_COLUMNS, (0.3, 0.3, 2.0, 2.5), strict=True)}
+                  for name, scale in zip(FULL_KL_COLUMNS, (0.3, 0.3, 2.0, 2.5), strict=True)}
         out.append(row | values)
     return out
 
@@ -367,7 +367,7 @@ def exact_scored(tmp_path_factory):
     rows = with_exact(token_rows(12, extreme=(7,)))
     schema = pa.schema(list(SCHEMA) + EXACT_FIELDS)
     table = pa.Table.from_pylist(rows, schema=schema).replace_schema_metadata({METADATA_KEY: provenance(
-        model=str(TINY_GEMMA), revision="local:abc", policy_model="policy", exact_kl=True).to_json()})
+        model=str(TINY_GEMMA), revision="local:abc", policy_model="policy", full_kl=True).to_json()})
     pq.write_table(table, tmp / "cache.parquet")
     report = score(ScoreConfig(inputs=[tmp / "cache.parquet"], output=tmp / "scored.parquet", estimator="full")).report
     return tmp / "scored.parquet", report
@@ -400,7 +400,7 @@ def test_the_exact_kl_and_the_policys_entropy_are_layers_beside_k1(exact_scored,
         assert data[key] == pytest.approx(np.percentile(np.concatenate([sampled(r, name) for r in table]), 99),
                                           rel=1e-12)
     assert 'data-key="exactKl"' in html
-    every = {name: np.concatenate([sampled(r, name) for r in table]) for name in EXACT_COLUMNS}
+    every = {name: np.concatenate([sampled(r, name) for r in table]) for name in FULL_KL_COLUMNS}
     assert (f"KL(π‖π_ref) {every[KL_POLICY_REF].mean():.4g} against k1" in html
             and f"entropy π {every[POLICY_ENTROPY].mean():.4g}, π_ref {every[REF_ENTROPY].mean():.4g}" in html)
     assert ("scored with</dt><dd>full mean" in html) == (which == "scored")

@@ -1,5 +1,5 @@
 """`precompute --full-kl` and `--ref-topk`: the joint head's columns in the cache, over adapters, streamed weights and
-every refusal. The numbers themselves are held to the full-softmax oracle in tests/model/test_full_kl.py; here the
+every refusal. The numbers themselves are held to the full-softmax oracle in tests/model/test_joint_head.py; here the
 cache's columns are, through the whole stage."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from klpipe.model import wide
 from klpipe.precompute import PrecomputeConfig, precompute
 from tests import matrix
 from tests.helpers import ROLLOUTS, SAMPLE, TINY_GEMMA, TINY_LLAMA, crash_at_chunk, run_cli
-from tests.model.test_full_kl import QUANTITIES, TOLERANCE, Oracle, _worst, full_oracle
+from tests.model.test_joint_head import QUANTITIES, TOLERANCE, Oracle, _worst, full_oracle
 from tests.model.test_lora import MLP, bare_rollouts, merged, save_adapter, streaming_budget
 
 POLICY_GEMMA = SAMPLE / "tiny-gemma4-policy"

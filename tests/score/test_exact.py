@@ -1,7 +1,7 @@
 """The exact KL beside the sampled estimators (score/exact.py) and `--estimator full`, through real caches.
 
 The caches are real parquet files with the exact KL's columns written as `klpipe precompute --policy` writes
-them (cache.EXACT_COLUMNS, null where the mask is 0); every expected value is worked by hand or computed here
+them (cache.FULL_KL_COLUMNS, null where the mask is 0); every expected value is worked by hand or computed here
 with numpy over the file's own columns, never by the code under test.
 """
 
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from klpipe.cache import (
-    EXACT_COLUMNS,
+    FULL_KL_COLUMNS,
     ID,
     KL_POLICY_REF,
     KL_REF_POLICY,
@@ -218,12 +218,12 @@ def test_every_steps_figures_match_numpy_over_the_files_columns(tmp_path):
     assert result.report["exact"]["run"] == pytest.approx(exact_figures(everything) | {"tokens": len(tokens)},
                                                           rel=1e-9, abs=1e-12)
     # The per-row KL stays k1's, and the input's exact columns pass through untouched.
-    without = pa.schema([f for f in EXACT_SCHEMA if f.name not in EXACT_COLUMNS])
+    without = pa.schema([f for f in EXACT_SCHEMA if f.name not in FULL_KL_COLUMNS])
     plain = run(tmp_path, [write_cache(tmp_path / "plain.parquet", rows, schema=without)],
                 output=tmp_path / "plain.scored.parquet")
     assert read(result.output, SCORED) == read(plain.output, SCORED)
-    assert read(result.output, list(EXACT_COLUMNS)) == read(first, list(EXACT_COLUMNS)) + read(second,
-                                                                                                list(EXACT_COLUMNS))
+    assert read(result.output, list(FULL_KL_COLUMNS)) == read(first, list(FULL_KL_COLUMNS)) + read(second,
+                                                                                                list(FULL_KL_COLUMNS))
 
 
 def test_without_a_step_column_the_exact_figures_are_the_runs(tmp_path):
@@ -257,11 +257,11 @@ def test_without_the_columns_the_report_is_as_it_was(tmp_path):
 
 def test_columns_precompute_did_not_compute_are_passed_through_not_read(tmp_path):
     rows = with_exact_columns(make_rows(8))
-    cache = write_cache(tmp_path / "a.parquet", rows, schema=EXACT_SCHEMA, provenance=exact_provenance(exact_kl=False))
+    cache = write_cache(tmp_path / "a.parquet", rows, schema=EXACT_SCHEMA, provenance=exact_provenance(full_kl=False))
     result = run(tmp_path, [cache])
     assert result.report["exact"] is None and all("exact" not in entry for entry in result.report["steps"])
-    assert f"{cache}: holds {', '.join(EXACT_COLUMNS)} but its provenance says klpipe precompute did not compute the " \
-           "exact KL (exact_kl false): those columns are passed through, not read" in result.warnings
+    assert f"{cache}: holds {', '.join(FULL_KL_COLUMNS)} but its provenance says klpipe precompute did not compute the " \
+           "exact KL (full_kl false): those columns are passed through, not read" in result.warnings
     assert read(result.output, [KL_POLICY_REF]) == read(cache, [KL_POLICY_REF])
 
 
@@ -311,9 +311,9 @@ def test_full_without_the_exact_kl_is_refused_naming_precompute_policy(tmp_path)
         run(tmp_path, [no_columns], estimator="full")
     assert str(caught.value) == (
         f"{no_columns}: --estimator full reads the exact per-token KL (kl_policy_ref), and this cache has no "
-        f"{' or '.join(EXACT_COLUMNS)} column; `klpipe precompute --policy MODEL` computes it")
-    made_without = bad(tmp_path, lambda rows: None, made=exact_provenance(exact_kl=False))
-    with pytest.raises(InputError, match="was made without it .its provenance says exact_kl false.; `klpipe "
+        f"{' or '.join(FULL_KL_COLUMNS)} column; `klpipe precompute --policy MODEL` computes it")
+    made_without = bad(tmp_path, lambda rows: None, made=exact_provenance(full_kl=False))
+    with pytest.raises(InputError, match="was made without it .its provenance says full_kl false.; `klpipe "
                                          "precompute --policy MODEL` computes it"):
         run(tmp_path, [made_without], estimator="full")
     part = pa.schema([f for f in EXACT_SCHEMA if f.name != REF_ENTROPY])
@@ -333,7 +333,7 @@ def test_beside_a_sampler_the_mismatch_kl_figures_are_k1s_under_full(tmp_path):
 
     table = pq.read_table(mismatch_cache(tmp_path / "m.parquet", rows=16))
     lengths = pc.list_value_length(table.column(POLICY_LOGPROBS)).to_pylist()
-    for name in EXACT_COLUMNS:
+    for name in FULL_KL_COLUMNS:
         table = table.append_column(name, pa.array([[0.25] * n for n in lengths], pa.list_(pa.float32())))
     table = table.replace_schema_metadata({b"klpipe": exact_provenance().to_json()})
     pq.write_table(table, tmp_path / "both.parquet")
