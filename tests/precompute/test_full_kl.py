@@ -192,3 +192,47 @@ def test_a_top_k_the_output_disk_cannot_hold_is_refused_before_any_row(small_dis
     with pytest.raises(OutputError, match=r"--ref-topk 256 would write 1.4 MiB onto .*disk, which has 2\d\d.0 KiB free"):
         run(small_disk, TINY_GEMMA, None, ref_topk=256)
     assert list(small_disk.iterdir()) == []  # no work directory, no output
+
+
+@pytest.mark.slow
+def test_streamed_in_its_memory_cgroup_at_the_in_memory_columns(tmp_path):
+    # A reference 2.8 times its cgroup's memory streams layer by layer and its LM head block by block; the policy is
+    # a LoRA adapter over it (PEFT's config, its keys written here: loading the base into PEFT would take minutes).
+    # Every joint-head column, top-k too, equals the run held in memory.
+    import json
+
+    import pyarrow as pa
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from tests.model.test_streaming import CGROUP_LIMIT, SAME, big_llama, streamed_in_a_cgroup_and_in_memory
+
+    model = big_llama(tmp_path / "big")
+    config = json.loads((model / "config.json").read_text())
+    adapter = tmp_path / "lora"
+    LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"], task_type="CAUSAL_LM",
+               base_model_name_or_path=str(model)).save_pretrained(adapter)
+    generator = torch.Generator().manual_seed(0)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    save_file({f"base_model.model.model.layers.{i}.mlp.down_proj.lora_{part}.weight":
+               torch.randn(shape, generator=generator) * 0.05
+               for i in range(config["num_hidden_layers"]) for part, shape in (("A", (4, inner)), ("B", (hidden, 4)))},
+              adapter / "adapter_model.safetensors")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(10, 200, 120).tolist()
+    pq.write_table(pa.Table.from_pylist([{"prompt_ids": prompt, "response_ids": rng.integers(10, 200, 40).tolist()}
+                                         for _ in range(6)]), tmp_path / "rows.parquet")
+    streamed, used, in_memory, _, _ = streamed_in_a_cgroup_and_in_memory(tmp_path, [
+        "precompute", str(tmp_path / "rows.parquet"), "--model", str(model), "--policy", str(adapter), "--full-kl",
+        "--ref-topk", "8", "--progress", "none", "--max-tokens-per-batch", "256", "--prefix-sharing", "on"],
+        "full-kl")
+    assert streamed.returncode == 0, streamed.stderr[-2000:]
+    assert "its decoder layers stream from their files" in streamed.stderr and used <= CGROUP_LIMIT
+    assert in_memory.returncode == 0, in_memory.stderr[-2000:]
+    got, expected = pq.read_table(tmp_path / "streamed.parquet"), pq.read_table(tmp_path / "memory.parquet")
+    for name in (*QUANTITIES, cache.REF_TOPK_LOGPROBS):
+        a, b = (np.concatenate([np.ravel(v) for v in t.column(name).to_pylist()]) for t in (got, expected))
+        assert np.max(np.abs(a - b)) <= SAME, name
+    assert got.column(cache.REF_TOPK_IDS).equals(expected.column(cache.REF_TOPK_IDS))
+    assert np.mean(np.concatenate(expected.column(cache.KL_POLICY_REF).to_pylist())) > 1e-3  # the adapter moved it
