@@ -190,6 +190,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_tool_mask.py
 	$(BIN)/python benchmarks/bench_policy.py
 	$(BIN)/python benchmarks/bench_lora.py
+	$(BIN)/python benchmarks/bench_full_kl.py
 	$(BIN)/python benchmarks/bench_score.py
 	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_stream.py

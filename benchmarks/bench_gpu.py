@@ -360,13 +360,21 @@ def run_streamed(rollouts: Path, peak_tflops: float) -> dict:
         return run(rollouts, "auto", peak_tflops, "off", streamed_budget())
 
 
-def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto", max_memory: str | None = None) -> dict:
+def run_full_kl(rollouts: Path, peak_tflops: float) -> list[dict]:
+    """The exact KL's pair: `--policy` (the model itself as a policy of its own: the same work as another's) without
+    and with --full-kl, rows `policy` and `policy+kl`; their seconds' ratio is its cost (bench_full_kl.py on CPU)."""
+    return [run(rollouts, "auto", peak_tflops, "off", policy=str(model_dir()), full_kl=full) for full in (False, True)]
+
+
+def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto", max_memory: str | None = None,
+        policy: str | None = None, full_kl: bool = False) -> dict:
     import pyarrow.parquet as pq
 
     from klpipe.model.attention import cascade, lse_attention
     from klpipe.precompute import PrecomputeConfig, precompute
 
-    label = f"{sharing}+s" if max_memory else sharing if compile == "off" else f"{sharing}+c"
+    label = (("policy+kl" if full_kl else "policy") if policy else f"{sharing}+s" if max_memory
+             else sharing if compile == "off" else f"{sharing}+c")
     out = WORK / f"cached-{rollouts.stem}-{label}.parquet"
     out.unlink(missing_ok=True)
     reset_peak()
@@ -374,7 +382,8 @@ def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto",
     lse_attention.CALLS.clear()
     summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
-                                          prefix_sharing=sharing, compile=compile, max_memory=max_memory),
+                                          prefix_sharing=sharing, compile=compile, max_memory=max_memory,
+                                          policy=policy, full_kl=full_kl, overwrite_policy_logprobs=True),
                          log=lambda m: print(f"  {m}", flush=True))
     if max_memory:
         print(f"  streamed under --max-memory {max_memory}: {summary.streamed}", flush=True)
@@ -410,8 +419,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400_000,
                         help="prompt + response tokens per shape, counted per row")
     parser.add_argument("--shapes", default="grpo,agent", help="comma-separated: grpo, agent")
-    parser.add_argument("--runners", default="auto,off,padded,streamed",
-                        help="comma-separated: auto, off, padded, streamed")
+    parser.add_argument("--runners", default="auto,off,padded,streamed,fullkl",
+                        help="comma-separated: auto, off, padded, streamed, fullkl (--policy without and with "
+                             "--full-kl)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak; default by device name")
     parser.add_argument("--compile", default="on,off",
                         help="comma-separated --compile modes each of auto and off runs under (a runner compiled "
@@ -455,6 +465,7 @@ def main() -> None:
         results = [result for runner in runners
                    for result in ([run_padded(rollouts, peak)] if runner == "padded" else
                                   [run_streamed(rollouts, peak)] if runner == "streamed"
+                                  else run_full_kl(rollouts, peak) if runner == "fullkl"
                                   else [run(rollouts, runner, peak, mode) for mode in args.compile.split(",")])]
         report(results, peak)
     if args.stream == "on":
@@ -498,6 +509,12 @@ def report(results: list[dict], peak: float) -> None:
               f"rows: {'yes' if a == b else 'NO'}")
     if "padded" in by and "auto" in by and base is not by["padded"]:
         print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
+    if "policy" in by and "policy+kl" in by:  # the exact KL's cost with a policy (goal <= 1.15x); the same logprobs
+        a, b = by["policy"]["first_rows"], by["policy+kl"]["first_rows"]
+        gap = max((float(np.max(np.abs(np.subtract(x, y)))) for x, y in zip(a, b) if x), default=0.0)
+        print(f"policy+kl / policy (--full-kl against --no-full-kl): {by['policy+kl']['seconds'] / by['policy']['seconds']:.3f}x "
+              f"the seconds, peak {by['policy+kl']['peak_gib']:.1f} against {by['policy']['peak_gib']:.1f} GiB; "
+              f"max |Δ ref_logprobs| over the first 16 rows {gap:.3g}")
 
 
 def pq_rows(path: Path) -> int:
