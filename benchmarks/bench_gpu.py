@@ -383,7 +383,7 @@ def run(rollouts: Path, sharing: str, peak_tflops: float, compile: str = "auto",
     summary = precompute(PrecomputeConfig(inputs=[rollouts], output=out, model=str(model_dir()), device=DEVICE,
                                           dtype="bfloat16", overwrite=True, progress="none",
                                           prefix_sharing=sharing, compile=compile, max_memory=max_memory,
-                                          policy=policy, full_kl=full_kl, overwrite_policy_logprobs=True),
+                                          policy=policy, full_kl=full_kl, overwrite_policy_logprobs=policy is not None),
                          log=lambda m: print(f"  {m}", flush=True))
     if max_memory:
         print(f"  streamed under --max-memory {max_memory}: {summary.streamed}", flush=True)
