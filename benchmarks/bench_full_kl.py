@@ -6,7 +6,8 @@ the logits the heads already make. Two model pairs, a perturbed copy of the refe
 
     llama   the benchmarks' Llama (8 layers x 256, vocabulary 8,192: contenders.build_model)
     e2b     a Gemma 4 of E2B's text width (hidden 1,536, vocabulary 262,144, final-logit softcap: bench_width.config),
-            4 layers: the head's share of the work larger than the full model's, so the ratio is on the high side
+            5 layers, none KV-shared: the head's share of the work larger than the full model's (35 layers), so the
+            ratio is on the high side
 
 Each contender runs in its own process, on the rows and on a one-row file (its start-up); steady = whole - start-up,
 each the fastest of --repeat rounds; peak RSS is the process's own (wait4). The fp32 matmul peak is measured in the
@@ -53,7 +54,7 @@ def build_pair(name: str) -> tuple[Path, Path]:
             from transformers import Gemma4ForCausalLM
 
             torch.manual_seed(0)
-            Gemma4ForCausalLM(bench_width.config(layers=4, kv_shared=2)).save_pretrained(reference)
+            Gemma4ForCausalLM(bench_width.config(layers=5, kv_shared=0)).save_pretrained(reference)
             AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(reference)
     if not (policy / "config.json").exists():
         model = AutoModelForCausalLM.from_pretrained(reference)

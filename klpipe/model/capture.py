@@ -23,6 +23,7 @@ from klpipe.model.joint_head import Side, joint
 SLOT_LIMIT = 1 << 24  # slots travel in the runs' fp32 logprob arrays: integers exact below 2^24
 # A KL or entropy below -this is a wrong formula, not rounding (fp32 rounds these sums by a few 1e-6 at most).
 NEGATIVE_BUG = 1e-3
+JOINT_BLOCKS = 4  # blocks the joint head holds at once (blocks_of)
 
 
 class Capture:
@@ -172,5 +173,12 @@ def refusal(model, policy, topk: int) -> str | None:
 
 
 def blocks_of(model) -> HeadBlocks:
-    """How the joint head cuts its work: the model's fused head's blocks (a model's own head has none: the default)."""
-    return getattr(model.head, "blocks", None) or HeadBlocks.for_device(model.vocab_size, str(model.device))
+    """How the joint head cuts its work: blocks a quarter of the fused head's (head.py), as four of them are live at
+    once (both sides' logits, their difference, the weights e^(z−m)), which the fused head's single block is sized to
+    keep in the L2 (CUDA) or L3 (CPU)."""
+    from klpipe.model.head import FUSED_CPU_BLOCK, FUSED_GPU_BLOCK
+
+    device = str(model.device)
+    budget = getattr(model.head, "logits_budget", None) or (
+        FUSED_GPU_BLOCK if device.startswith("cuda") else FUSED_CPU_BLOCK)
+    return HeadBlocks.for_device(model.vocab_size, device, max(budget // JOINT_BLOCKS, 1 << 16))
