@@ -42,6 +42,11 @@ demo: install
 		--report $(DEMO)/tool_calls.report.json
 	# Where the tool rows' KL comes from, token by token: one page that opens from file:.
 	$(BIN)/klpipe inspect $(DEMO)/tool_calls.scored.parquet --output $(DEMO)/kl.html
+	# The policy that sampled the rollouts beside the reference: the exact KL over the vocabulary, scored with it.
+	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 --policy sample_data/tiny-gemma4-policy \
+		sample_data/rollouts.parquet --full-kl --output $(DEMO)/full_kl.cached.parquet
+	$(BIN)/klpipe score $(DEMO)/full_kl.cached.parquet --estimator full --output $(DEMO)/full_kl.scored.parquet \
+		--report $(DEMO)/full_kl.report.json
 	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
 		--chat-template sample_data/tool_chat_template.jinja --output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
@@ -68,7 +73,7 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 test-arch: install
-	$(BIN)/python -m pytest -q -m arch tests/model/test_architectures.py tests/model/test_families.py
+	$(BIN)/python -m pytest -q -m arch tests/model/test_architectures.py tests/model/test_families.py tests/model/test_joint_head.py
 	$(BIN)/python -m pytest -q -m arch -k "not registry" tests/model/test_streaming.py
 
 # Every decoder-only family in transformers' causal LM registry (tests/matrix.py), tiny, under off, auto and on

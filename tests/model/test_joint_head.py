@@ -23,7 +23,7 @@ from klpipe.precompute.logprobs import ForwardStats
 from klpipe.precompute.scorer import ChunkScorer, Joint
 from klpipe.precompute.sharing import Sharing
 from tests import helpers, matrix
-from tests.architectures import save_tiny
+from tests.architectures import ARCHITECTURES, save_tiny
 from tests.helpers import TINY_GEMMA, TINY_GEMMA_MM, TINY_LLAMA
 
 TOLERANCE = 1e-5  # beyond the fp32 oracle's own error against fp64
@@ -155,7 +155,12 @@ def test_the_hubs_multimodal_gemma4_at_the_oracle(tmp_path):
     assert_at_oracle(run(ref, policy, rows, 1.0, "auto"), exact, own)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_5", "llama4", "nemotron_h"])
+# The rest of the architecture matrix (tests/architectures.py), in make test-arch.
+REST = [pytest.param(name, marks=pytest.mark.arch) for name in sorted(ARCHITECTURES)
+        if name not in ("llama", "qwen3_5", "llama4", "nemotron_h")]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5", "llama4", "nemotron_h", *REST])
 def test_families_at_the_oracle(tmp_path, name):
     # Llama, a Gated DeltaNet hybrid, a MoE (Llama 4: chunked attention, NoPE), a Mamba-2 hybrid: each a policy of
     # its own beside a reference of the same family.

@@ -236,3 +236,27 @@ def test_streamed_in_its_memory_cgroup_at_the_in_memory_columns(tmp_path):
         assert np.max(np.abs(a - b)) <= SAME, name
     assert got.column(cache.REF_TOPK_IDS).equals(expected.column(cache.REF_TOPK_IDS))
     assert np.mean(np.concatenate(expected.column(cache.KL_POLICY_REF).to_pylist())) > 1e-3  # the adapter moved it
+
+
+def test_both_stages_on_the_sample_data_score_the_exact_kl(tmp_path):
+    # make demo's steps: the policy that sampled the rollouts beside the reference, then score --estimator full.
+    import json
+
+    done = run_cli("precompute", "--model", str(TINY_GEMMA), "--policy", str(POLICY_GEMMA), str(ROLLOUTS),
+                   "--full-kl", "-o", str(tmp_path / "cached.parquet"))
+    assert done.returncode == 0, done.stderr
+    scored = run_cli("score", str(tmp_path / "cached.parquet"), "--estimator", "full", "-o",
+                     str(tmp_path / "scored.parquet"), "--report", str(tmp_path / "report.json"))
+    assert scored.returncode == 0, scored.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    run_figures = report["exact"]["run"]
+    table = pq.read_table(tmp_path / "scored.parquet")
+    exact = np.concatenate([np.array(v, dtype=np.float64) for v in table.column(cache.KL_POLICY_REF).to_pylist()])
+    k1 = np.concatenate([np.array(p, dtype=np.float64) - np.array(r, dtype=np.float64) for p, r in zip(
+        table.column(cache.POLICY_LOGPROBS).to_pylist(), table.column(cache.REF_LOGPROBS).to_pylist(), strict=True)])
+    assert run_figures["exact_kl"] == pytest.approx(exact.mean(), rel=1e-5)
+    assert run_figures["k1_kl"] == pytest.approx(k1.mean(), rel=1e-5)
+    # The rows' KL is the exact one's mean over each row's tokens.
+    for kl, values in zip(table.column("kl").to_pylist(), table.column(cache.KL_POLICY_REF).to_pylist(), strict=True):
+        if values:
+            assert kl == pytest.approx(np.mean(values), rel=1e-5)
