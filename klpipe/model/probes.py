@@ -28,6 +28,10 @@ from klpipe.errors import ModelError, first_line
 from klpipe.model.verdict import OWN, Verdict
 
 PROBE_LENGTH = 24
+# The short probe every load runs (confirm): the oracle's first tokens, the whole and the split row each of both
+# layouts' kinds; half the oracle's probe, as each of its tokens costs a forward's worth of a token plus, by the
+# model's own head, a whole vocabulary's logits (Gemma 4 E2B's 262,144: 0.8 GFLOP a position).
+CONFIRM_LENGTH = 12
 # Why rows run by the model's own forward alone (ReferenceModel.own_forward), as the prefix tree's refusal says it.
 NOT_CAUSAL = "its forward is not causal: a position's logits move when later tokens are added"
 NO_HEAD = "no head klpipe can apply to hidden states reproduces its forward"
@@ -156,10 +160,10 @@ def klpipe_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]],
     return kept.logprobs(reference)
 
 
-def oracle_row(reference) -> tuple[np.ndarray, np.ndarray]:
-    """The oracle's probe: PROBE_LENGTH ids drawn from a fixed seed, fed as a one-token prompt and a response."""
+def oracle_row(reference, length: int = PROBE_LENGTH) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle's probe: `length` ids drawn from a fixed seed, fed as a one-token prompt and a response."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()
+    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()[:length]
     return ids[:1], ids[1:]
 
 
@@ -326,11 +330,12 @@ def check_compile(reference, oracle: Oracle, verdict: Verdict) -> Verdict:
 
 
 def confirm(reference) -> float:
-    """The check run on every load, remembered verdict or not: the largest |Δ logprob| between klpipe's rows run
-    whole as installed now (a remembered verdict applied) and the model's own forward (the oracle, taken again: the
-    model as transformers loaded it) on the oracle's probe, on each adapter's side too. A streamed model's forwards
-    go in one layer-major group (probe_group.py): its layers read once."""
-    ids = np.concatenate(oracle_row(reference))
+    """The check run on every load where a verdict is remembered: the largest |Δ logprob| between klpipe's rows run
+    whole as installed now (the remembered verdict applied: its head, packed or not) and the model's own forward (the
+    oracle, taken again: the model as transformers loaded it) on the oracle's first CONFIRM_LENGTH tokens, on each
+    adapter's side too. A streamed model's forwards go in one layer-major group (probe_group.py): its layers read
+    once."""
+    ids = np.concatenate(oracle_row(reference, CONFIRM_LENGTH))
     row = (ids[:1], ids[1:])
     adapters = reference.adapters
     sides = [None] if adapters is None else [adapters.default, *(n for n in adapters.adapters if n != adapters.default)]

@@ -339,13 +339,14 @@ def probe_length(config) -> int:
 
 
 def probe_ids(reference) -> tuple[np.ndarray, np.ndarray]:
-    """(the probe's ids, the row packed before it): fixed seeds, the probe as long as probe_length."""
+    """(the probe's ids, the row packed before it): fixed seeds, the probe as long as probe_length, the other row at
+    most 48 tokens (what it is there for, a row before the probe's, does not grow with a window)."""
     from klpipe.model.architecture import text_config
 
     length = probe_length(text_config(reference.model.config))
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(0, reference.vocab_size, (length,), generator=generator).numpy()
-    return ids, torch.randint(0, reference.vocab_size, (length // 2 + 3,), generator=generator).numpy()
+    return ids, torch.randint(0, reference.vocab_size, (min(length // 2 + 3, 48),), generator=generator).numpy()
 
 
 def scored(reference, length: int) -> int:
