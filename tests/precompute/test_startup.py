@@ -26,7 +26,7 @@ def test_the_summary_and_the_progress_log_say_where_the_start_up_went(tmp_path):
         assert len(logged) == 1 and summary is not None and lines[-1].endswith(summary.group(0))
         assert lines.index(logged[0].group(0)) < len(lines) - 1 and lines[-1].startswith("wrote ")
         startup, load, checks = (float(logged[0].group(k)) for k in (1, 2, 3))
-        assert abs(load + checks - startup) <= 0.11 and checks > 0.0
+        assert abs(load + checks - startup) <= 0.15  # each rounded to a tenth
         said.append(logged[0].group(4))
     assert said == ["checked", "reused"]
 
