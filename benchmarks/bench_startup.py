@@ -16,11 +16,14 @@ pays it once):
   klpipe, second   the same command again: the verdicts remembered, the short probe alone
   main             klpipe before this (BEFORE, exported from git into build/bench/), the same command, once
 
-One cache directory (KLPIPE_CACHE_DIR) per model, fresh: a first load alone hashes the weights (not timed), so every
-timed step finds their digests remembered, as a daily run does. klpipe's own start-up line gives its start-up (from
-the stage's start to its first row) and its checks apart; main prints none, so for every klpipe step the whole
-process's wall time less its rows' seconds is printed too, with main's. The goals (issue 61): a first run's start-up
-at most 2x the load alone, a second run's at most 1.2x. The machine's fp32 matmul peak is measured in the same run.
+Each model runs with its files in the page cache (warm: as just written, or read by the step before) and with them
+dropped from it before each timed step (read from disk, as a daily job finds them once other work has had the
+machine). One cache directory (KLPIPE_CACHE_DIR) per model and page-cache state, fresh: a first load alone hashes the
+weights (not timed), so every timed step finds their digests remembered, as a daily run does. klpipe's own start-up
+line gives its start-up (from the stage's start to its first row) and its checks apart, against the load alone's own
+clock; main prints none, so every step's whole process less its rows' seconds is printed too, against the load
+alone's whole process (imports in both). The goals (issue 61): a first run's start-up at most 2x the load alone, a
+second run's at most 1.2x. The machine's fp32 matmul peak is measured in the same run.
 """
 
 from __future__ import annotations
@@ -85,39 +88,62 @@ def step(argv: list[str], env: dict, cwd: Path) -> tuple[float, str]:
     """(wall seconds, stdout + stderr) of one child process, run in `cwd` (`python -m` puts it first on sys.path:
     not the checkout, so that PYTHONPATH says which klpipe runs); its failure ends the bench."""
     started = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd)
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, check=False)
     if done.returncode != 0:
         raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr.strip()[-2000:]}")
     return time.perf_counter() - started, done.stdout + done.stderr
 
 
-def bench(name: str, model: Path, rows: Path, work: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KLPIPE_CACHE_DIR": str(work / f"cache-{name}")}
+def drop_pages(model: Path) -> None:
+    """The model's files out of the page cache (written to disk first): the next process reads them from disk, as a
+    daily job does once other work has had the machine."""
+    for path in model.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench(name: str, model: Path, rows: Path, work: Path, pages: str) -> None:
+    """One model's steps with its page cache `pages` (warm, or dropped before each timed step)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KLPIPE_CACHE_DIR": str(work / f"cache-{name}-{pages}")}
     ours = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     main = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(BEFORE_DIR), os.environ.get("PYTHONPATH")]))}
     alone = [sys.executable, str(Path(__file__).resolve()), "--load-alone", str(model)]
     step(alone, ours, work)  # hashes the weights once: every timed step finds their digests remembered
-    _, said = step(alone, ours, work)
+
+    def timed(argv: list[str], env_: dict) -> tuple[float, str]:
+        if pages == "dropped":
+            drop_pages(model)
+        return step(argv, env_, work)
+
+    alone_wall, said = timed(alone, ours)
     load = float(re.search(r"LOAD ([\d.]+)", said).group(1))
-    print(f"\n== {name}: load alone {load:.1f} s (from_pretrained, the fingerprint, the weights read in)", flush=True)
+    print(f"\n== {name}, page cache {pages}: load alone {load:.1f} s (from_pretrained, the fingerprint, the weights "
+          f"read in); its whole process {alone_wall:.1f} s", flush=True)
     command = ["-m", "klpipe", "precompute", str(rows), "-m", str(model), "--device", "cpu", "--dtype", "float32",
                "--prefix-sharing", "on", "--progress", "none"]
     for label, env_, run in (("klpipe, first", ours, 1), ("klpipe, second", ours, 2), ("main", main, 0)):
-        wall, said = step([sys.executable, *command, "-o", str(work / f"{name}-{run}.parquet")], env_, work)
-        rows_seconds = float(ROWS.search(said).group(1).replace(",", ""))
+        wall, said = timed([sys.executable, *command, "-o", str(work / f"{name}-{pages}-{run}.parquet")], env_)
+        before_rows = wall - float(ROWS.search(said).group(1).replace(",", ""))
+        whole = f"whole process less its rows {before_rows:6.1f} s = {before_rows / alone_wall:.2f}x the load alone's"
         found = STARTUP.search(said)
         if found is None:  # main: no start-up line
-            print(f"{label:15s} whole process less its rows {wall - rows_seconds:6.1f} s", flush=True)
+            print(f"{label:15s} {'':54s}{whole}", flush=True)
             continue
         startup, loaded, checks = (float(found.group(k).replace(",", "")) for k in (1, 2, 3))
-        print(f"{label:15s} start-up {startup:6.1f} s (load {loaded:.1f}, checks {checks:.1f}, verdicts "
-              f"{found.group(4)}) = {startup / load:.2f}x the load alone; whole process less its rows "
-              f"{wall - rows_seconds:6.1f} s", flush=True)
+        print(f"{label:15s} start-up {startup:6.1f} s (load {loaded:.1f}, checks {checks:5.1f}, {found.group(4):7s}) "
+              f"{startup / load:6.2f}x; {whole}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=["e2b", "tiny"], default=["e2b", "tiny"])
+    parser.add_argument("--page-cache", nargs="+", choices=["warm", "dropped"], default=["warm", "dropped"],
+                        help="warm: the model's files in the page cache, as just written; dropped: out of it before "
+                             "each timed step, read from disk")
     parser.add_argument("--load-alone", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_alone:
@@ -135,7 +161,8 @@ def main() -> None:
         rows = one_row(work / "one.parquet")
         for name in args.models:
             model = build_e2b(work / "e2b-width") if name == "e2b" else ROOT / "sample_data" / "tiny-llama"
-            bench(name, model, rows, work)
+            for pages in args.page_cache:
+                bench(name, model, rows, work, pages)
             if name == "e2b":
                 shutil.rmtree(model)  # 6 GB
     finally:
