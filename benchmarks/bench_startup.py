@@ -84,13 +84,14 @@ def export_before() -> None:
         subprocess.run(["tar", "-x", "-C", str(BEFORE_DIR)], input=archive.stdout, check=True)
 
 
-def step(argv: list[str], env: dict, cwd: Path) -> tuple[float, str]:
+def step(argv: list[str], env: dict, cwd: Path) -> tuple[float, str | None]:
     """(wall seconds, stdout + stderr) of one child process, run in `cwd` (`python -m` puts it first on sys.path:
-    not the checkout, so that PYTHONPATH says which klpipe runs); its failure ends the bench."""
+    not the checkout, so that PYTHONPATH says which klpipe runs); (its seconds, None) where it failed, said."""
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr.strip()[-2000:]}")
+        print(f"failed ({done.returncode}): {' '.join(argv)}\n{done.stderr.strip()[-2000:]}", flush=True)
+        return time.perf_counter() - started, None
     return time.perf_counter() - started, done.stdout + done.stderr
 
 
@@ -127,6 +128,8 @@ def bench(name: str, model: Path, rows: Path, work: Path, pages: str) -> None:
                "--prefix-sharing", "on", "--progress", "none"]
     for label, env_, run in (("klpipe, first", ours, 1), ("klpipe, second", ours, 2), ("main", main, 0)):
         wall, said = timed([sys.executable, *command, "-o", str(work / f"{name}-{pages}-{run}.parquet")], env_)
+        if said is None:
+            continue
         before_rows = wall - float(ROWS.search(said).group(1).replace(",", ""))
         whole = f"whole process less its rows {before_rows:6.1f} s = {before_rows / alone_wall:.2f}x the load alone's"
         found = STARTUP.search(said)

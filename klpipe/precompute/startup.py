@@ -20,8 +20,8 @@ def verdict_lines(models: list) -> list[str]:
             lines.append(f"{name}: the load-time checks' verdicts of an earlier run with the same weights, versions, "
                          f"device and options reused, held to its own forward on a short probe (--recheck runs them)")
         elif m.recheck_why is not None:
-            lines.append(f"{name}: the remembered verdicts disagree with its own forward ({m.recheck_why}); every "
-                         "load-time check ran again")
+            lines.append(f"{name}: the remembered verdicts were not taken: {m.recheck_why}; every load-time check "
+                         "ran again")
     return lines
 
 

@@ -51,7 +51,8 @@ def test_a_remembered_verdict_the_model_disagrees_with_runs_every_check(monkeypa
     right = packing.segment
     monkeypatch.setattr(packing, "segment", lambda q, k, v, scaling, window, gqa: right(q, k, v, 0.5, window, gqa))
     reference = ReferenceModel.load(SPEC, remembered=lambda model: remembered)
-    assert not reference.verdict_reused and reference.recheck_why.startswith("max |Δ logprob| = ")
+    assert not reference.verdict_reused and reference.recheck_why.startswith(
+        "they disagree with its own forward on the short probe (max |Δ logprob| = ")
     assert not reference.packed and reference.padded_why.startswith("packed rows disagree with its own forward")
     rows = agent_rows(reference.vocab_size)[:6]
     assert worst_error(reference.model, rows, reference.score_batch(rows)) <= 1e-4
@@ -96,3 +97,17 @@ def test_each_pass_of_a_streamed_group_runs_under_its_own_implementation(monkeyp
     streamed = ReferenceModel.load(SPEC, streamed=True)
     assert streamed.packed and "sdpa" in seen and "packed name, unpacked" not in seen
     assert seen.count("packed") == len(streamed.streamer.store.layers)  # one packed pass, each layer once
+
+
+def test_a_remembered_verdict_that_gave_up_the_chunked_head_it_agrees_with_is_checked_again():
+    # A verdict reached once on a probe that went wrong (the chunked head dropped for the model's own forward) would
+    # otherwise stay: every later run slower, or refused under --prefix-sharing on. The short probe holds the chunked
+    # head to the model's own forward too, and the checks run again where it agrees.
+    from klpipe.model import probes
+
+    wrong = Verdict(own_forward=probes.NO_HEAD, padded_why=packing.NOT_CAUSAL, notes=("a probe that went wrong",))
+    reference = ReferenceModel.load(SPEC, remembered=lambda model: wrong)
+    assert not reference.verdict_reused and reference.recheck_why.startswith(
+        "they dropped klpipe's chunked head, which agrees with its own forward on the short probe")
+    assert reference.own_forward is None and isinstance(reference.head, head.LMHead) and reference.packed
+    assert reference.verdict == ReferenceModel.load(SPEC).verdict

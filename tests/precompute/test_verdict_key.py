@@ -188,9 +188,10 @@ def test_a_remembered_verdict_its_model_disagrees_with_runs_every_check(tmp_path
     lines = []
     summary, values, checked = run(tmp_path, TINY_LLAMA, "again.parquet", agent, lines)
     assert checked and summary.verdicts == "checked"
-    assert [line for line in lines if "remembered verdicts disagree" in line] == [
-        next(line for line in lines if line.startswith("LlamaForCausalLM: the remembered verdicts disagree with its "
-                                                       "own forward (max |Δ logprob| = "))]
+    assert [line for line in lines if "remembered verdicts" in line] == [
+        next(line for line in lines if line.startswith("LlamaForCausalLM: the remembered verdicts were not taken: they "
+                                                       "disagree with its own forward on the short probe (max |Δ "
+                                                       "logprob| = "))]
     assert any("klpipe's chunked LM head disagrees with the model's own logits" in line for line in lines)
     assert max_error(agent, values) <= TOLERANCE
 
