@@ -199,6 +199,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_score.py
 	$(BIN)/python benchmarks/bench_memory.py
 	$(BIN)/python benchmarks/bench_stream.py
+	$(BIN)/python benchmarks/bench_startup.py
 
 # Rebuild the tiny models and rollouts under sample_data/ (deterministic).
 sample-data: install

@@ -146,7 +146,7 @@ def main() -> None:
               f"{found.group(5)}% of the read hidden "
               f"under compute; speed {seconds(in_memory) / seconds(streamed):.0%} of in memory scoring, "
               f"{memory_wall / streamed_wall:.0%} over the whole run (load included: its checks read the weights "
-              "again for each of their forwards)")
+              "once, their forwards one layer-major group)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ os.environ["KLPIPE_CACHE_DIR"] = _cache
 atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    """Each test remembers digests and the load-time checks' verdicts (storage/verdicts.py) in a directory of its own:
+    a test that puts a wrong substitute in place must meet the checks, not a verdict an earlier test left."""
+    monkeypatch.setenv("KLPIPE_CACHE_DIR", str(tmp_path_factory.mktemp("klpipe-cache")))
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (moto's) on 127.0.0.1, for the whole session; stopped by its pid."""

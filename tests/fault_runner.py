@@ -472,6 +472,9 @@ class Runner:
     def start(self, args: list, fault: Fault | None = None, cwd: Path | None = None,
               env: dict | None = None, census: bool = False) -> Child:
         self.count += 1
+        # The test's own cache directory (tests/conftest.py), not the one the server started under: a test's first run
+        # meets the load-time checks, never a verdict another test left.
+        env = {"KLPIPE_CACHE_DIR": os.environ["KLPIPE_CACHE_DIR"], **(env or {})}
         stderr_path = self.log_dir / f"run-{self.count:04d}.stderr"
         trace_path = self.log_dir / f"run-{self.count:04d}.trace"
         pid = self._request({

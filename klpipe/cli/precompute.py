@@ -83,8 +83,17 @@ def _print_summary(summary) -> None:
         f"wrote {summary.output}: {summary.rows:,} rows, {summary.tokens:,} response tokens "
         f"in {summary.seconds:,.1f}s ({summary.tokens_per_second:,.0f} tokens/s){_left_out(summary)}, "
         f"padding efficiency {summary.padding_efficiency:.1%}, {_fed(summary.forward)}, peak memory {memory}"
-        + (f"; resumed {resumed}" if summary.resumed_chunks else "") + _streamed(summary)
+        + (f"; resumed {resumed}" if summary.resumed_chunks else "") + _streamed(summary) + _startup(summary)
     )
+
+
+def _startup(summary) -> str:
+    """Where the start-up went (precompute/startup.py): none where a Ray driver sums its shards."""
+    if getattr(summary, "verdicts", None) is None:
+        return ""
+    from klpipe.precompute import startup
+
+    return f"; {startup.line(summary)}"
 
 
 def _streamed(summary) -> str:

@@ -332,8 +332,8 @@ def mismatch_html(page: PageInput) -> str:
     worst = "".join(
         f'<li><a href="#row-{k + 1}">{escape(rows[k].name)}</a>: log_ppl_diff '
         f"{_finite(page.figures.log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
-    return (f'<section class="mismatch" aria-labelledby="mismatch-heading"><h2 id="mismatch-heading">Sampler against '
-            f"trainer</h2>" + "".join(f"<p>{escape(line)}</p>" for line in lines)
+    return ('<section class="mismatch" aria-labelledby="mismatch-heading"><h2 id="mismatch-heading">Sampler against '
+            "trainer</h2>" + "".join(f"<p>{escape(line)}</p>" for line in lines)
             + f'<figure class="sweep">{chart}</figure>'
             + f"<p>Embedded rows, worst |log_ppl_diff| first (each row's tokens below carry a second line coloured by "
               f"ℓ = trainer − sampler):</p><ol class=\"worst\">{worst}</ol></section>")

@@ -5,7 +5,8 @@ architecture.py  where a model keeps its parts: text config, decoder body, a mul
 head.py       the LM head on selected hidden states, fused over vocabulary blocks, fp32 online log-sum-exp
 reference.py  ReferenceModel: rows in, response-token logprobs out
 attention/    rows packed without pads, the prefix tree, exact attention over it (its own docstring)
-probes.py     load-time check of the chunked head against the model's own logits
+probes.py     load-time checks: every substitute of klpipe's held against the model's own forward
+checks.py     the checks in order, each deciding part of the Verdict (verdict.py), or a remembered one confirmed
 lora.py       LoRA/DoRA adapters over the model's own weights, one active per side (the policy's, the reference's)
 compiled.py   torch.compile of the decoder layers' norms and MLPs (--compile), held to the model's own forward
 transfer.py   host ↔ device copies: pinned and non-blocking on CUDA

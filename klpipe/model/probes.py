@@ -18,23 +18,25 @@ from __future__ import annotations
 
 import functools
 import inspect
-import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from klpipe.errors import KlpipeError, ModelError, first_line
+from klpipe.errors import first_line
+from klpipe.model import failures
+from klpipe.model.verdict import OWN, Verdict
 
 PROBE_LENGTH = 24
+# The short probe every load runs (confirm): the oracle's first tokens, the whole and the split row each of both
+# layouts' kinds; half the oracle's probe, as each of its tokens costs a forward's worth of a token plus, by the
+# model's own head, a whole vocabulary's logits (Gemma 4 E2B's 262,144: 0.8 GFLOP a position).
+CONFIRM_LENGTH = 12
 # Why rows run by the model's own forward alone (ReferenceModel.own_forward), as the prefix tree's refusal says it.
 NOT_CAUSAL = "its forward is not causal: a position's logits move when later tokens are added"
 NO_HEAD = "no head klpipe can apply to hidden states reproduces its forward"
 CAUSAL_PROBE_LENGTH = 64  # check_causal's probe: non-causal attention shows only past a few dozen tokens
-KLPIPE_DIR = Path(__file__).resolve().parents[1]  # a failure raised in here is klpipe's bug, not the model's
-TORCH_DIR = Path(torch.__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -100,97 +102,80 @@ def _as_group(reference, calls: list[tuple[tuple[np.ndarray, np.ndarray], int | 
 
 
 def _key(row: tuple[np.ndarray, np.ndarray], block: int | None) -> tuple:
-    return row[0].tobytes(), row[1].tobytes(), block
+    return row_key(row) + (block,)
 
 
-def prefetch(reference, more: tuple = ()) -> None:
+def row_key(row: tuple[np.ndarray, np.ndarray]) -> tuple:
+    """A row as a key: its prompt's and its response's ids."""
+    return np.asarray(row[0], dtype=np.int64).tobytes(), np.asarray(row[1], dtype=np.int64).tobytes()
+
+
+def prefetch(reference, more: tuple = (), klpipe: tuple = ()) -> None:
     """A streamed model's load-time probes by its own forward (the oracle's row, the causality probe's, packing's),
     run as passes of one layer-major group before any of them is asked for (own_rows takes them from the memo): each
-    of its layers read once for all of them, not once per probe (a 2.5 GiB model was read 6 times at load, now 4).
-    Run only while nothing of klpipe's is installed, as those probes are; where the group fails, each probe runs
-    alone after, and fails in its own words. `more`: other (row, block) to run with them (packing's, which this
-    module does not import)."""
+    of its layers read once for all of them, not once per probe. Run only while nothing of klpipe's is installed, as
+    those probes are; where the group fails, each probe runs alone after, and fails in its own words. `more`: other
+    (row, block) to run with them (packing's, which this module does not import).
+
+    `klpipe`: (rows, needed, packed, attention implementation) of klpipe's own rows run whole that the checks will
+    ask for (klpipe_rows takes them): passes of the same group, each under its own implementation (probe_group.py),
+    their body's hidden states kept and the head applied when asked, so that the head the checks settle on is the
+    one applied. A pass that fails keeps its error, raised when asked for."""
     if getattr(reference, "streamer", None) is None:
         return
+    from klpipe.model import probe_group
+
     calls = [(oracle_row(reference), None), *((row, reference.head.rows) for row in causal_rows(reference)), *more]
     try:
-        results = _as_group(reference, calls)
+        results = probe_group.run(reference, [_own_pass(reference, row, block) for row, block in calls]
+                                  + [probe_group.hidden(reference, rows, needed, packed, implementation)
+                                     for rows, needed, packed, implementation in klpipe])
     except Exception:  # noqa: BLE001 - each probe runs alone after, and says what failed
         reference.streamer.release_all()
         return
-    reference.own_memo = {_key(row, block): values for (row, block), values in zip(calls, results, strict=True)}
+    reference.own_memo = {_key(row, block): values[0]
+                          for (row, block), values in zip(calls, results[:len(calls)], strict=True)}
+    reference.probe_memo = {klpipe_key(rows, needed, packed): kept
+                            for (rows, needed, packed, _), kept in zip(klpipe, results[len(calls):], strict=True)}
 
 
-def oracle_row(reference) -> tuple[np.ndarray, np.ndarray]:
-    """The oracle's probe: PROBE_LENGTH ids drawn from a fixed seed, fed as a one-token prompt and a response."""
+def _own_pass(reference, row: tuple[np.ndarray, np.ndarray], block: int | None):
+    """(the model's own implementation, own_logprobs of `row`): a pass of probe_group.run by the oracle's path."""
+    return reference.own_attention, functools.partial(own_logprobs, reference.model, [row], block=block)
+
+
+def klpipe_key(rows: list[tuple[np.ndarray, np.ndarray]], needed, packed: bool) -> tuple:
+    return (tuple(_key(row, None) for row in rows),
+            None if needed is None else tuple(n.tobytes() for n in needed), packed)
+
+
+def klpipe_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]],
+                needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """reference.score_batch(rows, 1.0, needed), taken from what prefetch ran ahead where it did (a streamed model's
+    checks: the body's hidden states, this model's head applied now), else computed."""
+    kept = getattr(reference, "probe_memo", {}).get(klpipe_key(rows, needed, reference.packed))
+    if kept is None or reference.own_forward is not None or reference.rows_alone:
+        return reference.score_batch(rows, 1.0, needed)
+    if isinstance(kept, BaseException):
+        raise kept
+    return kept.logprobs(reference)
+
+
+def oracle_row(reference, length: int = PROBE_LENGTH) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle's probe: `length` ids drawn from a fixed seed, fed as a one-token prompt and a response."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()
+    ids = torch.randint(0, reference.vocab_size, (PROBE_LENGTH,), generator=generator).numpy()[:length]
     return ids[:1], ids[1:]
 
 
 def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
     prompt, response = oracle_row(reference)
-    with failing_in_one_line(reference.model):  # the model's own code fails: nothing klpipe computes could be right
+    with failures.failing_in_one_line(reference.model):  # the model's own code fails: nothing klpipe computes could be right
         return Oracle(np.concatenate([prompt, response]), own_rows(reference, [(prompt, response)])[0])
 
 
-@contextmanager
-def failing_in_one_line(model):
-    """Within: a probe's forward of `model`; its failure said in one line (forward_failure), the exception it
-    replaces kept as its context (KLPIPE_DEBUG's traceback shows both)."""
-    try:
-        yield
-    except KlpipeError:
-        raise  # in its own words (a streamed layer's file that cannot be read)
-    except Exception as exc:  # noqa: BLE001 - every failure of a forward, said as what it is
-        raise forward_failure(model, exc)  # its context: the failure it replaces
-
-
-def forward_failure(model, exc: Exception) -> Exception:
-    """What a probe's forward failing with `exc` says: a klpipe bug (exit 1) where klpipe's own code raised it (an
-    adapter's hook: lora.py), else the model's own forward failing (exit 2)."""
-    what, name = f"{type(exc).__name__}: {first_line(exc)}", type(model).__name__
-    ours = raised_in_klpipe(exc)
-    if ours is not None:
-        return RuntimeError(f"klpipe bug: {ours} fails in {name}'s forward on a probe sequence ({what})")
-    return ModelError(f"{name}: its own forward fails on a probe sequence ({config_cause(model) or what})")
-
-
-def raised_in_klpipe(exc: BaseException) -> str | None:
-    """klpipe's file (`klpipe/model/lora.py`) where `exc` was raised, or None where the model's code raised it: the
-    innermost frame of its traceback outside torch's own Python code (a torch call fails in its caller's line) and
-    wide.py's fp64 mode (every torch call passes through it)."""
-    from klpipe.model.wide import passes_through
-
-    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
-        file = Path(frame.f_code.co_filename).resolve()
-        if passes_through(frame.f_code) or file.is_relative_to(TORCH_DIR):
-            continue
-        return str(file.relative_to(KLPIPE_DIR.parent)) if file.is_relative_to(KLPIPE_DIR) else None
-    return None
-
-
-def config_cause(model) -> str | None:
-    """Why a model's own forward fails, in klpipe's words, where its config says so; None where it does not.
-
-    Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank`) expands its latents into keys and values for every
-    query head, and transformers then repeats them `num_attention_heads // num_key_value_heads` times as if there
-    were fewer: a config asking for fewer key/value heads than query heads fails inside sdpa with a bare shape
-    mismatch ("The size of tensor a (4) must match the size of tensor b (8)")."""
-    from klpipe.model.architecture import text_config
-
-    config = text_config(model.config)
-    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if getattr(config, "kv_lora_rank", None) and heads and kv_heads and kv_heads != heads:
-        return (f"its multi-head latent attention (kv_lora_rank {config.kv_lora_rank}) makes keys and values for "
-                f"each of its {heads} query heads, and its config asks for {kv_heads} key/value heads, so "
-                f"transformers repeats them into {heads * max(heads // kv_heads, 1)}; set num_key_value_heads to "
-                f"num_attention_heads ({heads}), as DeepSeek's own configs do")
-    return None
-
-
-def check_causal(reference) -> None:
+def check_causal(reference, verdict: Verdict) -> Verdict:
     """Where a position's logits move when later tokens are added, the model's forward is not causal: log p(token |
     prefix) is then what the naive oracle computes, one forward over the whole row, and every shortcut that assumes
     causality (the last token never fed, right pads, a row cut after its last needed token, the prefix tree) would
@@ -201,11 +186,10 @@ def check_causal(reference) -> None:
     whole, *shorter = own_rows(reference, causal_rows(reference), block=reference.head.rows)
     found = max(float(np.max(np.abs(values - whole[: len(values)]))) for values in shorter)
     if found <= reference.probe_tolerance:
-        return
-    reference.own_forward = NOT_CAUSAL
-    reference.notes.append(f"{type(reference.model).__name__}: its forward is not causal (a position's logprobs move "
-                           f"by {found:.3g} when later tokens are added); each row runs alone, whole, by the model's "
-                           "own forward")
+        return verdict
+    return verdict.but(own_forward=NOT_CAUSAL).noted(
+        f"{type(reference.model).__name__}: its forward is not causal (a position's logprobs move by {found:.3g} when "
+        "later tokens are added); each row runs alone, whole, by the model's own forward")
 
 
 def causal_rows(reference) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -226,26 +210,29 @@ def causal_rows(reference) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def gap(reference, oracle: Oracle) -> float:
     """The largest |Δ logprob| between klpipe's rows run whole (the probe split at two places) and the oracle."""
-    ids, half = oracle.ids, len(oracle.ids) // 2
-    whole, split = reference.score_batch([(ids[:1], ids[1:]), (ids[:half], ids[half:])])
+    half = len(oracle.ids) // 2
+    whole, split = klpipe_rows(reference, gap_rows(oracle.ids))
     return max(float(np.max(np.abs(whole - oracle.logprobs))),
                float(np.max(np.abs(split - oracle.logprobs[half - 1:]))))
 
 
-def check_head(reference, oracle: Oracle) -> None:
+def gap_rows(ids: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """gap's rows: the probe whole, and split at its middle."""
+    half = len(ids) // 2
+    return [(ids[:1], ids[1:]), (ids[:half], ids[half:])]
+
+
+def check_head(reference, oracle: Oracle, verdict: Verdict) -> Verdict:
     """Keep the chunked head where it reproduces the oracle; else the model's own head (head.ModelHead), noted.
 
     Where even the model's own head on given hidden states does not reproduce it (or cannot run: Inkling's routers),
     each row runs alone by the model's own forward (own_forward = NO_HEAD)."""
-    from klpipe.model.head import ModelHead
-
     name = type(reference.model).__name__
     chunked = gap(reference, oracle)
     unapplied = getattr(reference.head, "unapplied", [])
     if chunked <= reference.probe_tolerance and not unapplied:
-        return
-    chunked_head = reference.head
-    reference.head = ModelHead(reference.model, reference.body, reference.device, reference.head.logits_budget)
+        return verdict
+    reference.apply(verdict.but(head=OWN))  # tried; the caller applies what this returns
     try:
         own, why = gap(reference, oracle), None
     except Exception as exc:  # noqa: BLE001 - a forward that cannot take given hidden states (Inkling's routers)
@@ -253,35 +240,38 @@ def check_head(reference, oracle: Oracle) -> None:
     if own is not None and own <= reference.probe_tolerance:
         why = (f"does not apply its head's {', '.join(unapplied)}" if unapplied else
                f"disagrees with the model's own logits (max |Δ logprob| = {chunked:.3g})")
-        reference.notes.append(f"{name}: klpipe's chunked LM head {why}; logprobs come from the model's own head, "
-                               "in blocks")
-        return
-    # Neither head reproduces the forward on given hidden states: the forward itself computes every row.
-    reference.head = chunked_head  # only its block size is used from now on
-    reference.own_forward = NO_HEAD
-    reference.notes.append(f"{name}: neither klpipe's chunked LM head (max |Δ logprob| = {chunked:.3g}) nor the "
-                           f"model's own head on given hidden states ({why or f'max |Δ logprob| = {own:.3g}'}) "
-                           "reproduces its forward; each row runs alone, whole, by the model's own forward")
+        return verdict.but(head=OWN).noted(f"{name}: klpipe's chunked LM head {why}; logprobs come from the model's "
+                                           "own head, in blocks")
+    # Neither head reproduces the forward on given hidden states: the forward itself computes every row (the chunked
+    # head kept: only its block size is used from now on).
+    return verdict.but(own_forward=NO_HEAD).noted(
+        f"{name}: neither klpipe's chunked LM head (max |Δ logprob| = {chunked:.3g}) nor the model's own head on given "
+        f"hidden states ({why or f'max |Δ logprob| = {own:.3g}'}) reproduces its forward; each row runs alone, "
+        "whole, by the model's own forward")
 
 
-def check_padding(reference, oracle: Oracle) -> None:
+def padding_rows(ids: np.ndarray, rope_length_limit: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """check_padding's rows: the probe, and a row twice as long beside it, so that the probe gets pads."""
+    longer = np.concatenate([ids, ids[::-1], ids])
+    # Within the RoPE's limit: a batch whose rows pass it changes its frequencies for every row (long RoPE), and the
+    # planner keeps such rows apart already (logprobs.plan_chunk); this check is about pads alone.
+    longer = longer[: max(len(ids) + 1, rope_length_limit or len(longer))]
+    return [(ids[:1], ids[1:]), (longer[:1], longer[1:])]
+
+
+def check_padding(reference, oracle: Oracle, verdict: Verdict) -> Verdict:
     """Run rows one at a time where a row's logprobs change beside a longer row's pads, noted.
 
     Right pads come after every real token, so a causal model's rows cannot see them, but a model may still
     read the batch's length: DeepSeek-V3.2's sparse attention picks its top-k keys with `topk` over every key
     slot, and how it breaks ties moves with the slots' count."""
-    ids = oracle.ids
-    longer = np.concatenate([ids, ids[::-1], ids])  # the probe's row gets twice its length in pads
-    # Within the RoPE's limit: a batch whose rows pass it changes its frequencies for every row (long RoPE), and the
-    # planner keeps such rows apart already (logprobs.plan_chunk); this check is about pads alone.
-    longer = longer[: max(len(ids) + 1, reference.rope_length_limit or len(longer))]
-    beside = reference.score_batch([(ids[:1], ids[1:]), (longer[:1], longer[1:])])[0]  # (T - 1,)
+    beside = klpipe_rows(reference, padding_rows(oracle.ids, reference.rope_length_limit))[0]  # (T - 1,)
     found = float(np.max(np.abs(beside - oracle.logprobs)))
     if found <= reference.probe_tolerance:
-        return
-    reference.rows_alone = True
-    reference.notes.append(f"{type(reference.model).__name__}: a row's logprobs change beside a longer row's pads "
-                           f"(max |Δ logprob| = {found:.3g}); rows run whole one at a time")
+        return verdict
+    return verdict.but(rows_alone=True).noted(
+        f"{type(reference.model).__name__}: a row's logprobs change beside a longer row's pads (max |Δ logprob| = "
+        f"{found:.3g}); rows run whole one at a time")
 
 
 def check_attention(reference, oracle: Oracle) -> str | None:
@@ -293,7 +283,7 @@ def check_attention(reference, oracle: Oracle) -> str | None:
             f"{reference.own_attention} attention (max |Δ logprob| = {found:.3g}); the model's own runs instead")
 
 
-def check_compile(reference, oracle: Oracle) -> None:
+def check_compile(reference, oracle: Oracle, verdict: Verdict) -> Verdict:
     """Keep the compiled norms and MLPs (compiled.py) where klpipe's rows run whole reproduce the oracle with them;
     else every module eager again, noted. A class that fails to compile runs eager on its own, noted.
 
@@ -308,15 +298,44 @@ def check_compile(reference, oracle: Oracle) -> None:
     for length in (len(ids), 1):  # a batch of two rows, as the prefix tree's passes are (the batch's 1 specialised)
         found = max(found, _body_gap(reference, np.stack([ids[:length], ids[::-1][:length]])))
     compiled = reference.compiled
-    reference.notes.extend(f"{name}: {line}" for line in compiled.take_failures())
+    verdict = verdict.noted(*(f"{name}: {line}" for line in compiled.take_failures()))
     # fp32: the oracle's own bound (compiled and eager differ by the order of a few sums, ~1e-6); bf16: the probes'.
     tolerance = 1e-4 if reference.dtype == torch.float32 else reference.probe_tolerance
     if found > tolerance:
-        reference.drop_compile()
-        reference.notes.append(f"{name}: its compiled norms and MLPs disagree with its own forward (max |Δ logprob| "
-                               f"= {found:.3g}); they run eager")
-    elif not compiled.classes:
-        reference.drop_compile()
+        return verdict.but(compiled=()).noted(f"{name}: its compiled norms and MLPs disagree with its own forward "
+                                              f"(max |Δ logprob| = {found:.3g}); they run eager")
+    return verdict.but(compiled=tuple(compiled.classes))
+
+
+def confirm(reference) -> float:
+    """The check run on every load where a verdict is remembered: the largest |Δ logprob| between klpipe's rows run
+    whole as installed now (the remembered verdict applied: its head, packed or not) and the model's own forward (the
+    oracle, taken again: the model as transformers loaded it) on the oracle's first CONFIRM_LENGTH tokens, on each
+    adapter's side too. A streamed model's forwards go in one layer-major group (probe_group.py): its layers read
+    once."""
+    ids = np.concatenate(oracle_row(reference, CONFIRM_LENGTH))
+    row = (ids[:1], ids[1:])
+    adapters = reference.adapters
+    sides = [None] if adapters is None else [adapters.default, *(n for n in adapters.adapters if n != adapters.default)]
+    found, oracle = 0.0, None
+    for side in sides:
+        with reference.side(side):
+            if reference.streamer is not None and reference.own_forward is None and not reference.rows_alone:
+                from klpipe.model import probe_group
+
+                own, kept = probe_group.run(reference, [_own_pass(reference, row, None), probe_group.hidden(
+                    reference, gap_rows(ids), None, reference.packed, reference.attention_name)])
+                if isinstance(kept, BaseException):
+                    raise kept
+                got, own = kept.logprobs(reference), own[0]
+            else:
+                own = reference.own_logprobs([row])[0]
+                got = reference.score_batch(gap_rows(ids))
+            half = len(ids) // 2
+            found = max(found, float(np.max(np.abs(got[0] - own))), float(np.max(np.abs(got[1] - own[half - 1:]))))
+            oracle = oracle or Oracle(ids, own)
+    reference.oracle = oracle
+    return found
 
 
 @torch.inference_mode()

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from klpipe import plan
-from klpipe.errors import ModelError
-from klpipe.model import architecture, compiled, loading, lora, probes, wide
+from klpipe.model import architecture, checks, compiled, loading, lora, probes, wide
 from klpipe.model.attention import cascade, packing
-from klpipe.model.head import LMHead
+from klpipe.model.head import LMHead, ModelHead
 from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
+from klpipe.model.verdict import OWN, Verdict
 
 
 class ReferenceModel:
@@ -31,7 +31,8 @@ class ReferenceModel:
         self.dtype = dtype
         self.body = architecture.decoder_body(model)  # everything up to (and including) the final norm
         config = architecture.text_config(model.config)
-        self.head = LMHead(model, config, device, logits_budget)
+        self.chunked_head = LMHead(model, config, device, logits_budget)
+        self.head = self.chunked_head
         self.vocab_size = self.head.vocab_size
         # The load-time probes compare two computations of the same logprobs; bf16 rounding alone
         # moves them by a few hundredths, a wrong computation by nats.
@@ -79,6 +80,11 @@ class ReferenceModel:
         # LoRA adapters over these weights (lora.py), one active per side; None: the weights alone.
         self.adapters: lora.Adapters | None = None
         self.own_memo: dict = {}  # load-time probes' own-forward logprobs run ahead (probes.prefetch), until used
+        self.probe_memo: dict = {}  # and klpipe's rows run whole ahead, up to the head (probe_group.Hidden)
+        self.verdict = Verdict()  # what the load-time checks decided (verdict.py), as `apply` installed it
+        self.verdict_reused = False  # whether it was remembered from an earlier run (checks.check) rather than checked
+        self.recheck_why: str | None = None  # why a remembered verdict was not taken
+        self.check_seconds = 0.0  # the load-time checks' time
         self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
         self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
         self.stream_cache_mib: int | None = None  # the tree cache the budget leaves (precompute/budget.py); None: the option
@@ -97,76 +103,64 @@ class ReferenceModel:
 
     @classmethod
     def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
-             streamed: bool = False, trim_above: int | None = None, room: tuple[int, int] = (0, 0)) -> ReferenceModel:
-        """Load `spec` safely (loading.py), check the chunked head against the model's own logits, and compile the
-        layers' norms and MLPs where `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
+             streamed: bool = False, trim_above: int | None = None, room: tuple[int, int] = (0, 0),
+             remembered=None) -> ReferenceModel:
+        """Load `spec` safely (loading.py) and run the load-time checks (checks.py): the chunked head, padding,
+        packing, each adapter's side against the model's own forward, and the layers' norms and MLPs compiled where
+        `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
 
         `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
-        the one active outside `side` (the reference's, or None: the weights alone). Each is held to the model's own
-        forward with it active. `streamed`: the decoder layers' weights stay in their files (streaming.py), and the
-        memory they free goes back to the kernel once the process holds more than `trim_above` bytes (allocator.py;
-        None: always); `room`: (bytes, bytes a fed token) the budget gives a layer-major group's waiting passes, what a
-        group leaves of it keeping layers loaded from group to group, the load-time checks' groups included."""
+        the one active outside `side` (the reference's, or None: the weights alone). `streamed`: the decoder layers'
+        weights stay in their files (streaming.py), and the memory they free goes back to the kernel once the process
+        holds more than `trim_above` bytes (allocator.py; None: always); `room`: (bytes, bytes a fed token) the budget
+        gives a layer-major group's waiting passes. `remembered(model) -> Verdict | None`: an earlier run's verdict for
+        this model as loaded (storage/verdicts.py), applied and held to a short probe rather than checked again."""
         if streamed:
             from klpipe.model import streamed as streamed_model
 
-            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room)
+            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
         model, device, dtype, text_only = loading.load_model(spec)
         reference = cls(model, device, dtype)
         reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None
-        reference.notes.extend(reference.adapters.notes if adapters else ())  # a multimodal adapter's towers left out
-        with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
-            reference.check_head()
-        reference.slow_kernels = tuple(missing)
-        reference.check_sides()
-        reference.use_compile(compile)
+        reference.run_checks(compile, remembered)
         return reference
+
+    def run_checks(self, compile: str = "off", remembered=None) -> None:
+        """The load-time checks (checks.py), or a remembered verdict confirmed; the packages transformers fell back
+        without noted (see `kernel_note`)."""
+        with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
+            checks.check(self, compile, remembered(self) if remembered is not None else None)
+        self.slow_kernels = tuple(missing)
+
+    def apply(self, verdict: Verdict) -> None:
+        """Install what `verdict` says, the one place the load-time checks' decisions reach the model: its head, rows
+        by the model's own forward or one a batch, packed or padded, the compiled modules kept, how the tree's passes
+        ran on its probe, and the notes. The cascade is installed where a tree may run (use_cascade)."""
+        self.own_forward, self.rows_alone = verdict.own_forward, verdict.rows_alone
+        if (verdict.head == OWN) != isinstance(self.head, ModelHead):
+            self.head = (ModelHead(self.model, self.body, self.device, self.chunked_head.logits_budget)
+                         if verdict.head == OWN else self.chunked_head)
+        self.packed, self.padded_why = verdict.packed, verdict.padded_why
+        if architecture.text_config(self.model.config)._attn_implementation != self.attention_name:
+            self.model.set_attn_implementation(self.attention_name)
+        self.tree_passes_packed, self.tree_layered = verdict.tree_passes_packed, verdict.tree_layered
+        if not verdict.compiled:
+            self.drop_compile()
+        else:
+            if self.compiled is None:
+                self.compiled = compiled.Compiled(checks.compile_targets(self))
+            self.compiled.dropped |= {type(m).__name__ for _, m in self.compiled.modules} - set(verdict.compiled)
+        self.notes = [*(self.adapters.notes if self.adapters is not None else ()), *verdict.notes]  # towers, checks
+        self.verdict = verdict
 
     def side(self, name: str | None):
         """Within: forwards run with adapter `name` active (None: the weights alone); outside, the default side."""
         return self.adapters.use(name) if self.adapters is not None else nullcontext()
 
-    def check_sides(self) -> None:
-        """Each adapter's side, held to the model's own forward with it active: klpipe's rows run whole (its chunked
-        head, its packing) must give that forward's logprobs, as the default side's did in check_head."""
-        if self.adapters is None or self.own_forward is not None:
-            return
-        for name, adapter in self.adapters.adapters.items():
-            if name == self.adapters.default:
-                continue
-            ids = self.oracle.ids
-            with self.side(name):  # the oracle's forward with klpipe's attention taken out, as check_head's was
-                with probes.failing_in_one_line(self.model):
-                    own = self.own_logprobs([(ids[:1], ids[1:])])[0]
-                found = probes.gap(self, probes.Oracle(ids, own))
-            if found > self.probe_tolerance:
-                raise ModelError(f"{adapter.path}: klpipe's logprobs with the adapter on differ from the model's own "
-                                 f"forward by {found:.3g}")
-
     def use_compile(self, mode: str, compiler=None) -> None:
-        """Compile the decoder layers' norms and MLPs (compiled.py) where `mode` asks on this device, and keep them
-        only where the load-time probe (probes.check_compile) agrees with the model's own forward; noted if not.
+        """Compile the decoder layers' norms and MLPs where `mode` asks and the probe agrees (checks.compiled_verdict);
         `compiler`: compiled.Compiled's (torch.compile with klpipe's options unless a test gives one)."""
-        import time
-
-        if self.compiled is not None or self.oracle is None or not compiled.wanted(mode, self.device):
-            return
-        name = type(self.model).__name__
-        targets = compiled.targets(self.body)
-        if self.adapters is not None:  # an adapted module runs per side (a hook, swapped tensors): left eager
-            adapted = {self.model.get_submodule(path) for path in self.adapters.module_paths}
-            targets = [(n, m) for n, m in targets if not any(sub in adapted for sub in m.modules())]
-        devices = set(map(str, (getattr(self.model, "hf_device_map", None) or {}).values()))
-        why_not = (f"its rows run by its own forward ({self.own_forward})" if self.own_forward is not None
-                   else "it is spread over several devices" if len(devices) > 1  # accelerate's hooks move tensors
-                   else "no norm or MLP klpipe compiles" if not targets else None)
-        if why_not is not None:
-            self.notes.append(f"{name}: runs eager, not compiled ({why_not})")
-            return
-        started = time.perf_counter()
-        self.compiled = compiled.Compiled(targets, compiler)
-        probes.check_compile(self, self.oracle)
-        self.compile_seconds = time.perf_counter() - started
+        self.apply(checks.compiled_verdict(self, mode, self.verdict, compiler))
 
     def drop_compile(self) -> None:
         """Every compiled module eager again, for good."""
@@ -186,25 +180,6 @@ class ReferenceModel:
     def input_device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    def check_head(self) -> None:
-        """Take the oracle (the model's own forward, nothing of klpipe's installed) and keep the chunked head only
-        where it agrees with it (probes.py)."""
-        if self.cascade:
-            raise RuntimeError("the oracle is the model as transformers loaded it: check before use_cascade")
-        # A streamed model: its own-forward probes below in one read of its layers (packing's too, where it probes).
-        probes.prefetch(self, [(packing.probe_row(self), self.head.rows)] if packing.refusal(self) is None else [])
-        try:
-            self.oracle = probes.take_oracle(self)
-            probes.check_causal(self)
-            if self.own_forward is not None:
-                self.padded_why = packing.NOT_CAUSAL
-                return  # its own forward computes every row (score_batch): no substitute of klpipe's runs
-            probes.check_head(self, self.oracle)
-            probes.check_padding(self, self.oracle)
-            self.padded_why = packing.check(self)
-        finally:
-            self.own_memo = {}  # valid only while nothing of klpipe's is installed
-
     def use_cascade(self) -> str | None:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
         probe agrees with the model's own forward; None, or the line to log where the probe dropped it.
@@ -213,13 +188,33 @@ class ReferenceModel:
         under sdpa, in either layout, KV-shared layers through the keys of the layer they share."""
         if self.cascade or self.oracle is None:
             return None
+        if self.verdict_reused and self.verdict.cascade is not None:  # the remembered verdict's
+            if self.verdict.cascade and cascade.enable(self.model, architecture.text_config(self.model.config)):
+                self.cascade = True
+            return None
         if not cascade.enable(self.model, architecture.text_config(self.model.config)):
             return None
         self.cascade = True
         note = probes.check_attention(self, self.oracle)
         if note is not None:
             self.drop_cascade()
+        self.verdict = self.verdict.but(cascade=self.cascade, notes=self.verdict.notes + ((note,) if note else ()))
         return note
+
+    def settle_tree(self, probe) -> str | None:
+        """Run the prefix tree's probe (`probe()`: None where the tree reproduces the model's own forward, else why
+        not), or take what the remembered verdict says it found. Its finding joins the verdict, with what the probe
+        changed (the cascade dropped, the tree's passes unpacked, rows padded): the checks' decisions, not the run's."""
+        if self.verdict_reused and self.verdict.tree_probed:
+            return self.verdict.tree
+        noted, before = len(self.notes), (self.packed, self.padded_why)
+        problem = probe()
+        changed = {"packed": self.packed, "padded_why": self.padded_why} if (self.packed, self.padded_why) != before else {}
+        self.verdict = self.verdict.but(
+            tree_probed=True, tree=problem, cascade=self.cascade if self.verdict.cascade is not None else None,
+            tree_passes_packed=self.tree_passes_packed, tree_layered=self.tree_layered,
+            notes=self.verdict.notes + tuple(self.notes[noted:]), **changed)
+        return problem
 
     def drop_cascade(self) -> None:
         """Give the model back its own attention implementation (packed rows' where they run)."""
@@ -246,8 +241,10 @@ class ReferenceModel:
         if installed != self.own_attention:
             self.model.set_attn_implementation(self.own_attention)
         try:
-            with self.eager():
-                return probes.own_logprobs(self.model, rows)
+            with self.eager():  # each row once (a streamed model's in one layer-major group: probes.own_rows)
+                unique = {probes.row_key(row): row for row in rows}
+                found = dict(zip(unique, probes.own_rows(self, list(unique.values())), strict=True))
+                return [found[probes.row_key(row)] for row in rows]
         finally:
             if installed != self.own_attention:
                 self.model.set_attn_implementation(installed)
@@ -305,12 +302,13 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def score_batch(self, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float = 1.0,
-                    needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
+                    needed: list[np.ndarray] | None = None, head=None, packed: bool | None = None) -> list[np.ndarray]:
         """log p(response[i] | prompt + response[:i]) for each (prompt_ids, response_ids) row, as float32.
 
         With `needed` (a bool per response token, per row), only the marked tokens' logprobs are
         computed, the others NaN: the body still reads every token up to the last marked one, but
-        only the marked positions reach the LM head.
+        only the marked positions reach the LM head. `head` in place of the model's (a streamed check's, which keeps
+        the hidden states: probe_group.py); `packed` the layout in place of the model's (a NotPacked then raised).
         """
         if needed is None:
             needed = [np.ones(len(r), dtype=bool) for _, r in rows]
@@ -327,11 +325,12 @@ class ReferenceModel:
         results = [np.full(len(r), np.nan, dtype=self.result_dtype) for _, r in rows]
         if longest == 0:
             return results
-        if self.packed:
+        head = head or self.head
+        if self.packed if packed is None else packed:
             try:
-                return self.score_packed(rows, inputs, wanted, temperature, results)
+                return self.score_packed(rows, inputs, wanted, temperature, results, head)
             except packing.NotPacked as exc:
-                if self.padded_why == packing.CHECKING or self.streamer is not None:
+                if packed is not None or self.padded_why == packing.CHECKING or self.streamer is not None:
                     raise  # the load-time check decides, and says why; a streamed chunk's passes switch together
                 self.drop_packing(str(exc))
         # Right padding: with causal attention no real token can see a pad, so no attention mask
@@ -344,13 +343,14 @@ class ReferenceModel:
 
         # Position prompt_len - 1 + j predicts response token j.
         positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted)]
-        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature)
+        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
+                                       head=head)
         for values, w, out in zip(scored, wanted, results):
             out[w] = values
         return results
 
     def score_packed(self, rows, inputs: list[np.ndarray], wanted: list[np.ndarray], temperature: float,
-                     results: list[np.ndarray]) -> list[np.ndarray]:
+                     results: list[np.ndarray], head=None) -> list[np.ndarray]:
         """score_batch's rows end to end, one sequence with no pads (packing.py): raises packing.NotPacked where an
         attention call cannot take them exactly."""
         segments = packing.Rows([len(x) for x in inputs])
@@ -365,13 +365,13 @@ class ReferenceModel:
         # Row k's position prompt_len - 1 + j predicts its response token j: packed slot start_k + that.
         positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted)]
         scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
-                                       packed=True)
+                                       packed=True, head=head)
         for values, w, out in zip(scored, wanted, results):
             out[w] = values
         return results
 
     def targets_logprobs(self, hidden: torch.Tensor, positions: list[np.ndarray], targets: list[np.ndarray],
-                         temperature: float, packed: bool = False) -> list[np.ndarray]:
+                         temperature: float, packed: bool = False, head=None) -> list[np.ndarray]:
         """Row k's logprobs of targets[k], predicted by hidden[k, positions[k]] (hidden[0, positions[k]] where
         `packed`: the rows lie end to end in one sequence).
 
@@ -382,7 +382,7 @@ class ReferenceModel:
         position = np.concatenate(positions).astype(np.int64)
         selected = hidden[to_device(row_index, hidden.device), to_device(position, hidden.device)]
         flat = torch.from_numpy(np.concatenate(targets).astype(np.int64))
-        logprobs = self.head.logprobs(selected, flat, temperature).numpy()
+        logprobs = (head or self.head).logprobs(selected, flat, temperature).numpy()
         return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])
 
 

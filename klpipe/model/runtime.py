@@ -24,3 +24,37 @@ def device_reserved_bytes(device: str) -> int:
 def library_versions() -> dict[str, str]:
     """The versions that move the numbers, as the cache's provenance records them."""
     return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def device_identity(device: str) -> dict[str, str]:
+    """The device a verdict was reached on, as far as it could change one (storage/verdicts.py): its name and
+    capability (a CUDA device's compute capability; a CPU's model and the instructions torch's kernels use), and the
+    machine's name, so that a verdict never crosses machines."""
+    import platform
+
+    if str(device).startswith("cuda"):
+        index = torch.device(device).index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        name, capability = torch.cuda.get_device_name(index), f"sm_{major}{minor}"
+    else:
+        name, capability = _cpu_name(), torch.backends.cpu.get_cpu_capability()
+    return {"name": name, "capability": capability, "host": platform.node()}
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def verdict_parts(reference) -> dict:
+    """What of a loaded model could change the load-time checks' verdict, beyond what the run's options say: the
+    versions, the device, the dtype and the attention implementation transformers loaded it with."""
+    return {**library_versions(), "device": device_identity(str(reference.device)),
+            "dtype": str(reference.dtype).removeprefix("torch."), "attention": str(reference.own_attention),
+            "class": type(reference.model).__name__, "streamed": reference.streamer is not None}

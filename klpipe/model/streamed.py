@@ -196,15 +196,16 @@ def weights_directory(spec):
 
 
 def reference(cls, spec, compile: str, adapters: tuple, default: str | None = None, trim_above: int | None = None,
-              room: tuple[int, int] = (0, 0)):
+              room: tuple[int, int] = (0, 0), remembered=None):
     """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
-    the chunked head, packing, each adapter's side), before any row.
+    the chunked head, packing, each adapter's side: model/checks.py), before any row, or its remembered verdict
+    confirmed (`remembered`, as for ReferenceModel.load).
 
     LoRA adapters hook the layers' Linears as in memory (lora.py): their tensors stay resident (the budget counts
     them: adapter_bytes), the base weights stream under them, and the hooks run as each layer computes. A plain
     update reads nothing of the base at load; a DoRA layer's norm needs its base weight once: each layer is loaded
     for it in turn, then freed."""
-    from klpipe.model import loading, lora
+    from klpipe.model import lora
 
     if compile == "on":
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
@@ -230,13 +231,9 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
 
         try:
             model_.adapters = lora.attach(model, adapters, default, weight_of, device, text_only)
-            model_.notes.extend(model_.adapters.notes)
         finally:
             streamer.release_all()
-    with loading.kernel_fallbacks() as missing:  # the first forward is where transformers says so
-        model_.check_head()
-    model_.slow_kernels = tuple(missing)
-    model_.check_sides()
+    model_.run_checks("off", remembered)  # --compile on was refused above; auto compiles nothing streamed
     return model_
 
 

@@ -134,6 +134,7 @@ class WeightStore:
         # The byte count alone: a pass's table read must not wait for the layer read the other lock is held across.
         self._counting = threading.Lock()
         self.reads = 0  # bytes read from the checkpoint since load, tables' rows included
+        self.reads_total = 0  # the same, never reset nor left out (what a run read before its first row)
         self._meta: list[list] = [[] for _ in self.layers]
         # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
         # stay in their files too: each forward reads the rows it needs (table_rows.py).
@@ -293,6 +294,7 @@ class WeightStore:
         """`nbytes` more read (a table's rows, in a pass's thread while a layer may load in the background)."""
         with self._counting:
             self.reads += nbytes
+            self.reads_total += nbytes
 
     def load(self, k: int, own: bool = False) -> None:
         """Layer k's tensors into the model, read from the files now; `own`: into memory of its own, not one of the

@@ -37,7 +37,7 @@ class _Fp64(TorchFunctionMode):
 
 def passes_through(code) -> bool:
     """Whether `code` is the fp64 mode's own, which every torch call inside fp64() passes through (a traceback's
-    innermost frame when the call fails: probes.raised_in_klpipe looks past it)."""
+    innermost frame when the call fails: failures.raised_in_klpipe looks past it)."""
     return code is _Fp64.__torch_function__.__code__
 
 

@@ -143,6 +143,12 @@ class PrecomputeConfig:
              "own forward at load; a module that fails or disagrees runs eager. auto: on for CUDA, off on CPU.")
     trust_remote_code: bool = option(False, panel=MODEL_PANEL,
                                      help="Run model code shipped with the checkpoint. Off unless asked.")
+    # The load-time checks' verdicts are remembered per model, versions, device and options (storage/verdicts.py).
+    recheck: bool = option(
+        False, panel=MODEL_PANEL,
+        help="Run every load-time check of klpipe's paths against the model's own forward again, where an earlier "
+             "run's verdicts for the same weights, versions, device and options are remembered (KLPIPE_CACHE_DIR). "
+             "Without it they are reused, held to the model's own forward on a short probe.")
     # A second model whose logprobs of the same tokens go into policy_logprobs, in the same pass: for
     # rollouts that carry none (verl dumps, offline trajectories, a checkpoint's drift on an eval set).
     policy: str | None = option(

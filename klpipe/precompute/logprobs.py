@@ -314,8 +314,8 @@ def check_tree(model) -> str | None:
 
 
 def _in_our_words(model, problem: str) -> str:
-    """A bare exception's text replaced by its cause where the model's config names one (probes.config_cause)."""
-    from klpipe.model.probes import config_cause
+    """A bare exception's text replaced by its cause where the model's config names one (failures.config_cause)."""
+    from klpipe.model.failures import config_cause
 
     return config_cause(model.model) or problem
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from klpipe import cache, sharding
 from klpipe.atropos.reader import ATROPOS
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
-from klpipe.precompute import budget, provenance
+from klpipe.precompute import budget, provenance, startup
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats
 from klpipe.precompute.models import resolve as resolve_models
@@ -38,15 +37,17 @@ from klpipe.precompute.rollouts import (
     iter_chunks,
     open_rollouts,
 )
-from klpipe.precompute.scorer import ChunkScorer, Joint
+from klpipe.precompute.scorer import ChunkScorer, Joint, check_topk_room
 from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.tokenize import ChunkTokenizer
+from klpipe.precompute.verdict_key import Remembering, run_key
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
 from klpipe.signals import StopOnSignal
 from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
 from klpipe.storage.store import Location, check_output, is_glob
+from klpipe.storage.verdicts import VerdictCache
 from klpipe.threads import in_background, prefetch
 
 # Default output name beside a single input (see default_output).
@@ -64,7 +65,11 @@ class PrecomputeSummary:
     forward: ForwardStats = field(default_factory=ForwardStats)  # what the model was fed in this run
     prefix_sharing: str = "off"  # the mode in force (auto falls back to off where the tree's probe fails: sharing.py)
     seconds: float = 0.0  # scoring time, model loading excluded
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # loading the model and its checks
+    startup_seconds: float = 0.0  # from the stage's start to its first row: loading, the checks, reading the rows
+    check_seconds: float = 0.0  # of which the load-time checks (model/checks.py, the tree's probes before any row)
+    verdicts: str | None = None  # "reused" where every model's remembered verdict held, else "checked"
+    startup_bytes_read: int | None = None  # a streamed model's bytes read before the first row, load and checks
     resumed_chunks: int = 0  # chunks an earlier run of the same command had finished
     resumed_rows: int = 0  # their rows, in the output but not counted in `rows`
     skipped: bool = False  # output already complete: nothing to do
@@ -160,23 +165,33 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             # input should fail in seconds, not after hours of compute.
             tokens = _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             if config.ref_topk:
-                _check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
+                check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
             load_started = time.perf_counter()
             trim_above = streamed.trim_above if streamed is not None else None
             # What the groups leave of the budget keeps layers loaded (streaming.py): none where the policy streams.
             room = (streamed.spare, streamed.per_token) if streamed is not None else (0, 0)
+            verdicts = VerdictCache(log=log)
+            remembered = Remembering(verdicts, run_key(config, models, recorded.revision, streamed is not None),
+                                     config.recheck)
             model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
                                                   default=models.reference_side, streamed=streamed is not None,
-                                                  trim_above=trim_above, room=room)
+                                                  trim_above=trim_above, room=room, remembered=remembered)
+            remembered.keep(model)
             model.stream_tokens = streamed.tokens if streamed is not None else None
             model.stream_cache_mib = cache_mib
             # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
             # the same model with its adapter on: one copy of the base weights.
+            policy_streams = streamed is not None and streamed.policy
+            policy_remembered = (Remembering(verdicts, run_key(config, models, recorded.policy_revision,
+                                                               policy_streams, policy=True), config.recheck)
+                                 if models.policy_spec is not None else None)
             policy = (model if models.policy_side is not None
                       else reference.ReferenceModel.load(models.policy_spec, compile=config.compile,
-                                                         streamed=streamed is not None and streamed.policy,
-                                                         trim_above=trim_above)
+                                                         streamed=policy_streams, trim_above=trim_above,
+                                                         remembered=policy_remembered)
                       if models.policy_spec is not None else None)
+            if policy_remembered is not None:
+                policy_remembered.keep(policy)
             if policy is not None and policy.streamer is not None:
                 policy.stream_tokens = streamed.tokens
             if policy is not None:  # its tree runs after the reference's, in the same share of the budget
@@ -188,8 +203,18 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                          if m.streamer is not None]
             for streamer in streamers:
                 streamer.reset_statistics()  # the run's reads, not the load-time probes'
-            _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary, stop,
-                        log, on_chunk)
+            loaded = [m for m in {id(m): m for m in (model, policy) if m is not None}.values()]
+            summary.check_seconds = sum(m.check_seconds for m in loaded)
+            summary.verdicts = "reused" if all(m.verdict_reused for m in loaded) else "checked"
+            for line in startup.verdict_lines(loaded):
+                log(line)
+            try:
+                _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary,
+                            stop, log, on_chunk, started)
+            finally:  # what the tree's probes decided joins the verdicts, whatever the run then met
+                remembered.keep(model)
+                if policy_remembered is not None:
+                    policy_remembered.keep(policy)
             summary.streamed = streaming.figures(streamers)
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
@@ -252,38 +277,9 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
     return tokens
 
 
-def _check_topk_room(k: int, rows: int, tokens: int, output: Location, work: WorkDir, log) -> None:
-    """--ref-topk's size said before any row, and refused where the disks cannot hold it: the checkpoints in the work
-    directory, then the merged cache beside them (on its own disk, or staged in the work directory for a store)."""
-    import shutil
-
-    from klpipe.storage.store import is_remote
-
-    size = tokens * k * 8  # an int32 id and a float32 logprob each
-    log(f"--ref-topk {k}: {rows:,} rows, {tokens:,} response tokens x {k} x 8 bytes = {_size(size)} of top-k "
-        "(before parquet's compression)")
-    places = [work.path, work.path if is_remote(output) else Path(output).parent]
-    need: dict[int, tuple[Path, int]] = {}
-    for place in places:
-        device = place.stat().st_dev
-        need[device] = (place, need.get(device, (place, 0))[1] + size)
-    for place, wanted in need.values():
-        free = shutil.disk_usage(place).free
-        if free < wanted:
-            raise OutputError(f"--ref-topk {k} would write {_size(wanted)} onto {place}, which has {_size(free)} free; "
-                              "lower --ref-topk or make room")
-
-
-def _size(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:,.1f} {unit}"
-    return f"{size} bytes"
-
-
 def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
                 rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log,
-                on_chunk=None) -> None:
+                on_chunk=None, started: float | None = None) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one.
 
     `policy` is `model` itself where it is an adapter over the same weights (`policy_side`, its adapter's name): one
@@ -298,6 +294,7 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
             log(line)
     # A streamed model's tree keeps what the budget leaves it (budget.decide); the recorded figure otherwise.
     cache_mib = work.provenance.max_cache_mib if model.stream_cache_mib is None else model.stream_cache_mib
+    probing = time.perf_counter()
     sharing = Sharing(model, config.prefix_sharing, cache_mib, log,
                       sides=(policy_side,) if policy is model else ())
     if model.kernel_note:
@@ -311,6 +308,8 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
             log(own.kernel_note)
     joint = Joint(exact=work.provenance.full_kl, topk=work.provenance.ref_topk or 0)
     scorer = ChunkScorer(model, policy, policy_side, sharing, policy_sharing, config.temperature, max_tokens, joint)
+    summary.check_seconds += time.perf_counter() - probing  # the cascade's probe, and the tree's under `on`
+    startup.record(summary, [m for m in (model, own) if m is not None], started, config.progress != "none", log)
     progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()

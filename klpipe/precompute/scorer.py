@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from klpipe import cache
+from klpipe.errors import OutputError
 from klpipe.precompute.logprobs import ChunkPlan, ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.sharing import Sharing
 
@@ -169,3 +170,33 @@ def _joined(parts: list[Scored]) -> Scored:
     for name in parts[0].extra:
         joined.extra[name] = cat(p.extra[name] for p in parts)
     return joined
+
+
+def check_topk_room(k: int, rows: int, tokens: int, output, work, log) -> None:
+    """--ref-topk's size said before any row, and refused where the disks cannot hold it: the checkpoints in the work
+    directory, then the merged cache beside them (on its own disk, or staged in the work directory for a store)."""
+    import shutil
+    from pathlib import Path
+
+    from klpipe.storage.store import is_remote
+
+    size = tokens * k * 8  # an int32 id and a float32 logprob each
+    log(f"--ref-topk {k}: {rows:,} rows, {tokens:,} response tokens x {k} x 8 bytes = {_size(size)} of top-k "
+        "(before parquet's compression)")
+    places = [work.path, work.path if is_remote(output) else Path(output).parent]
+    need: dict[int, tuple[Path, int]] = {}
+    for place in places:
+        device = place.stat().st_dev
+        need[device] = (place, need.get(device, (place, 0))[1] + size)
+    for place, wanted in need.values():
+        free = shutil.disk_usage(place).free
+        if free < wanted:
+            raise OutputError(f"--ref-topk {k} would write {_size(wanted)} onto {place}, which has {_size(free)} free; "
+                              "lower --ref-topk or make room")
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size} bytes"

@@ -93,14 +93,18 @@ class Sharing:
         return plan.tree is not None and self.mode != "off" and not self.probed
 
     def _probe(self) -> None:
+        """check_tree on the model, on each adapter's side too; or what the remembered verdict says it found."""
         self.probed = True
         with uncounted(self.model):
-            problem = check_tree(self.model)
-            for side in self.sides:
-                if problem is None:
-                    with self.model.side(side):
-                        problem = check_tree(self.model)
-        self._refuse(problem)
+            self._refuse(self.model.settle_tree(self._check_tree))
+
+    def _check_tree(self) -> str | None:
+        problem = check_tree(self.model)
+        for side in self.sides:
+            if problem is None:
+                with self.model.side(side):
+                    problem = check_tree(self.model)
+        return problem
 
     def _refuse(self, problem: str | None) -> None:
         """Under auto, rows run whole from now on, with one log line; under on, a ModelError. Nothing if no problem."""

@@ -837,6 +837,13 @@ def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(t
     assert "its decoder layers stream from their files" in streamed.stderr and "memory cgroup's limit" in \
         streamed.stderr, streamed.stderr
     assert used <= CGROUP_LIMIT
+    # The load-time checks' probes are one layer-major group: before its first row the run read its weights once
+    # (each layer, and its untied head's blocks once a probe), never once a probe (the summary's own figure).
+    import re
+
+    read = re.search(r"([\d,]+) MiB of weights read\)", streamed.stderr)
+    stored = (model / "model.safetensors").stat().st_size / 2**20
+    assert read is not None and 0.98 * stored <= int(read.group(1).replace(",", "")) <= 1.02 * stored, read
     assert in_memory.returncode == 0 and "stream" not in in_memory.stderr, in_memory.stderr
     assert len(got) == len(expected) == 8
     values = np.concatenate([np.array(v) for v in expected if v])

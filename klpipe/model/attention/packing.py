@@ -22,10 +22,10 @@ CPU and CUDA alike, any head size (Gemma 4's 512 included); no compilation.
 
 Packing is exact only where each row's logits depend on its own tokens and positions alone: a model whose forward
 reads the batch's length, keeps a recurrent or convolution state, masks in a way it does not pass to its attention
-function, or attends through code of its own would read across rows. So `check` (at load, after the oracle is taken)
-packs the probe beside other rows and holds it to the model's own forward, long enough to cross the model's window;
-a model that fails keeps its rows padded (today's path), and an attention call this module cannot compute exactly
-raises NotPacked, after which its rows run padded for good.
+function, or attends through code of its own would read across rows. So the load-time check (packing_check.py, after
+the oracle is taken) packs the probe beside other rows and holds it to the model's own forward, long enough to cross
+the model's window; a model that fails keeps its rows padded, and an attention call this module cannot compute
+exactly raises NotPacked, after which its rows run padded for good.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ LONG_ROPE = "its RoPE changes with the batch's length"
 NOT_CAUSAL = "its rows run alone, whole"  # its forward is not causal, or a row changes beside another's pads
 DISAGREE = "packed rows disagree with its own forward"
 WINDOW_TOO_LONG = "its window is longer than the packed probe may be"
-CHECKING = "being checked"  # ReferenceModel.padded_why while `check` runs: score_batch lets NotPacked through
+CHECKING = "being checked"  # ReferenceModel.padded_why while packing_check runs: score_batch lets NotPacked through
 PROBE_CAP = 8192  # the longest probe the load-time check packs (a window longer than this keeps rows padded)
 
 
@@ -338,20 +338,31 @@ def probe_length(config) -> int:
     return max([PROBE_LENGTH] + [span + 8 for span in spans])
 
 
-def _probe(reference) -> tuple[np.ndarray, np.ndarray]:
-    """(the probe's ids, the row packed before it): fixed seeds, the probe as long as probe_length."""
+def probe_ids(reference) -> tuple[np.ndarray, np.ndarray]:
+    """(the probe's ids, the row packed before it): fixed seeds, the probe as long as probe_length, the other row at
+    most 48 tokens (what it is there for, a row before the probe's, does not grow with a window)."""
     from klpipe.model.architecture import text_config
 
     length = probe_length(text_config(reference.model.config))
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(0, reference.vocab_size, (length,), generator=generator).numpy()
-    return ids, torch.randint(0, reference.vocab_size, (length // 2 + 3,), generator=generator).numpy()
+    return ids, torch.randint(0, reference.vocab_size, (min(length // 2 + 3, 48),), generator=generator).numpy()
+
+
+def scored(reference, length: int) -> int:
+    """The positions of the probe the check compares: its last head block's (every one, on a short probe or a GPU's
+    block), so that the model's own forward scores them in one forward rather than one a block. A window or a packed
+    row's boundary missed shows in the last positions: they are the ones past the window, and what an earlier
+    position got wrong reaches them through every later layer."""
+    return max(1, min(length - 1, reference.head.rows))
 
 
 def probe_row(reference) -> tuple[np.ndarray, np.ndarray]:
-    """The row `check` runs by the model's own forward first (probes.prefetch runs it ahead on a streamed model)."""
-    ids = _probe(reference)[0]
-    return ids[:1], ids[1:]
+    """The row the load-time check (packing_check.py) runs by the model's own forward first (probes.prefetch runs it
+    ahead on a streamed model): the probe fed whole, its last `scored` tokens the response."""
+    ids = probe_ids(reference)[0]
+    cut = len(ids) - scored(reference, len(ids))
+    return ids[:cut], ids[cut:]
 
 
 def enable(model) -> None:
@@ -360,39 +371,3 @@ def enable(model) -> None:
 
 def disable(model, implementation: str) -> None:
     model.set_attn_implementation(implementation)
-
-
-def check(reference) -> str | None:
-    """Switch `reference` to packed rows where they reproduce the model's own forward; None if so, else the reason
-    (the model is left as it was). Call after the oracle is taken and before the cascade is installed."""
-    from klpipe.model.probes import own_rows
-
-    why = refusal(reference)
-    if why is not None:
-        return why
-    ids, other = _probe(reference)
-    half = len(ids) // 2
-    expected = own_rows(reference, [(ids[:1], ids[1:])], block=reference.head.rows)[0]  # (L - 1,)
-    enable(reference.model)
-    reference.packed, reference.padded_why = True, CHECKING
-    try:
-        # The probe after another row and split at another place: a row that reads across the boundary, or a
-        # position that does not restart, moves its logprobs.
-        whole, _, split = reference.score_batch([(ids[:1], ids[1:]), (other[:2], other[2:]), (ids[:half], ids[half:])])
-        found = max(float(np.max(np.abs(whole - expected))), float(np.max(np.abs(split - expected[half - 1:]))))
-    except NotPacked as exc:
-        found, why = None, str(exc)
-    except Exception as exc:  # noqa: BLE001 - the model's code cannot take packed rows: it keeps them padded
-        # In klpipe's words, the model's own error after them: the record and the run's note say which model code
-        # could not take the packed batch (qwen4_exp_text's top-k indexer reads the mask packed rows go without).
-        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        found, why = None, f"its forward fails on packed rows ({type(exc).__name__}: {said})"
-    if found is not None and found <= reference.probe_tolerance:
-        reference.padded_why = None
-        return None
-    reference.packed = False
-    disable(reference.model, reference.own_attention)
-    # The record keeps the reason; the log line its figure.
-    said = f"{DISAGREE}: max |Δ logprob| = {found:.3g}" if found is not None else why
-    reference.notes.append(f"{type(reference.model).__name__}: rows run whole go padded ({said})")
-    return why or DISAGREE
