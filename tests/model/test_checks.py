@@ -59,9 +59,9 @@ def test_a_remembered_verdict_the_model_disagrees_with_runs_every_check(monkeypa
 
 
 def test_a_remembered_head_that_turned_wrong_is_caught_and_the_models_own_head_runs(monkeypatch):
-    right = head.LMHead._transform
+    right = head.HeadView.transform
     remembered = ReferenceModel.load(SPEC).verdict
-    monkeypatch.setattr(head.LMHead, "_transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))
+    monkeypatch.setattr(head.HeadView, "transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))
     reference = ReferenceModel.load(SPEC, remembered=lambda model: remembered)
     assert not reference.verdict_reused and isinstance(reference.head, head.ModelHead)
 

@@ -183,8 +183,8 @@ def test_a_remembered_verdict_its_model_disagrees_with_runs_every_check(tmp_path
     from klpipe.model import head
 
     run(tmp_path, TINY_LLAMA, "cold.parquet", agent)
-    right = head.LMHead._transform
-    monkeypatch.setattr(head.LMHead, "_transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))
+    right = head.HeadView.transform
+    monkeypatch.setattr(head.HeadView, "transform", lambda self, logits, t: right(self, logits, t).mul_(1.25))
     lines = []
     summary, values, checked = run(tmp_path, TINY_LLAMA, "again.parquet", agent, lines)
     assert checked and summary.verdicts == "checked"
