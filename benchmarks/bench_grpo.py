@@ -58,7 +58,8 @@ def build_inputs(groups: int, seed: int = 0) -> None:
         for k in range(GROUP_SIZE):
             length = int(np.exp(rng.uniform(np.log(16), np.log(256))))
             prompts.append(prompt)
-            responses.append(rng.integers(0, VOCAB, length).tolist())
+            # From 1: a response ending in id 0, the tokenizer's pad, is refused unless a mask says it was sampled.
+            responses.append(rng.integers(1, VOCAB, length).tolist())
             ids.append(f"g{g:03d}-{k}")
     contenders.write_rollouts(rollouts_path(groups), rollouts_path(groups, one_row=True), ids, prompts, responses)
 
