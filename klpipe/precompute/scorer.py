@@ -146,12 +146,6 @@ class ChunkScorer:
         return run_plan(self.own, policy_plan, pairs, self.temperature, check_stop)
 
 
-def extra_columns(joint: Joint) -> tuple[str, ...]:
-    """The cache columns the joint head adds."""
-    return (cache.FULL_KL_COLUMNS if joint.exact else ()) + (
-        (cache.REF_TOPK_IDS, cache.REF_TOPK_LOGPROBS) if joint.topk else ())
-
-
 def _take(items: list | None, rows: np.ndarray) -> list | None:
     return None if items is None else [items[i] for i in rows.tolist()]
 

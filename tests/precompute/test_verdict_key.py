@@ -103,9 +103,9 @@ def _eager_attention(monkeypatch, tmp_path):
     real = loading.load_model
 
     def eager(spec):
-        model, device, dtype = real(spec)
+        model, *rest = real(spec)
         model.set_attn_implementation("eager")
-        return model, device, dtype
+        return model, *rest
 
     monkeypatch.setattr(loading, "load_model", eager)
 
