@@ -59,15 +59,16 @@ class Tree:
 
 @dataclass
 class Pass:
-    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/attention/tree.py picks."""
+    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/attention/tree.py
+    picks."""
 
     nodes: np.ndarray  # (rows,) node ids
     only_last: bool  # no node needs more than its last position's output
     release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
 
     def runs_packed(self, packs_passes: bool, prefill_skips_layers: bool) -> bool:
-        """Whether model/attention/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model that
-        `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
+        """Whether model/attention/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model
+        that `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
         model that skips layers for the rest (Gemma 4's KV-shared layers, under logits_to_keep = 1) keeps the right
         layout, whose rows must all end at the batch's last slot. The plan's counts (precompute/logprobs.py) and
         the run read this one rule."""

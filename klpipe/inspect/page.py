@@ -210,8 +210,8 @@ def provenance_html(page: PageInput) -> str:
     else:
         items.append(("reference", f"{p.model} ({p.revision}, {p.dtype}, temperature {p.temperature:g})"))
         if p.policy_model is not None:
-            items.append(("policy", f"computed by klpipe precompute --policy {p.policy_model} "
-                                    f"({p.policy_revision}, {p.policy_dtype})"))
+            items.append(("policy", (f"computed by klpipe precompute --policy {p.policy_model} "
+                                     f"({p.policy_revision}, {p.policy_dtype})")))
         else:
             items.append(("policy", "the rollouts' own logprobs (a sampler's)"))
         items.append(("tokenizer fingerprint", p.tokenizer))
@@ -222,12 +222,13 @@ def provenance_html(page: PageInput) -> str:
     items.append(("klpipe", ", ".join(v for v in versions if v)))
     if page.source.scored:
         controller = settings.get("controller") or {}
-        items.append(("scored with", f"{settings.get('estimator')} {settings.get('aggregate')}"
-                      f"{', clamped' if settings.get('clamp') else ''}; {controller.get('controller', '?')} "
-                      f"controller, target {controller.get('kl_target', '?')}"))
+        items.append(("scored with", (f"{settings.get('estimator')} {settings.get('aggregate')}"
+                                      f"{', clamped' if settings.get('clamp') else ''}; "
+                                      f"{controller.get('controller', '?')} controller, "
+                                      f"target {controller.get('kl_target', '?')}")))
     else:
-        items.append(("KL", f"not scored: computed here as klpipe score would ({settings['estimator']} "
-                            f"{settings['aggregate']}{', clamped' if settings['clamp'] else ''})"))
+        items.append(("KL", (f"not scored: computed here as klpipe score would ({settings['estimator']} "
+                             f"{settings['aggregate']}{', clamped' if settings['clamp'] else ''})")))
     return _dl(items)
 
 
@@ -237,8 +238,8 @@ def summary_html(page: PageInput) -> str:
     stats = report.kl_statistics(f.kl, 0.0, 0, len(f))
     rows = len(f)
     parts = [f"{rows:,} rows in {len(c.labels):,} controller batches",
-             f"KL mean {stats['kl/mean']:.4f} (p50 {stats['kl/p50']:.4f}, p90 {stats['kl/p90']:.4f}, "
-             f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})"]
+             (f"KL mean {stats['kl/mean']:.4f} (p50 {stats['kl/p50']:.4f}, p90 {stats['kl/p90']:.4f}, "
+              f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})")]
     if f.kl_coeff is not None and len(c.kl_coeff):
         changes = int(np.count_nonzero(np.diff(c.kl_coeff)))
         parts.append(f"kl_coeff applied {c.kl_coeff[0]:.5g} → {c.kl_coeff[-1]:.5g} "

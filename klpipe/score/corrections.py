@@ -62,8 +62,9 @@ SCHEMES: tuple[Scheme, ...] = (
 # Token schemes leave r_t with |ℓ_t| below mismatch.TAIL untouched, so only the tail at or above it (each block's
 # `tail`) is looked at per threshold. A threshold nearer to r = 1 would need a smaller TAIL.
 _TOKEN = [s for s in SCHEMES if s.name in ("token_tis", "icepop", "veto")]
-assert TAIL <= min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
-                   min(-np.log(s.low) for s in _TOKEN if s.low is not None)) + 1e-12
+_NEAREST = min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
+               min(-np.log(s.low) for s in _TOKEN if s.low is not None))
+assert TAIL <= _NEAREST + 1e-12
 
 
 @dataclass

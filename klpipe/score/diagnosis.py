@@ -168,11 +168,11 @@ class DiagnosisSums:
             best = min(self.shift_forward, self.shift_back) / self.pairs
             if aligned >= SHIFT_MIN_ALIGNED and best <= SHIFT_RATIO * aligned:
                 way = "ahead" if self.shift_forward <= self.shift_back else "behind"
-                shifted = (f"the sampler's logprobs fit the trainer's shifted by one token (the sampler's list runs one "
-                           f"token {way}): mean |trainer − sampler| {aligned:.4g} nats aligned, {best:.4g} shifted")
+                shifted = (f"the sampler's logprobs fit the trainer's shifted by one token (the sampler's list runs "
+                           f"one token {way}): mean |trainer − sampler| {aligned:.4g} nats aligned, {best:.4g} shifted")
         if self.length_rows or shifted:
-            parts = [f"{self.length_rows} row(s) whose {sampler_name} list has another length than the response "
-                     "(left out)"] if self.length_rows else []
+            parts = [(f"{self.length_rows} row(s) whose {sampler_name} list has another length than the response "
+                      "(left out)")] if self.length_rows else []
             say("misaligned", "; ".join(parts + ([shifted] if shifted else [])))
         if shifted or self.tokens < MIN_TOKENS:
             return found  # a shifted ℓ says nothing about temperature or truncation

@@ -203,7 +203,8 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, column
     for name, array in ((policy_name, policy), (ref_name, ref)):
         i = _first_null_kept(array, keep, offsets)
         if i is not None:
-            raise InputError(f"{rows.name(i)}: {name} holds a null" + (" where the mask is 1" if keep is not None else ""))
+            where = " where the mask is 1" if keep is not None else ""
+            raise InputError(f"{rows.name(i)}: {name} holds a null{where}")
     reward = numpy_view(batch.column(reward_name)).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
     if bad_reward.any():

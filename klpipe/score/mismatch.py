@@ -127,7 +127,8 @@ class TokenMismatch:
     ref: np.ndarray  # (tokens,) log π_ref (float32 as cached, or float64)
     offsets: np.ndarray  # (rows + 1,) int64
     position_bucket: np.ndarray  # (tokens,) int8 POSITION_EDGES bucket of the token's index in its response
-    after_tool: np.ndarray | None  # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
+    # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
+    after_tool: np.ndarray | None
     # Computed once for the whole block, then sliced by `rows`: each is one numpy pass over the tokens.
     log_ratio: np.ndarray = field(init=False)  # (tokens,) ℓ = trainer − sampler
     expm1: np.ndarray = field(init=False)  # (tokens,) r − 1 = e^ℓ − 1, exact for small ℓ

@@ -210,7 +210,8 @@ def render_table(report: dict, console) -> None:
         f"({summary['kl/adaptation_count']} adaptations in all); "
         f"reward {summary['reward_mean_before']:.4f} → {summary['reward_mean_after']:.4f}; "
         f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows"
-        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out (mask 0: tool results, pads)"
+        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out "
+           "(mask 0: tool results, pads)"
            + (f", {summary['rows_without_tokens']:,} rows with none (KL 0)" if summary['rows_without_tokens'] else "")
            if summary.get("masked_tokens") else ""),
         markup=False,
@@ -253,12 +254,12 @@ def mismatch_lines(mismatch: dict) -> list[str]:
         return "n/a" if value is None else f"{value:.4g}"
 
     lines = [
-        f"sampler against trainer ({mismatch['sampler_logprobs']} vs {mismatch['trainer_logprobs']}, "
-        f"{run['mismatch/tokens']:,} sampled tokens): rollout_corr/kl {number('rollout_corr/kl')}, "
-        f"k3_kl {number('rollout_corr/k3_kl')}, |ℓ| p99 {number('mismatch/abs_log_ratio_p99')}, "
-        f"ESS token IS {number('mismatch/ess_token_is')}; KL from the {mismatch['kl_from']}'s logprobs "
-        f"(trainer's {number('mismatch/kl_trainer')}, sampler's {number('mismatch/kl_sampler')}, importance-corrected "
-        f"{number('mismatch/kl_importance_corrected')} per token)",
+        (f"sampler against trainer ({mismatch['sampler_logprobs']} vs {mismatch['trainer_logprobs']}, "
+         f"{run['mismatch/tokens']:,} sampled tokens): rollout_corr/kl {number('rollout_corr/kl')}, "
+         f"k3_kl {number('rollout_corr/k3_kl')}, |ℓ| p99 {number('mismatch/abs_log_ratio_p99')}, "
+         f"ESS token IS {number('mismatch/ess_token_is')}; KL from the {mismatch['kl_from']}'s logprobs "
+         f"(trainer's {number('mismatch/kl_trainer')}, sampler's {number('mismatch/kl_sampler')}, importance-corrected "
+         f"{number('mismatch/kl_importance_corrected')} per token)"),
     ]
     codes = mismatch["mismatch/diagnosis"]
     lines.append(f"mismatch diagnosis: {', '.join(codes) if codes else 'none'}")

@@ -203,8 +203,7 @@ class StorePath:
     def object_metadata(self) -> dict[str, str]:
         """What the store says about the object without reading it (S3: ETag, Last-Modified, Content-Length)."""
         with self.open_input_file() as stream:
-            return {key.decode() if isinstance(key, bytes) else key: value.decode() if isinstance(value, bytes) else value
-                    for key, value in (stream.metadata() or {}).items()}
+            return {_text(key): _text(value) for key, value in (stream.metadata() or {}).items()}
 
     def appears_whole(self) -> bool:
         """True on an object store, where a written object becomes visible only once its upload completes."""
@@ -350,3 +349,7 @@ def _filesystem(root: str) -> pafs.FileSystem:
 
 def _root_path(root: str) -> str:
     return _resolve(root)[1].rstrip("/")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

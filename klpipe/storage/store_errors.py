@@ -38,7 +38,8 @@ class Located(Protocol):
 
 
 def missing(path: Located) -> StoreOrInputError:
-    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
+    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path
+    only)."""
     root = path.root
     try:
         bucket_missing = path.uri != root.uri and not root.exists()

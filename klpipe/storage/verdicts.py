@@ -28,7 +28,8 @@ def key_digest(key: dict) -> str:
 
 
 class VerdictCache:
-    """The verdicts under `directory` (default: the cache directory's `verdicts/`); `log` hears of an unreadable entry."""
+    """The verdicts under `directory` (default: the cache directory's `verdicts/`); `log` hears of an unreadable
+    entry."""
 
     def __init__(self, directory: Path | None = None, log=print):
         self.directory = Path(directory) if directory is not None else cache_dir() / "verdicts"
