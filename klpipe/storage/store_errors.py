@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Protocol, Union
+from typing import Protocol, TypeAlias
 
 import pyarrow.fs as pafs
 
@@ -50,7 +50,7 @@ def missing(path: Located) -> StoreOrInputError:
     return InputError(f"{path}: no such file or directory")
 
 
-StoreOrInputError = Union[InputError, StoreError]  # noqa: UP007
+StoreOrInputError: TypeAlias = InputError | StoreError
 
 
 # AWS SDK error names (in pyarrow's messages) → what to tell the user.
