@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import TypeVar
 
@@ -22,7 +22,7 @@ T = TypeVar("T")
 _DONE = object()
 
 
-def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+def prefetch(items: Iterable[T], depth: int = 2) -> Generator[T, None, None]:
     """Yield `items`, produced up to `depth` ahead in a background thread.
 
     `depth` counts every item the thread holds, the one it is producing included: it waits for room

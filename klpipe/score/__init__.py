@@ -10,13 +10,15 @@ metrics.py     per-step metrics as TensorBoard events (tensorboardX, imported on
 run.py         the stage: stream caches through the controller, write outputs and state
 """
 
+from typing import Any
+
 # The stage's entry points, importable as `from klpipe.score import ...`. Loaded on first use, so that
 # importing one module of the package (the CLI reads defaults from its config) stays light.
 __all__ = ["ADJUSTED_REWARD", "KL", "KL_COEFF", "KL_PENALTY", "KL_PER_TOKEN", "OUTPUT_SUFFIX",
            "SCORED_COLUMNS", "SCORE_METADATA_KEY", "ScoreConfig", "ScoreResult", "default_output", "score"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in __all__:
         from klpipe.score import run
 
