@@ -240,7 +240,7 @@ def summary_html(page: PageInput) -> str:
     parts = [f"{rows:,} rows in {len(c.labels):,} controller batches",
              (f"KL mean {stats['kl/mean']:.4f} (p50 {stats['kl/p50']:.4f}, p90 {stats['kl/p90']:.4f}, "
               f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})")]
-    if f.kl_coeff is not None and len(c.kl_coeff):
+    if c.kl_coeff is not None and len(c.kl_coeff):
         changes = int(np.count_nonzero(np.diff(c.kl_coeff)))
         parts.append(f"kl_coeff applied {c.kl_coeff[0]:.5g} → {c.kl_coeff[-1]:.5g} "
                      f"({changes} change{'' if changes == 1 else 's'} between controller batches)")
@@ -319,8 +319,8 @@ def table_head(page: PageInput) -> str:
 def mismatch_html(page: PageInput) -> str:
     """The sampler-against-trainer section: the headline, the correction sweep as a chart, the findings, and the
     embedded rows by |log_ppl_diff| (their tokens, coloured by ℓ_t, sit under each row's policy − ref view)."""
-    section = page.figures.mismatch
-    if section is None:
+    section, log_ppl_diff = page.figures.mismatch, page.figures.log_ppl_diff
+    if section is None or log_ppl_diff is None:  # both come with a sampler column
         return ""
     lines = report.mismatch_lines(section)
     table = section["corrections"]
@@ -329,10 +329,10 @@ def mismatch_html(page: PageInput) -> str:
         [f"{e['scheme']} {e['threshold']}" + (f" ({e['default_of']})" if e["default_of"] else "") for e in table],
         [e["rows_affected_fraction"] or 0.0 for e in table], "fraction of rows")
     rows = [page.rows[i] for i in page.selection.indices.tolist()]
-    ranked = sorted(range(len(rows)), key=lambda k: -abs(_finite(page.figures.log_ppl_diff[rows[k].index])))
+    ranked = sorted(range(len(rows)), key=lambda k: -abs(_finite(log_ppl_diff[rows[k].index])))
     worst = "".join(
         f'<li><a href="#row-{k + 1}">{escape(rows[k].name)}</a>: log_ppl_diff '
-        f"{_finite(page.figures.log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
+        f"{_finite(log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
     return ('<section class="mismatch" aria-labelledby="mismatch-heading"><h2 id="mismatch-heading">Sampler against '
             "trainer</h2>" + "".join(f"<p>{escape(line)}</p>" for line in lines)
             + f'<figure class="sweep">{chart}</figure>'

@@ -303,7 +303,7 @@ def staging_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def store_failure(path: Location, exc: BaseException) -> StoreOrInputError | None:
+def store_failure(path: str | Location, exc: BaseException) -> StoreOrInputError | None:
     """For an error met while reading `path`: the error to raise when the store itself failed (not the
     file's contents), else None, and the caller says what is wrong with the file."""
     if not is_remote(path):
