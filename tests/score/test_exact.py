@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from klpipe.api import kl_divergence
 from klpipe.cache import (
     FULL_KL_COLUMNS,
     ID,
@@ -29,7 +30,6 @@ from klpipe.cache import (
     STEP,
 )
 from klpipe.errors import InputError
-from klpipe.kl import kl_divergence
 from klpipe.score import ScoreConfig, score
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.report import exact_line

@@ -1,6 +1,6 @@
 """klpipe's Python API for KL estimates: the per-token estimators and their per-row aggregates, no torch.
 
-    from klpipe.kl import row_kl, sequence_kl
+    from klpipe.api import row_kl, sequence_kl
 
     sequence_kl(policy_logprobs, ref_logprobs)               # one response: the clamped mean k1, in nats
     row_kl(policy, ref, offsets, estimator="k3").kl          # every row of flat arrays at once (numpy)
