@@ -408,7 +408,7 @@ def test_kl_coeff_min_zero_is_no_lower_clamp_and_negatives_are_refused(tmp_path)
 
 def test_importing_the_cli_and_score_does_not_import_torch():
     result = run_python(
-        "import sys, klpipe.cli, klpipe.score.run, klpipe.score.report, klpipe.controller, klpipe.api\n"
+        "import sys, klpipe.cli, klpipe.score.run, klpipe.score.report, klpipe.api\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'matplotlib') if m in sys.modules)\n"
         "assert not heavy, heavy"
     )
