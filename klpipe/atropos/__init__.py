@@ -2,6 +2,6 @@
 
 reader.py reads a file of groups as precompute's rows, line by line; groups.py reads a group into klpipe's rows
 and fills one back in; writer.py writes a cache's or a scored
-file's rows back as groups; api.py posts them to an Atropos API server as an environment does.
+file's rows back as groups; post.py posts them to an Atropos API server as an environment does.
 Pure Python, numpy and pyarrow: both stages import this, and nothing here imports torch.
 """

@@ -83,7 +83,7 @@ class ScoreResult:
     output: Location
     report: dict[str, Any]
     warnings: list[str]
-    posted: object = None  # klpipe.atropos.api.Posted: what --atropos-api sent
+    posted: object = None  # klpipe.atropos.post.Posted: what --atropos-api sent
 
 
 def default_output(first_input: Location, groups: bool = False) -> Location:
@@ -233,7 +233,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
     if config.atropos_api is not None:
         # Before the state: a run whose groups did not all reach the trainer leaves the state as it was, so a
         # rerun writes the same groups and posts only those the server has not taken (the marker says which).
-        from klpipe.atropos.api import post_groups
+        from klpipe.atropos.post import post_groups
         from klpipe.storage.download import local_copy
 
         posted = post_groups(local_copy(output), config.atropos_api)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from atroposlib.api.server import ScoredData
 
-from klpipe.atropos.api import ApiError, post_groups
+from klpipe.atropos.post import ApiError, post_groups
 from sample_data import generate_atropos
 from tests.helpers import SAMPLE, TINY_GEMMA, free_ports, oracle_logprobs, run_cli
 
