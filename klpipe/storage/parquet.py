@@ -49,8 +49,8 @@ def read_schema(path: str | Path | Location) -> pa.Schema:
 
 
 # pyarrow encodes `write_batch_size` values (1024 by default) before it checks a page's size, so 1024 rows of
-# a 20 kB pass-through column became one 20 MB page, encoded, dictionary-tried and compressed in memory whole
-# (a write of a 41 MB chunk held 62 MiB more). Batches of about half a page's bytes keep pages near pyarrow's
+# a 20 kB pass-through column make one 20 MB page, encoded, dictionary-tried and compressed in memory whole
+# (a write of a 41 MB chunk would hold 62 MiB more). Batches of about half a page's bytes keep pages near pyarrow's
 # 1 MiB whatever the rows' width (a write then holds a few MiB more); narrow rows keep the default.
 PAGE_BYTES = 1 << 20  # pyarrow's data_page_size
 Destination: TypeAlias = str | os.PathLike[str] | pa.NativeFile  # a path, or a stream (a temporary file's)
