@@ -53,11 +53,11 @@ import klpipe.cli
 import klpipe.model.reference
 import klpipe.precompute.rollouts
 import klpipe.precompute.run
+import klpipe.precompute.signals
 import klpipe.precompute.tokenize
 import klpipe.precompute.workdir
 import klpipe.score.report
 import klpipe.score.run
-import klpipe.signals
 import klpipe.threads
 from tests.helpers import ROOT
 
@@ -183,15 +183,15 @@ def _install(inj: _Injector) -> None:
 
     workdir.WorkDir.write_chunk = write_chunk
 
-    original_check = klpipe.signals.StopOnSignal.check
+    original_check = klpipe.precompute.signals.StopOnSignal.check
 
     def check(self):
         original_check(self)  # raises once a stop was asked for
         inj.log("go")
 
-    klpipe.signals.StopOnSignal.check = check
+    klpipe.precompute.signals.StopOnSignal.check = check
 
-    original_handle = klpipe.signals.StopOnSignal._handle
+    original_handle = klpipe.precompute.signals.StopOnSignal._handle
 
     def handle(self, signum, frame):
         # A second signal exits at once (os._exit) from the main thread while the writer's thread may be
@@ -202,7 +202,7 @@ def _install(inj: _Injector) -> None:
         with inj.commit_lock:
             original_handle(self, signum, frame)
 
-    klpipe.signals.StopOnSignal._handle = handle
+    klpipe.precompute.signals.StopOnSignal._handle = handle
 
     original_wait_for_room = klpipe.threads.Background.wait_for_room
 
