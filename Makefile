@@ -15,7 +15,7 @@ DEMO := build/demo
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install cli-docs demo test docs test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
+.PHONY: install cli-docs demo lint test docs test-slow test-arch test-matrix test-bf16 test-fp64 test-compile bench-gpu-dry-run test-trl test-faults test-slurm test-s3 test-browser test-ray test-ray-hosts test-atropos bench sample-data clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +50,13 @@ demo: install
 	$(BIN)/klpipe precompute --model sample_data/tiny-gemma4 sample_data/tool_calls_conversational.parquet \
 		--chat-template sample_data/tool_chat_template.jinja --output $(DEMO)/tool_calls_conversational.cached.parquet
 	@echo "demo outputs in $(DEMO)/"
+
+# ruff over the whole checkout and mypy over klpipe/ (pyproject.toml says which rules, and where mypy is strict). The
+# lint extra goes into the venv when either is missing.
+lint: install
+	$(BIN)/python -c "import mypy, ruff" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[lint]"
+	$(BIN)/ruff check
+	$(BIN)/mypy klpipe
 
 test: install
 	$(BIN)/python -m pytest -q

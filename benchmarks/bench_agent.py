@@ -106,7 +106,8 @@ def build_inputs(shapes: list[str]) -> None:
 CONTENDERS = {
     "klpipe": ("(a) klpipe", lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS)),
     "main": ("(b) klpipe before the tree", lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS)),
-    "off": ("(c) klpipe --prefix-sharing off", lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS)),
+    "off": ("(c) klpipe --prefix-sharing off",
+            lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS)),
     "floor": ("(d) per-row minimal-work floor", lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS)),
     "trl": ("(e) TRL GRPO reference pass", lambda path: contenders.run_trl(MODEL_DIR, path, CHECKED_ROWS)),
 }
@@ -114,12 +115,16 @@ CONTENDERS = {
 
 def bench_shape(shape: str, names: list[str], repeat: int) -> dict:
     prompts, responses = contenders.load_rows(data_path(shape))
-    per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True))
     print(f"\n== {shape}: {len(prompts)} rows, {sum(map(len, responses)):,} response tokens, "
           f"{per_row:,} tokens fed running each row whole", flush=True)
-    # klpipe before the tree is imported ahead of the installed one.
-    env_for = lambda name: {"PYTHONPATH": os.pathsep.join([str(BEFORE_DIR), os.environ.get("PYTHONPATH", "")])} \
-        if name == "main" else None
+
+    def env_for(name):
+        # klpipe before the tree is imported ahead of the installed one.
+        if name != "main":
+            return None
+        return {"PYTHONPATH": os.pathsep.join([str(BEFORE_DIR), os.environ.get("PYTHONPATH", "")])}
+
     best = contenders.measure(__file__, names, data_path(shape), data_path(shape, one_row=True), repeat, env_for)
     if "main" in best:
         assert Path(best["main"]["klpipe"]).parent == BEFORE_DIR / "klpipe", best["main"]["klpipe"]

@@ -5,8 +5,8 @@
 
 Model: bench_width.py's random Gemma 4 of E2B's text width (hidden 1536, vocabulary 262,144, head size 512 on the
 full layers, per-layer inputs of 256, double-wide MLPs on the KV-shared layers, window 512, softcap 30) with
---layers layers in E2B's pattern (4 sliding to 1 full; the last half KV-shared from 10 layers on), fp32, built once under
-build/bench/compile. Rows: bench_width.py's GRPO groups.
+--layers layers in E2B's pattern (4 sliding to 1 full; the last half KV-shared from 10 layers on), fp32, built once
+under build/bench/compile. Rows: bench_width.py's GRPO groups.
 
 One process, one loaded model: the chunk runs eager twice (the first with the prefix tree's probe, as a run's first
 chunk has it; the second steady), then the layers' norms and MLPs are compiled on a cold inductor cache (a fresh
@@ -105,7 +105,7 @@ def main() -> None:
     first_s, steady_s, compiled_values = chunks("compiled:")
     graphs_after = graphs_compiled()
     peak = max(peak_before, flops.matmul_peak(**shape))
-    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(compiled_values, eager_values) if len(a))
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(compiled_values, eager_values, strict=True) if len(a))
     print(f"graphs compiled: {graphs_at_load} at load, {graphs_after - graphs_at_load} more over both chunks; "
           f"compiled {', '.join(reference.compiled.classes)}")
     print(f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s; eager at {needed / eager_s / peak:.0%} of it, compiled at "

@@ -19,6 +19,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -29,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import contenders as bench  # noqa: E402
-import flops  # noqa: E402
-from contenders import ROOT  # noqa: E402
+import contenders as bench
+import flops
+from contenders import ROOT
 
 WORK = ROOT / "build" / "bench" / "full_kl"
 PAIRS = {"llama": {"groups": 6, "prompt": (256, 384), "response": (64, 256)},
@@ -105,6 +106,36 @@ def precompute(path: Path, reference: Path, policy: Path, full: bool) -> tuple[f
     return wall, usage.ru_maxrss / 1024
 
 
+def bench_pair(name: str, repeat: int) -> None:
+    """One pair's precompute with --full-kl and without, each contender its best of `repeat`, and its peak RSS."""
+    import pyarrow.parquet as pq
+
+    reference, policy = build_pair(name)
+    vocab = json.loads((reference / "config.json").read_text()).get("vocab_size") or json.loads(
+        (reference / "config.json").read_text())["text_config"]["vocab_size"]
+    data, one = build_rows(name, vocab)
+    rss: dict[str, float] = {}
+
+    def contender(full: bool, label: str):
+        def run():
+            startup, _ = precompute(one, reference, policy, full)
+            whole, peak = precompute(data, reference, policy, full)
+            rss[label] = min(rss.get(label, peak), peak)
+            return whole, startup, {}
+        return run
+
+    best = bench.fastest({"--no-full-kl": contender(False, "--no-full-kl"),
+                          "--full-kl": contender(True, "--full-kl")}, repeat)
+    tokens = sum(len(r) for r in pq.read_table(data, columns=["response_ids"]).column(0).to_pylist())
+    print(f"\n{name}: {pq.read_metadata(data).num_rows} rows, {tokens:,} response tokens; best of {repeat}, "
+          f"each run its own process, {bench.threads()} threads")
+    bench.print_steady(best, label_width=14)
+    off, full = best["--no-full-kl"], best["--full-kl"]
+    print(f"{name}: --full-kl ÷ --no-full-kl: steady {full['steady'] / off['steady']:.3f}x, whole "
+          f"{full['whole'] / off['whole']:.3f}x (goal <= 1.15x); peak RSS {rss['--full-kl']:,.0f} MiB against "
+          f"{rss['--no-full-kl']:,.0f} MiB ({rss['--full-kl'] / rss['--no-full-kl'] - 1:+.1%}, goal <= +5%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2, help="rounds; each contender keeps its fastest")
@@ -115,35 +146,8 @@ def main() -> None:
     torch.set_num_threads(bench.threads())
     peaks = [flops.matmul_peak(*bench.PEAK_SHAPE)]
     for name in args.only:
-        reference, policy = build_pair(name)
-        import json
-
-        vocab = json.loads((reference / "config.json").read_text()).get("vocab_size") or json.loads(
-            (reference / "config.json").read_text())["text_config"]["vocab_size"]
-        data, one = build_rows(name, vocab)
-        rss: dict[str, float] = {}
-
-        def contender(full: bool, label: str):
-            def run():
-                startup, _ = precompute(one, reference, policy, full)
-                whole, peak = precompute(data, reference, policy, full)
-                rss[label] = min(rss.get(label, peak), peak)
-                return whole, startup, {}
-            return run
-
-        best = bench.fastest({"--no-full-kl": contender(False, "--no-full-kl"),
-                              "--full-kl": contender(True, "--full-kl")}, args.repeat)
+        bench_pair(name, args.repeat)
         peaks.append(flops.matmul_peak(*bench.PEAK_SHAPE))
-        import pyarrow.parquet as pq
-
-        tokens = sum(len(r) for r in pq.read_table(data, columns=["response_ids"]).column(0).to_pylist())
-        print(f"\n{name}: {pq.read_metadata(data).num_rows} rows, {tokens:,} response tokens; best of {args.repeat}, "
-              f"each run its own process, {bench.threads()} threads")
-        bench.print_steady(best, label_width=14)
-        off, full = best["--no-full-kl"], best["--full-kl"]
-        print(f"{name}: --full-kl ÷ --no-full-kl: steady {full['steady'] / off['steady']:.3f}x, whole "
-              f"{full['whole'] / off['whole']:.3f}x (goal <= 1.15x); peak RSS {rss['--full-kl']:,.0f} MiB against "
-              f"{rss['--no-full-kl']:,.0f} MiB ({rss['--full-kl'] / rss['--no-full-kl'] - 1:+.1%}, goal <= +5%)")
     m, k, n = bench.PEAK_SHAPE
     print(f"\nfp32 matmul peak ({m} x {k} @ {k} x {n}): {max(peaks) / 1e9:.0f} GFLOP/s, the highest of "
           f"{', '.join(f'{p / 1e9:.0f}' for p in peaks)}")

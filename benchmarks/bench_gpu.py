@@ -294,7 +294,7 @@ def run_padded(rollouts: Path, peak_tflops: float) -> dict:
             p_len, r_len = max(map(len, batch_p)), max(map(len, batch_r))
             ids = torch.zeros(len(batch_p), p_len + r_len, dtype=torch.long)
             mask = torch.zeros_like(ids)
-            for i, (p, r) in enumerate(zip(batch_p, batch_r)):
+            for i, (p, r) in enumerate(zip(batch_p, batch_r, strict=True)):
                 ids[i, p_len - len(p):p_len + len(r)] = torch.tensor(p + r)
                 mask[i, p_len - len(p):p_len + len(r)] = 1
             padded += ids.numel()
@@ -491,8 +491,8 @@ def report(results: list[dict], peak: float) -> None:
     for r in results:
         if base is None or r is base:  # neither `off` nor `padded` ran: nothing to compare with
             continue
-        gap = max((float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(r["first_rows"], base["first_rows"])
-                   if len(a)), default=0.0)
+        gap = max((float(np.max(np.abs(np.subtract(a, b))))
+                   for a, b in zip(r["first_rows"], base["first_rows"], strict=True) if len(a)), default=0.0)
         speed = base["seconds"] / r["seconds"]
         flop_ratio = base["needed"].total / r["needed"].total
         print(f"{r['sharing']} / {base['sharing']}: {speed:.2f}x the throughput on {flop_ratio:.2f}x fewer FLOPs "
@@ -511,8 +511,9 @@ def report(results: list[dict], peak: float) -> None:
         print(f"auto / padded (TRL's way): {by['padded']['seconds'] / by['auto']['seconds']:.2f}x the throughput")
     if "policy" in by and "policy+kl" in by:  # the exact KL's cost with a policy (goal <= 1.15x); the same logprobs
         a, b = by["policy"]["first_rows"], by["policy+kl"]["first_rows"]
-        gap = max((float(np.max(np.abs(np.subtract(x, y)))) for x, y in zip(a, b) if x), default=0.0)
-        print(f"policy+kl / policy (--full-kl against --no-full-kl): {by['policy+kl']['seconds'] / by['policy']['seconds']:.3f}x "
+        gap = max((float(np.max(np.abs(np.subtract(x, y)))) for x, y in zip(a, b, strict=True) if x), default=0.0)
+        ratio = by['policy+kl']['seconds'] / by['policy']['seconds']
+        print(f"policy+kl / policy (--full-kl against --no-full-kl): {ratio:.3f}x "
               f"the seconds, peak {by['policy+kl']['peak_gib']:.1f} against {by['policy']['peak_gib']:.1f} GiB; "
               f"max |Δ ref_logprobs| over the first 16 rows {gap:.3g}")
 

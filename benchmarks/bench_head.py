@@ -85,7 +85,7 @@ def main() -> None:
               f"{flops / seconds / peak:>8.0%} of the matmul peak")
     gap = float((results["fused"] - results["row-blocked"]).abs().max())
     print(f"  max |fused - row-blocked| = {gap:.2g}")
-    print(f"\nbytes the fused head reads and writes per scored token (KB; block: MB of fp32 block traffic, which stays "
+    print("\nbytes the fused head reads and writes per scored token (KB; block: MB of fp32 block traffic, which stays "
           "in the L2/L3 when the block fits):")
     print(f"{'':<34}{'block':>15}{'weight':>10}{'hidden':>10}{'out':>6}{'total':>11}{'minimum':>11}{'':>8}"
           f"{'block':>10}")

@@ -62,7 +62,8 @@ def build_inputs(shapes: list[str]) -> None:
 
 CONTENDERS = {
     "klpipe": ("(a) klpipe", lambda path: contenders.run_klpipe(MODEL_DIR, path, "auto", CHECKED_ROWS)),
-    "off": ("(c) klpipe --prefix-sharing off", lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS)),
+    "off": ("(c) klpipe --prefix-sharing off",
+            lambda path: contenders.run_klpipe(MODEL_DIR, path, "off", CHECKED_ROWS)),
     "floor": ("(d) per-row minimal-work floor", lambda path: contenders.run_floor(MODEL_DIR, path, CHECKED_ROWS)),
 }
 
@@ -78,7 +79,7 @@ def main() -> None:
           f"{os.cpu_count()} threads; each contender in its own process, fastest of {args.repeat} round(s)")
     for shape in args.shape:
         prompts, responses = contenders.load_rows(data_path(shape))
-        per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+        per_row = sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True))
         print(f"\n== {shape}: {len(prompts)} rows, {per_row:,} tokens fed running each row whole", flush=True)
         names = args.only or ["klpipe", "off"]
         best = contenders.measure(__file__, names, data_path(shape), data_path(shape, one_row=True), args.repeat)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test suite's RSS wrapper, so tests and benchmarks measure alike
-from tests.helpers import peak_rss_mib  # noqa: E402
+from tests.helpers import peak_rss_mib
 
 WORK = ROOT / "build" / "bench_lora"
 VOCAB, ROWS, RANK = 16000, 16, 16

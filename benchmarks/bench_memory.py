@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every 1× size (smaller: faster, rougher)")
     parser.add_argument("--stage", choices=list(SIZES), action="append", help="run only these shapes (repeatable)")
     args = parser.parse_args()
-    print(f"| {'stage':10} | {'size':4} | {'rows':>9} | {'input MB':>8} | {'peak RSS MiB':>12} | {'vs 1×':>5} | {'seconds':>7} |")
+    print(f"| {'stage':10} | {'size':4} | {'rows':>9} | {'input MB':>8} | {'peak RSS MiB':>12} | {'vs 1×':>5} "
+          f"| {'seconds':>7} |")
     print(f"|{'-' * 12}|{'-' * 6}|{'-' * 11}|{'-' * 10}|{'-' * 14}|{'-' * 7}|{'-' * 9}|")
     precompute = {}
     for name, (rows, write, command) in shapes(args.scale).items():

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import contenders as bench  # noqa: E402
-from contenders import ROOT, VOCAB, build_model  # noqa: E402
+import contenders as bench
+from contenders import ROOT, VOCAB, build_model
 
 WORK = ROOT / "build" / "bench_policy"
 SYSTEM, TASKS, GROUP = 512, 12, 8
@@ -62,7 +62,8 @@ def build_inputs() -> tuple[Path, Path]:
         prompt = system + rng.integers(3, VOCAB, int(rng.integers(16, 64))).tolist()
         rows += [{"id": f"t{task}-g{g}", "prompt_ids": prompt,
                   "response_ids": rng.integers(3, VOCAB, int(rng.integers(64, 192))).tolist()} for g in range(GROUP)]
-    schema = pa.schema([("id", pa.string()), ("prompt_ids", pa.list_(pa.int32())), ("response_ids", pa.list_(pa.int32()))])
+    schema = pa.schema([("id", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                        ("response_ids", pa.list_(pa.int32()))])
     table = pa.Table.from_pylist(rows, schema=schema)
     data, one = WORK / "rows.parquet", WORK / "one.parquet"
     pq.write_table(table, data)
@@ -87,7 +88,8 @@ def precompute(path: Path, *models: str, startup: bool = False) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3, help="runs per contender; the fastest whole and start-up count")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per contender; the fastest whole and start-up count")
     args = parser.parse_args()
     data, one = build_inputs()
     ref, policy = str(WORK / "reference"), str(WORK / "policy")

@@ -128,7 +128,7 @@ def run_naive() -> dict:
     results = []
     real = padded = 0
     for start in range(0, len(prompts), 8):
-        seqs = [p + r for p, r in zip(prompts[start:start + 8], responses[start:start + 8])]
+        seqs = [p + r for p, r in zip(prompts[start:start + 8], responses[start:start + 8], strict=True)]
         longest = max(map(len, seqs))
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
         mask = torch.zeros(len(seqs), longest, dtype=torch.long)
@@ -138,7 +138,7 @@ def run_naive() -> dict:
         logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V) again
         token_lp = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        for i, (p, r) in enumerate(zip(prompts[start:start + 8], responses[start:start + 8])):
+        for i, (p, r) in enumerate(zip(prompts[start:start + 8], responses[start:start + 8], strict=True)):
             results.append(token_lp[i, len(p) - 1:len(p) - 1 + len(r)].numpy().copy())
         real += sum(map(len, seqs))
         padded += len(seqs) * longest
@@ -152,7 +152,7 @@ def run_floor() -> dict:
     prompts, responses = load_rows()
     body, head = model.model, model.lm_head
     started = time.perf_counter()
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=True):
         ids = torch.tensor([p + r[:-1]])
         hidden = body(input_ids=ids).last_hidden_state[0, len(p) - 1:]  # response positions only
         targets = torch.tensor(r)
@@ -185,7 +185,7 @@ def main() -> None:
 
     build_inputs(args.tokens)
     prompts, responses = load_rows()
-    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     print(f"{len(prompts)} rows, {tokens:,} tokens (log-uniform lengths 16-512), Llama-style model "
           f"(hidden 512, 8 layers, vocab {VOCAB:,}), fp32, CPU, "
           f"{os.environ.get('KLPIPE_BENCH_THREADS', os.cpu_count())} threads of {os.cpu_count()} cores", flush=True)
@@ -230,8 +230,8 @@ def main() -> None:
     labels = {"klpipe": "(a) klpipe precompute", "klpipe-off": "(a') klpipe --prefix-sharing off",
               "naive": "(b) naive seed-style loop", "floor": "(c) minimal-work floor"}
     m, k, n = peak_shape
-    flops.print_flops_table(results, labels, methods, (max(peaks), f"{m} x {k} @ {k} x {n}, higher of "
-                            f"{' and '.join(f'{p / 1e9:.0f}' for p in peaks)}"), seconds_key="seconds",
+    flops.print_flops_table(results, labels, methods, (max(peaks), (f"{m} x {k} @ {k} x {n}, higher of "
+                            f"{' and '.join(f'{p / 1e9:.0f}' for p in peaks)}")), seconds_key="seconds",
                             shape="unique prompts")
 
 

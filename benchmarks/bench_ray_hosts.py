@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import ROLLOUTS, TINY_GEMMA  # noqa: E402
-from tests.ray.faults import job_config  # noqa: E402
-from tests.ray_hosts.cluster import WORKERS, HostsCluster  # noqa: E402
+from tests.helpers import ROLLOUTS, TINY_GEMMA
+from tests.ray.faults import job_config
+from tests.ray_hosts.cluster import WORKERS, HostsCluster
 
 COMMON = ["--model", str(TINY_GEMMA), str(ROLLOUTS), "--chunk-rows", "4", "--progress", "none"]
 DONE = re.compile(r"^shard (\d+) of \d+ done on (\S+) \(.*in ([\d.]+) s \+ ([\d.]+) s", re.MULTILINE)

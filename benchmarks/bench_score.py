@@ -211,7 +211,8 @@ def main() -> None:
         ours = pq.read_table(outputs["klpipe score (library call)"], columns=columns)
         theirs = pq.read_table(outputs["original Python loop"], columns=columns)
         gaps = {c: float(np.max(np.abs(ours.column(c).to_numpy() - theirs.column(c).to_numpy()))) for c in columns}
-        print("klpipe vs the original controller's output, max |difference|: " + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
+        print("klpipe vs the original controller's output, max |difference|: "
+              + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
 
     library = best["klpipe score (library call)"]
     bare = best["bare pyarrow: read_table + write_table"]

@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test's model and cgroup, so that both measure the same thing
 
-from tests.helpers import with_checkout  # noqa: E402
-from tests.model.test_streaming import big_llama, drop_from_page_cache, memory_cgroup  # noqa: E402
+from tests.helpers import with_checkout
+from tests.model.test_streaming import big_llama, drop_from_page_cache, memory_cgroup
 
 WORK = ROOT / "build" / "bench" / "stream"
 

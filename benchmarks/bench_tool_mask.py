@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import contenders  # noqa: E402
-from contenders import ROOT, VOCAB, build_model  # noqa: E402
+import contenders
+from contenders import ROOT, VOCAB, build_model
 
 WORK = ROOT / "build" / "bench_tool_mask"
 SYSTEM, TASKS, GROUP = 512, 12, 8
@@ -83,7 +83,8 @@ def run_once(path: Path, startup: bool = False) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3, help="runs per contender; the fastest whole and start-up count")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per contender; the fastest whole and start-up count")
     args = parser.parse_args()
     paths = build_inputs()
     import pyarrow.parquet as pq

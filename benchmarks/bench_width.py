@@ -1,4 +1,4 @@
-"""The prefix tree against `--prefix-sharing off` at Gemma 4 E2B's width, on CPU: the share of the FLOP ratio it reaches.
+"""The prefix tree against `--prefix-sharing off` at Gemma 4 E2B's width, on CPU: the share of the FLOP ratio reached.
 
     python benchmarks/bench_width.py                 # 2 GRPO groups of 8, prompts ~1,900 tokens
     python benchmarks/bench_width.py --groups 1      # a quicker look

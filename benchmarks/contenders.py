@@ -155,7 +155,7 @@ def run_floor(model_dir: Path, rollouts: Path, checked: int) -> dict:
     body, head = model.model, model.lm_head
     first, fed = [], 0
     started = time.perf_counter()
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         ids = torch.tensor([p + r[:-1]])
         fed += ids.shape[1]
         hidden = body(input_ids=ids).last_hidden_state[0, len(p) - 1:]  # response positions only
@@ -179,7 +179,7 @@ def run_trl(model_dir: Path, rollouts: Path, checked: int) -> dict:
     n = len(prompts)
     input_ids = torch.zeros(n, prompt_len + completion_len, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         input_ids[i, prompt_len - len(p):prompt_len] = torch.tensor(p)
         input_ids[i, prompt_len:prompt_len + len(r)] = torch.tensor(r)
         attention_mask[i, prompt_len - len(p):prompt_len + len(r)] = 1
@@ -195,8 +195,8 @@ def run_trl(model_dir: Path, rollouts: Path, checked: int) -> dict:
     seconds = time.perf_counter() - started
     logps = torch.cat(all_logps)
     first = [logps[i, :len(responses[i])].tolist() for i in range(min(checked, n))]
-    return {"seconds": seconds, "fed_tokens": int(attention_mask.sum()), "padded_tokens": n * (prompt_len + completion_len),
-            "checked": first}
+    return {"seconds": seconds, "fed_tokens": int(attention_mask.sum()),
+            "padded_tokens": n * (prompt_len + completion_len), "checked": first}
 
 
 # -- measuring --------------------------------------------------------------------------------------
@@ -270,7 +270,8 @@ def measure(script: str, names: list[str], path: Path, one_row: Path, repeat: in
     note_peak()  # and after the last round
     reference = best.get("floor") or next(iter(best.values()))
     for name, result in best.items():
-        gap = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(result["checked"], reference["checked"]))
+        gap = max(float(np.max(np.abs(np.subtract(a, b))))
+                  for a, b in zip(result["checked"], reference["checked"], strict=True))
         assert gap < 1e-3, f"{name} disagrees with the reference contender's logprobs by {gap:.3g}"
     return best
 
@@ -291,7 +292,8 @@ def print_table(best: dict[str, dict], labels: dict[str, str], targets: dict[str
             target = (targets or {}).get(other)
             goal = f"   (target >= {target:g}x steady)" if target else ""
             print(f"(a) vs {labels[other][:3]}: steady {o['steady'] / a['steady']:.2f}x, "
-                  f"whole process {o['whole'] / a['whole']:.2f}x, tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x{goal}")
+                  f"whole process {o['whole'] / a['whole']:.2f}x, "
+                  f"tokens fed {o['fed_tokens'] / a['fed_tokens']:.2f}x{goal}")
 
 
 def methods(best: dict[str, dict], model_dir: Path, prompts: list[list[int]], responses: list[list[int]]) -> dict:
@@ -322,6 +324,6 @@ def note_peak() -> None:
 
 def print_flops(best: dict[str, dict], labels: dict[str, str], model_dir: Path, prompts, responses, shape: str) -> None:
     m, k, n = PEAK_SHAPE
-    peak = (max(PEAKS), f"{m} x {k} @ {k} x {n}, highest of {len(PEAKS)} measurements: "
-                        f"{', '.join(f'{p / 1e9:.0f}' for p in PEAKS)}")
+    peak = (max(PEAKS), (f"{m} x {k} @ {k} x {n}, highest of {len(PEAKS)} measurements: "
+                         f"{', '.join(f'{p / 1e9:.0f}' for p in PEAKS)}"))
     flops.print_flops_table(best, labels, methods(best, model_dir, prompts, responses), peak, shape=shape)

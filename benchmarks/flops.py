@@ -125,12 +125,12 @@ class ModelFlops:
 def _chunks(prompts, responses, chunk_rows: int):
     for start in range(0, len(prompts), chunk_rows):
         yield [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64))
-               for p, r in zip(prompts[start:start + chunk_rows], responses[start:start + chunk_rows])]
+               for p, r in zip(prompts[start:start + chunk_rows], responses[start:start + chunk_rows], strict=True)]
 
 
 def per_row(prompts, responses) -> list[Segment]:
     """Every row whole: its prompt and its response less the last token, which is only a target."""
-    return [Segment(0, len(p) + len(r) - 1) for p, r in zip(prompts, responses) if len(r)]
+    return [Segment(0, len(p) + len(r) - 1) for p, r in zip(prompts, responses, strict=True) if len(r)]
 
 
 def whole_prompt(prompts, responses, chunk_rows: int = 2048) -> list[Segment]:

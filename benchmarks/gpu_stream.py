@@ -3,8 +3,9 @@
 klpipe streams a reference larger than the device's memory (klpipe/model/streaming.py) by copying each layer from
 pinned host buffers on the compute's own stream: correct by the stream's order, but the copy does not overlap the
 compute. A copy stream would overlap it, and a slip in its synchronisation is a silent wrong number. This row
-measures that mechanism on its own, on a lent device, so the step starts from figures: a stack of Llama 3.1 70B's decoder layers (hidden 8,192, MLP 28,672, 64 query and 8 key/value heads of
-128: 1.71 GB each in bf16) whose weights stay in pinned host memory, run layer-major over a group of passes:
+measures that mechanism on its own, on a lent device, so the step starts from figures: a stack of Llama 3.1 70B's
+decoder layers (hidden 8,192, MLP 28,672, 64 query and 8 key/value heads of 128: 1.71 GB each in bf16) whose weights
+stay in pinned host memory, run layer-major over a group of passes:
 
     layer k      every pass through it, on the compute stream
     layer k + 1  copied host -> device meanwhile, on a copy stream, into the other of two device slots

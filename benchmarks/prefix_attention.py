@@ -48,8 +48,9 @@ def plan(path: Path):
     from klpipe.precompute import logprobs
 
     table = pq.read_table(path, columns=["prompt_ids", "response_ids"])
+    prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
     rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64))
-            for p, r in zip(table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist())]
+            for p, r in zip(prompts, responses, strict=True)]
     model = SimpleNamespace(prefill_skips_layers=False, rope_length_limit=None, keeps_state=False,
                             state_tokens_per_node=0)
     needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
@@ -174,13 +175,15 @@ def main() -> None:
             cascade._flash = kernel
         parts = (f"   (kernel: own {split['own']:.3f}s, context {split['context']:.3f}s; "
                  f"the rest {best - split['own'] - split['context']:.3f}s)" if name == "cascade" else "")
-        print(f"  {name:<9} {best:7.3f}s for {args.layers} layer(s), {tree_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
+        print(f"  {name:<9} {best:7.3f}s for {args.layers} layer(s), "
+              f"{tree_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
               f"of needed pairs   max |Δ| against naive fp64 attention {gap[name]:.2e}{parts}")
     whole_rows = [tuple(torch.randn(1, HEADS, int(tree.end[node]), DIM) for _ in range(3))
                   for node in np.unique(tree.end_node[tree.end_node > 0])]  # each distinct row's whole sequence
     whole_pairs = sum(q.shape[2] * (q.shape[2] + 1) // 2 for q, _, _ in whole_rows)
     best, _ = fastest_of_three(lambda: [whole_way(whole_rows) for _ in range(args.layers)])
-    print(f"  {'whole':<9} {best:7.3f}s for {args.layers} layer(s), {whole_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
+    print(f"  {'whole':<9} {best:7.3f}s for {args.layers} layer(s), "
+          f"{whole_pairs * pair_flops / best / 1e9:5.0f} GFLOP/s "
           f"of needed pairs   ({len(whole_rows)} distinct rows, {whole_pairs / tree_pairs:.1f}x the tree's pairs)")
 
 

@@ -30,7 +30,8 @@ def work(prompts: list[list[int]], responses: list[list[int]], chunk_rows: int) 
     """Tokens fed: {per_row, whole_prompt, tree}, summed over chunks."""
     counts = {"per_row": 0, "whole_prompt": 0, "tree": 0}
     for start in range(0, len(prompts), chunk_rows):
-        chunk = [(p, r) for p, r in zip(prompts[start:start + chunk_rows], responses[start:start + chunk_rows]) if r]
+        chunk = [(p, r) for p, r in zip(prompts[start:start + chunk_rows], responses[start:start + chunk_rows],
+                                        strict=True) if r]
         fed = [np.array(p + r[:-1], dtype=np.int64) for p, r in chunk]
         counts["per_row"] += sum(len(f) for f in fed)
         counts["whole_prompt"] += sum(len(r) - 1 for _, r in chunk) + sum(len(p) for p in {tuple(p) for p, _ in chunk})

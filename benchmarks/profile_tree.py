@@ -218,7 +218,8 @@ def main() -> None:
 
     table = pq.read_table(args.rollouts, columns=["prompt_ids", "response_ids"])
     prompts, responses = table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist()
-    rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)) for p, r in zip(prompts, responses)]
+    rows = [(np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64))
+            for p, r in zip(prompts, responses, strict=True)]
     model = ReferenceModel.load(ModelSpec(str(args.model_dir), device="cpu", dtype="float32"))
     model.use_cascade()  # as precompute installs it for a tree (precompute/sharing.py)
     instrument()

@@ -164,7 +164,8 @@ def read_provenance(path: str | Path | Location) -> Provenance | None:
     try:
         metadata = read_schema(path).metadata or {}
     except (OSError, pa.ArrowException) as exc:
-        raise store_failure(path, exc) or InputError(f"{path}: not a readable parquet file ({first_line(exc)})") from None
+        unreadable = InputError(f"{path}: not a readable parquet file ({first_line(exc)})")
+        raise store_failure(path, exc) or unreadable from None
     raw = metadata.get(METADATA_KEY)
     if raw is None:
         return None

@@ -11,14 +11,17 @@ Pure Python and pyarrow: both stages import this.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from klpipe import cache
 from klpipe.errors import InputError, ProvenanceError
+
+if TYPE_CHECKING:
+    from klpipe.storage.store import Location
 
 # Every role, in the order messages list them.
 ROLES: dict[str, str] = {
@@ -110,7 +113,7 @@ class ColumnMap:
                 aliases[role] = found[0]
         return ColumnMap(self.given, aliases)
 
-    def check_present(self, path: Path, schema: pa.Schema, outputs: tuple[str, ...] = ()) -> None:
+    def check_present(self, path: Location, schema: pa.Schema, outputs: tuple[str, ...] = ()) -> None:
         """Every mapped column must exist (but the `outputs` roles, which this stage writes)."""
         for role, name in self.given.items():
             if role not in outputs and name not in schema.names:
@@ -118,7 +121,7 @@ class ColumnMap:
                                  f"found {', '.join(schema.names) or 'none'}")
 
 
-def for_caches(given: dict[str, str], files: list[Path]) -> ColumnMap:
+def for_caches(given: dict[str, str], files: Sequence[Location]) -> ColumnMap:
     """Score's map: the mapping the caches were made with, overridden role by role by `given`.
 
     Caches scored together must have been made with one mapping, or their roles could sit in

@@ -13,8 +13,11 @@ the cache's contract from cache.py. Pure numpy: importing this module never pull
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 ROOT = 0  # node 0 is the empty prefix: no tokens, never run
 
@@ -40,7 +43,8 @@ class Tree:
 
     def tokens(self, node: int, start: int | None = None) -> np.ndarray:
         """The node's tokens, or the path's tokens from `start` to the node's end."""
-        return self.sequences[self.rep[node]][self.start[node] if start is None else start:self.end[node]]
+        path: np.ndarray = self.sequences[self.rep[node]]
+        return path[self.start[node] if start is None else start:self.end[node]]
 
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
@@ -59,15 +63,16 @@ class Tree:
 
 @dataclass
 class Pass:
-    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/attention/tree.py picks."""
+    """One forward: its nodes side by side, each continuing its parent's state, in the layout model/attention/tree.py
+    picks."""
 
     nodes: np.ndarray  # (rows,) node ids
     only_last: bool  # no node needs more than its last position's output
     release: list[int] = field(default_factory=list)  # nodes whose keys and values are done with after it
 
     def runs_packed(self, packs_passes: bool, prefill_skips_layers: bool) -> bool:
-        """Whether model/attention/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model that
-        `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
+        """Whether model/attention/tree.py runs this pass packed (its nodes' own tokens end to end, no pad) on a model
+        that `packs_passes`. All but one kind do, context or none: a pass that needs only each node's last position on a
         model that skips layers for the rest (Gemma 4's KV-shared layers, under logits_to_keep = 1) keeps the right
         layout, whose rows must all end at the batch's last slot. The plan's counts (precompute/logprobs.py) and
         the run read this one rule."""
@@ -100,10 +105,10 @@ def fed(prompt: np.ndarray, response: np.ndarray, wanted: np.ndarray, rope_limit
     return np.concatenate([prompt, response[:int(wanted[-1])]])
 
 
-def by_tokens(items: list, sizes: list[int], limit: int | None) -> list[list]:
+def by_tokens(items: list[T], sizes: list[int], limit: int | None) -> list[list[T]]:
     """`items` in their order, cut into groups of at most `limit` fed tokens by their `sizes` (an item over it goes
     alone); None: one group. A streamed model runs each group layer-major, its activations waiting between layers."""
-    groups: list[list] = []
+    groups: list[list[T]] = []
     tokens = 0
     for item, size in zip(items, sizes, strict=True):
         if not groups or (limit is not None and tokens + size > limit):

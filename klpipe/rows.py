@@ -8,12 +8,15 @@ has an `id` column and the row's id is not null.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+if TYPE_CHECKING:
+    from klpipe.storage.store import Location
 
-def row_name(path: str | Path, index: int, row_id: object = None) -> str:
+
+def row_name(path: str | Location, index: int, row_id: object = None) -> str:
     """`<path>: row <index>`, plus ` (id <row_id!r>)` when the row has an id."""
     name = f"{path}: row {index}"
     return name if row_id is None else f"{name} (id {row_id!r})"
@@ -23,7 +26,7 @@ def row_name(path: str | Path, index: int, row_id: object = None) -> str:
 class RowLocator:
     """Where the rows of one record batch come from: a file, and the index in it of the batch's first row."""
 
-    path: Path
+    path: Location
     first_index: int
     ids: pa.Array | None = None  # the batch's id column, when the input has one
 

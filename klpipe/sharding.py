@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,19 +55,19 @@ class Shard:
         return output_dir / self.part_name()
 
 
-def resolve_shard(index: int | None, count: int | None, env: dict | None = None) -> Shard | None:
+def resolve_shard(index: int | None, count: int | None, env: Mapping[str, str] | None = None) -> Shard | None:
     """Flags first, then SLURM_ARRAY_TASK_*, then torchrun's RANK / WORLD_SIZE; None: not sharded."""
-    env = os.environ if env is None else env
+    environ = os.environ if env is None else env
     source = "--shard-index/--num-shards"
     if index is None and count is None:
-        if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        if "SLURM_ARRAY_TASK_ID" in environ and "SLURM_ARRAY_TASK_COUNT" in environ:
             source = "SLURM_ARRAY_TASK_*"
-            task, first = _int(env, "SLURM_ARRAY_TASK_ID"), _int(env, "SLURM_ARRAY_TASK_MIN", 0)
-            step = _int(env, "SLURM_ARRAY_TASK_STEP", 1)
-            index, count = (task - first) // step, _int(env, "SLURM_ARRAY_TASK_COUNT")
-        elif "RANK" in env and "WORLD_SIZE" in env:
+            task, first = _int(environ, "SLURM_ARRAY_TASK_ID"), _int(environ, "SLURM_ARRAY_TASK_MIN", 0)
+            step = _int(environ, "SLURM_ARRAY_TASK_STEP", 1)
+            index, count = (task - first) // step, _int(environ, "SLURM_ARRAY_TASK_COUNT")
+        elif "RANK" in environ and "WORLD_SIZE" in environ:
             source = "RANK/WORLD_SIZE"
-            index, count = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+            index, count = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
         else:
             return None
     if index is None or count is None:
@@ -76,13 +77,13 @@ def resolve_shard(index: int | None, count: int | None, env: dict | None = None)
     return Shard(index, count)
 
 
-def _int(env, name: str, default: int | None = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     raw = env.get(name)
     if raw is None and default is not None:
         return default
     try:
-        return int(raw)
-    except (TypeError, ValueError):
+        return int(raw or "")  # a variable that is not set is no integer either
+    except ValueError:
         raise InputError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
@@ -140,9 +141,10 @@ def shard_parts(directory: Location) -> list[Location]:
     Scoring a directory with a missing or unfinished shard, or shards of different runs (shard
     count or provenance), would silently skip or mix rows.
     """
-    parts: dict[int, Path] = {}
+    parts: dict[int, Location] = {}
     counts: set[int] = set()
-    for path in sorted(directory.iterdir()):
+    children: Iterator[Location] = directory.iterdir()
+    for path in sorted(children):
         shard = parse_part_name(path.name)
         if shard is not None:
             parts[shard.index] = path
@@ -168,12 +170,14 @@ def shard_parts(directory: Location) -> list[Location]:
     ordered = [parts[i] for i in range(count)]
     provenances = [(str(p), read_provenance(p)) for p in ordered]
     check_compatible(provenances)
-    first_name, first = provenances[0]
+    first_name, first_inputs = provenances[0][0], None
     next_row = 0
     for name, provenance in provenances:
         if provenance is None or provenance.shard is None:
             raise ProvenanceError(f"{name}: a part file without klpipe shard provenance")
-        if provenance.inputs != first.inputs:
+        if first_inputs is None:  # the first part, checked first
+            first_inputs = provenance.inputs
+        elif provenance.inputs != first_inputs:
             raise ProvenanceError(f"caches disagree on their input files: {first_name} and {name} were made "
                                   "from different rollouts; rerun klpipe precompute into a clean directory")
         start, stop = provenance.shard["rows"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ T = TypeVar("T")
 _DONE = object()
 
 
-def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+def prefetch(items: Iterable[T], depth: int = 2) -> Generator[T, None, None]:
     """Yield `items`, produced up to `depth` ahead in a background thread.
 
     `depth` counts every item the thread holds, the one it is producing included: it waits for room
@@ -48,7 +48,7 @@ def prefetch(items: Iterable[T], depth: int = 2) -> Iterator[T]:
                 if item is _DONE:
                     return
                 del item  # handed over: the queue's, then the consumer's
-        except BaseException as exc:  # raised again in the consumer's thread
+        except BaseException as exc:  # noqa: BLE001 - raised again in the consumer's thread
             slots.put(exc)
 
     thread = threading.Thread(target=produce, name="klpipe-prefetch", daemon=True)
@@ -97,7 +97,7 @@ class Background:
                 item = self._items.popleft()
             try:
                 self._consume(item)
-            except BaseException as exc:  # raised again in the caller's thread
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
                 with self._changed:
                     self._failure = exc
                     self._items.clear()  # nothing after a failed item is consumed: they keep their order
@@ -170,9 +170,8 @@ def in_background(consume: Callable[[T], None], depth: int = 2, on_error: str = 
         if on_error == "drop":
             background.abandon()
         else:
-            try:
+            # The block's error is what stopped the run: it goes on, whatever finishing raises.
+            with suppress(Exception):
                 background.finish()
-            except Exception:  # noqa: BLE001 - the block's error is what stopped the run; it goes on
-                pass
         raise
     background.finish()

@@ -170,7 +170,7 @@ CHAT_TEMPLATE = """\
 {%- if add_generation_prompt -%}
     {{- '<start_of_turn>model\\n' -}}
 {%- endif -%}
-"""
+"""  # noqa: E501 - the tokenizer's template as written: a statement a line, as the hub's are
 
 # The tool rows' trainer rendered with this variant, whose turns end with the tokenizer's EOS: a policy stops on a
 # single stop token, and the tiny tokenizer holds `<end_of_turn>` as several. klpipe reads it with --chat-template.
@@ -481,7 +481,8 @@ def check_gemma_mm(out_dir: Path, model, probe_ids: torch.Tensor) -> None:
     assert "lm_head.weight" not in keys, "a tied head must not be stored"
     assert "model.language_model.embed_tokens.weight" in keys
     towers = [k for k in keys if not k.startswith("model.language_model.")]
-    assert any(k.startswith("model.vision_tower.") for k in towers) and any(k.startswith("model.audio_tower.") for k in towers)
+    assert any(k.startswith("model.vision_tower.") for k in towers)
+    assert any(k.startswith("model.audio_tower.") for k in towers)
 
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight, "head not tied after reload"
     # The full model's text-only forward is its text decoder's plus the tied, softcapped head.
@@ -585,7 +586,7 @@ def build_rollouts(tokenizer, ref, policy):
             prompt_ids = tokenizer(prompt).input_ids
             responses, logprobs = sample_group(policy, prompt_ids, SAMPLES_PER_GROUP, gen)
             group_id = 2 * step + p
-            for g, (resp, lps) in enumerate(zip(responses, logprobs)):
+            for g, (resp, lps) in enumerate(zip(responses, logprobs, strict=True)):
                 pol_tf = teacher_forced_logprobs(policy, prompt_ids, resp)
                 # Incremental sampling and one full forward must agree, or the
                 # stored logprobs would not be what stage 2 assumes they are.
@@ -644,8 +645,8 @@ def build_conversational(tokenizer, ref, policy):
 
 def trl_tool_row(tokenizer, prompt: list[dict], completion: list[dict], tools: list):
     """(prompt_ids, completion_ids, tool_mask) as TRL 1.16's GRPOTrainer tool loop builds them, by klpipe's renderer
-    (tests/precompute/test_trl_tool_loop.py holds it to TRL's own loop): each sampled turn up to and including its EOS, mask 1;
-    the tool block TRL appends, mask 0."""
+    (tests/precompute/test_trl_tool_loop.py holds it to TRL's own loop): each sampled turn up to and including its EOS,
+    mask 1; the tool block TRL appends, mask 0."""
     from klpipe.precompute.chat import ChatRenderer
 
     renderer = ChatRenderer(tokenizer, "prompt", "completion", tools=tools, template_given=True)
@@ -670,20 +671,23 @@ def build_tool_calls(tokenizer, ref, policy):
                                                    return_dict=True)["input_ids"]
         firsts, _ = sample_group(policy, prompt_ids, TOOL_GROUP, gen, TOOL_FIRST_TOKENS)
         for g, first in enumerate(firsts):
+            function = {"name": name, "arguments": json.dumps(arguments)}
             call = {"role": "assistant", "content": tokenizer.decode(first, skip_special_tokens=True),
-                    "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+                    "tool_calls": [{"type": "function", "function": function}]}
             answered = [call, {"role": "tool", "name": name, "content": result}]
             # The answer is sampled where TRL's loop samples it: after the call's EOS and the tool block.
             _, history, _ = trl_tool_row(tokenizer, prompt, answered + [{"role": "assistant", "content": ""}], tools)
             history = prompt_ids + history[: -1]  # less the empty answer's EOS
             [answer], _ = sample_group(policy, history, 1, gen, TOOL_ANSWER_TOKENS)
-            completion = answered + [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]
+            said = tokenizer.decode(answer, skip_special_tokens=True)
+            completion = answered + [{"role": "assistant", "content": said}]
             prompt_ids_again, completion_ids, mask = trl_tool_row(tokenizer, prompt, completion, tools)
             assert prompt_ids_again == prompt_ids
             assert len(prompt_ids) + len(completion_ids) <= 448  # the tiny models' context is 512
             policy_lp = teacher_forced_logprobs(policy, prompt_ids, completion_ids)
             ref_lp = teacher_forced_logprobs(ref, prompt_ids, completion_ids)
-            worst = max([worst] + [abs(p - r) for p, r, m in zip(policy_lp.tolist(), ref_lp.tolist(), mask) if m])
+            worst = max([worst] + [abs(p - r) for p, r, m in zip(policy_lp.tolist(), ref_lp.tolist(), mask, strict=True)
+                                   if m])
             rows.append({
                 "id": f"tool{group_id}-g{g}", "step": group_id // 2, "group_id": group_id,
                 "prompt": prompt, "completion": completion, "tools": json.dumps(tools),
@@ -707,7 +711,8 @@ def write_tool_calls(rows) -> None:
                      ("tool_mask", pa.list_(pa.int8())), ("policy_logprobs", pa.list_(pa.float32())),
                      ("reward", pa.float64())])
     pq.write_table(pa.Table.from_pylist([{k: r[k] for k in ids.names} for r in rows], schema=ids), TOOL_CALLS_PATH)
-    call = pa.struct([("type", pa.string()), ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+    function = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+    call = pa.struct([("type", pa.string()), ("function", function)])
     message = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string()),
                                   ("tool_calls", pa.list_(call))]))
     chat = pa.schema([("id", pa.string()), ("step", pa.int64()), ("group_id", pa.int64()), ("prompt", message),

@@ -27,6 +27,7 @@ Reproduce a trial by hand:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import fnmatch
 import json
@@ -43,25 +44,25 @@ from pathlib import Path
 # Imported here so the fork server preloads them: these are what a run would import lazily.
 import matplotlib
 import pyarrow.parquet as pq
-import transformers  # noqa: F401
-import transformers.models.llama.configuration_llama  # noqa: F401
-import transformers.models.llama.modeling_llama  # noqa: F401
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+import transformers
+import transformers.models.llama.configuration_llama
+import transformers.models.llama.modeling_llama  # noqa: F401 - preloaded, not named
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - preloaded, not named
 
 import klpipe.cli
 import klpipe.model.reference
 import klpipe.precompute.rollouts
 import klpipe.precompute.run
+import klpipe.precompute.signals
 import klpipe.precompute.tokenize
 import klpipe.precompute.workdir
 import klpipe.score.report
 import klpipe.score.run
-import klpipe.signals
 import klpipe.threads
 from tests.helpers import ROOT
 
 matplotlib.use("Agg")  # as `klpipe score --plot` does, before pyplot
-import matplotlib.pyplot  # noqa: E402,F401
+import matplotlib.pyplot
 
 PHASES = {
     # precompute
@@ -69,7 +70,8 @@ PHASES = {
     "tokenize": "ChunkTokenizer.__call__: before the n-th chunk is tokenized",
     "forward": "inside the model's n-th forward pass, between its first and second decoder layer",
     "write": "pyarrow.parquet.write_table (a chunk): the tmp file is cut to `fraction` of its size first",
-    "commit": "klpipe.precompute.workdir.WorkDir.write_chunk: after the n-th chunk is renamed into place, before the next",
+    "commit": ("klpipe.precompute.workdir.WorkDir.write_chunk: after the n-th chunk is renamed into place, "
+               "before the next"),
     "merge": "ParquetWriter.write_table: after the n-th row group of the merged output",
     "rename": "os.replace onto a file matching `match`: `when` before or after it",
     # score
@@ -181,15 +183,15 @@ def _install(inj: _Injector) -> None:
 
     workdir.WorkDir.write_chunk = write_chunk
 
-    original_check = klpipe.signals.StopOnSignal.check
+    original_check = klpipe.precompute.signals.StopOnSignal.check
 
     def check(self):
         original_check(self)  # raises once a stop was asked for
         inj.log("go")
 
-    klpipe.signals.StopOnSignal.check = check
+    klpipe.precompute.signals.StopOnSignal.check = check
 
-    original_handle = klpipe.signals.StopOnSignal._handle
+    original_handle = klpipe.precompute.signals.StopOnSignal._handle
 
     def handle(self, signum, frame):
         # A second signal exits at once (os._exit) from the main thread while the writer's thread may be
@@ -200,7 +202,7 @@ def _install(inj: _Injector) -> None:
         with inj.commit_lock:
             original_handle(self, signum, frame)
 
-    klpipe.signals.StopOnSignal._handle = handle
+    klpipe.precompute.signals.StopOnSignal._handle = handle
 
     original_wait_for_room = klpipe.threads.Background.wait_for_room
 
@@ -455,10 +457,8 @@ class Runner:
         return status
 
     def _kill(self, pid: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self._wait(pid, 60)
 
     def _request(self, request: dict) -> dict:

@@ -114,7 +114,8 @@ class Fp64Oracle:
             with wide.fp64():
                 expected = [oracle_logprobs(self.exact, p, r, temperature) for p, r in rows]
             naive = [oracle_logprobs(self.model, p, r, temperature) for p, r in rows]
-            own = max((float(np.max(np.abs(a - b))) for a, b in zip(naive, expected) if len(b)), default=0.0)
+            own = max((float(np.max(np.abs(a - b))) for a, b in zip(naive, expected, strict=True) if len(b)),
+                      default=0.0)
             self.memo[key] = expected, own
         return self.memo[key]
 
@@ -516,7 +517,7 @@ def repeated_rollouts(copies: int) -> pa.Table:
 def per_row_tokens(table: pa.Table) -> int:
     """What running every row whole feeds: its prompt and its response less the last token."""
     return sum(len(p) + len(r) - 1 for p, r in zip(table.column("prompt_ids").to_pylist(),
-                                                   table.column("response_ids").to_pylist()) if r)
+                                                   table.column("response_ids").to_pylist(), strict=True) if r)
 
 
 @contextmanager
@@ -615,7 +616,8 @@ def mismatch_cache(path: Path, fault: str | None = None, rows: int = 64, seed: i
         records.append({
             "id": f"r{i}", "step": i // rows_per_step, "prompt_ids": [i // group] * 3,
             "response_ids": tokens.astype(np.int32).tolist(),
-            "policy_logprobs": trainer.astype(np.float32).tolist(), "sampler_logprobs": sampler.astype(np.float32).tolist(),
+            "policy_logprobs": trainer.astype(np.float32).tolist(),
+            "sampler_logprobs": sampler.astype(np.float32).tolist(),
             "ref_logprobs": ref.astype(np.float32).tolist(), "reward": float(rng.random()), "mask": mask.tolist(),
         })  # fmt: skip
     table = pa.Table.from_pylist(records)
@@ -683,7 +685,8 @@ def assert_quantile(reported, exact):
     if abs(exact) < 1e-9:
         assert reported == 0.0
     else:
-        assert np.sign(reported) == np.sign(exact) and abs(reported / exact - 1) <= QUANTILE_TOLERANCE, (reported, exact)
+        assert np.sign(reported) == np.sign(exact), (reported, exact)
+        assert abs(reported / exact - 1) <= QUANTILE_TOLERANCE, (reported, exact)
 
 
 def assert_mismatch_figures(figures: dict, rows: list[dict]) -> None:

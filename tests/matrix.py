@@ -392,19 +392,18 @@ def table(record: dict) -> str:
         if "error" in entry:
             lines.append(f"| {head} | **klpipe fails: {entry['error']}** | | | |")
             continue
-        crashes = entry.get("crashes", {})
-        wrong = entry.get("wrong", {})
-
-        def cell(mode, said=None):
-            if mode in wrong:
-                return f"**wrong by {wrong[mode]}**"
-            if mode in crashes:
-                return f"**crashes: {crashes[mode]}**"
-            return said or f"at the {entry['oracle']} oracle"
-
-        lines.append(f"| {head} | {cell('off')} | {cell('auto', entry['auto'])} | {cell('on', entry['on'])} "
-                     f"| {entry.get('rows', 'not recorded').replace('|', '/')} |")
+        lines.append(f"| {head} | {_cell(entry, 'off')} | {_cell(entry, 'auto', entry['auto'])} "
+                     f"| {_cell(entry, 'on', entry['on'])} | {entry.get('rows', 'not recorded').replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def _cell(entry: dict, mode: str, said: str | None = None) -> str:
+    """One mode's cell of an entry's row: wrong, crashing, or what the record says of it."""
+    if mode in entry.get("wrong", {}):
+        return f"**wrong by {entry['wrong'][mode]}**"
+    if mode in entry.get("crashes", {}):
+        return f"**crashes: {entry['crashes'][mode]}**"
+    return said or f"at the {entry['oracle']} oracle"
 
 
 def tally(record: dict) -> str:

@@ -8,7 +8,8 @@ from klpipe.errors import InputError, ProvenanceError
 from klpipe.options import COLUMN_HELP
 from tests.helpers import make_rows, provenance, write_cache
 
-ROLE_LIST = "id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, reward, ref_logprobs, mask, tools"
+ROLE_LIST = ("id, step, prompt, response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, reward, "
+             "ref_logprobs, mask, tools")
 
 
 def test_parse_gives_role_to_column():

@@ -50,7 +50,7 @@ def params():
 def test_the_reference_page_is_written_from_the_commands():
     from klpipe.cli import reference
 
-    assert CLI == reference.markdown(), "docs/cli.md is stale: run `make cli-docs`"
+    assert reference.markdown() == CLI, "docs/cli.md is stale: run `make cli-docs`"
 
 
 @pytest.mark.parametrize("command, param", params())

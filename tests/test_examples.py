@@ -169,7 +169,7 @@ def run_array(script: Path, tasks: range, cwd: Path, env: dict, only: list[int] 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tasks", [range(0, 2), range(10, 13)], ids=["2-shards", "3-shards-from-10"])
+@pytest.mark.parametrize("tasks", [range(2), range(10, 13)], ids=["2-shards", "3-shards-from-10"])
 def test_sbatch_array_then_score_equals_single_process(tmp_path, single, tasks):
     env = script_env(tmp_path, KLPIPE_MODEL=TINY_LLAMA, ROLLOUTS=ROLLOUTS, CACHE_DIR=tmp_path / "cached",
                      SCORE_DIR=tmp_path / "scored", KL_STATE=tmp_path / "kl_state.json")
@@ -338,8 +338,8 @@ def test_submit_passes_the_array_and_site_options_on(tmp_path):
     assert result.returncode == 0, result.stderr
     assert slurm_calls(tmp_path / "slurm.log") == [
         f"sbatch --parsable --array=0-15 --partition=a100 --account=rl {EXAMPLES / 'precompute-array.sbatch'}",
-        "sbatch --dependency=afterok:4242 --kill-on-invalid-dep=yes --partition=a100 --account=rl "
-        f"{EXAMPLES / 'score-after.sbatch'}",
+        ("sbatch --dependency=afterok:4242 --kill-on-invalid-dep=yes --partition=a100 --account=rl "
+         f"{EXAMPLES / 'score-after.sbatch'}"),
     ]
 
 

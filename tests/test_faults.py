@@ -63,7 +63,7 @@ def _trial_count(config) -> int:
         # make test's `not arch and not slow` selects both, and takes the quick subset.
         full = (expression is not None and expression.evaluate(lambda name, **_: name == "faults")
                 and not expression.evaluate(lambda name, **_: False))
-    except Exception:  # a pytest without that (private) module: read the expression plainly
+    except Exception:  # noqa: BLE001 - a pytest without that (private) module: read the expression plainly
         full = "faults" in markexpr and "not faults" not in markexpr
     return FULL_TRIALS if full else 1
 

@@ -43,8 +43,8 @@ def test_causal_pairs_by_hand():
 
 @pytest.mark.parametrize("window", [None, 1, 3, 8])
 def test_causal_pairs_match_the_mask(window):
-    for context in range(0, 12):
-        for length in range(0, 12):
+    for context in range(12):
+        for length in range(12):
             assert flops.causal_pairs(context, length, window) == brute_pairs(context, length, window)
 
 

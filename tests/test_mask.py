@@ -135,7 +135,8 @@ def test_a_null_reference_value_is_accepted_only_where_the_mask_is_0(tmp_path):
     run(tmp_path, write(tmp_path / "ok.parquet", rows))
     assert pq.read_table(tmp_path / "scored.parquet")["kl"].to_pylist() == [pytest.approx(2.5 / 3, rel=1e-12)]
     rows = [dict(ROWS[0], ref_logprobs=[-1.5, None, -9.0, -12.0, -7.0, -2.25])]
-    with pytest.raises(InputError, match=r"bad\.parquet: row 0 \(id 'a'\): ref_logprobs holds a null where the mask is 1"):
+    with pytest.raises(InputError,
+                       match=r"bad\.parquet: row 0 \(id 'a'\): ref_logprobs holds a null where the mask is 1"):
         run(tmp_path, write(tmp_path / "bad.parquet", rows))
 
 

@@ -1,6 +1,7 @@
 """This process's memory as the kernel counts it (klpipe/process_memory.py), held to /proc/self/status's own words."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,7 @@ from klpipe import process_memory
 
 def status(field: str) -> int:
     """A /proc/self/status field (VmRSS, RssAnon), in bytes."""
-    text = open("/proc/self/status").read()
+    text = Path("/proc/self/status").read_text()
     return int(text.split(f"{field}:")[1].split()[0]) << 10
 
 

@@ -1,5 +1,6 @@
 """Sharding: who owns which rows, sharded runs equal one process, and checks on shard directories."""
 
+import itertools
 import json
 import shutil
 
@@ -21,9 +22,9 @@ from tests.helpers import ROLLOUTS, TINY_LLAMA, agent_rollouts
 def test_shards_tile_the_rows_on_chunk_boundaries(total, count, chunk_rows):
     ranges = [Shard(i, count).rows(total, chunk_rows) for i in range(count)]
     assert ranges[0][0] == 0 and ranges[-1][1] == total
-    for (_, stop), (start, _) in zip(ranges, ranges[1:]):
+    for (_, stop), (start, _) in itertools.pairwise(ranges):
         assert stop == start  # contiguous, in shard order
-    for start, stop in ranges:
+    for start, _ in ranges:
         assert start % chunk_rows == 0 or start == total  # a single-process run cuts a chunk here too
     sizes = [stop - start for start, stop in ranges]
     assert max(sizes) - min(sizes) <= chunk_rows  # balanced to one chunk
@@ -51,9 +52,9 @@ def test_torchrun_variables_and_no_sharding_without_them():
 def test_bad_shard_settings():
     with pytest.raises(InputError, match=r"^shard index 4 is outside 0\.\.3 \(from SLURM_ARRAY_TASK_\*\)$"):
         resolve_shard(None, None, {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4"})
-    with pytest.raises(InputError, match="^--shard-index and --num-shards go together$"):
+    with pytest.raises(InputError, match=r"^--shard-index and --num-shards go together$"):
         resolve_shard(1, None, {})
-    with pytest.raises(InputError, match="^environment variable RANK='x' is not an integer$"):
+    with pytest.raises(InputError, match=r"^environment variable RANK='x' is not an integer$"):
         resolve_shard(None, None, {"RANK": "x", "WORLD_SIZE": "2"})
 
 

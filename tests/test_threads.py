@@ -49,7 +49,7 @@ def test_prefetch_holds_at_most_depth_items_beside_the_consumers():
     for depth in (1, 2):
         alive = weakref.WeakSet()
 
-        def items():
+        def items(alive):
             for _ in range(8):
                 chunk = Chunk()
                 alive.add(chunk)
@@ -57,7 +57,7 @@ def test_prefetch_holds_at_most_depth_items_beside_the_consumers():
                 del chunk
 
         counts = []
-        for _item in prefetch(items(), depth):
+        for _item in prefetch(items(alive), depth):
             time.sleep(0.05)  # a slow consumer: the producer fills all the room it has
             counts.append(len(alive))
         assert max(counts) == depth + 1, (depth, counts)  # the room ahead, and the consumer's own
@@ -88,10 +88,9 @@ def test_in_background_raises_the_consumers_error():
         if item == 3:
             raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"):
-        with in_background(consume, depth=1) as submit:
-            for i in range(10):
-                submit(i)
+    with pytest.raises(OSError, match="disk full"), in_background(consume, depth=1) as submit:
+        for i in range(10):
+            submit(i)
 
 
 def test_in_background_drops_queued_items_when_the_block_fails():
@@ -101,11 +100,10 @@ def test_in_background_drops_queued_items_when_the_block_fails():
         time.sleep(0.01)
         seen.append(item)
 
-    with pytest.raises(KeyError):
-        with in_background(slow, depth=1) as submit:
-            for i in range(5):
-                submit(i)
-            raise KeyError("scoring failed")
+    with pytest.raises(KeyError), in_background(slow, depth=1) as submit:
+        for i in range(5):
+            submit(i)
+        raise KeyError("scoring failed")
     assert len(seen) < 5
     assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
 
@@ -155,11 +153,10 @@ def test_on_error_finish_consumes_what_was_submitted_before_the_blocks_error_goe
         time.sleep(0.01)
         seen.append(item)
 
-    with pytest.raises(stop):
-        with in_background(slow, depth=1, on_error="finish") as background:
-            for i in range(5):
-                background.submit(i)
-            raise stop("stopped")
+    with pytest.raises(stop), in_background(slow, depth=1, on_error="finish") as background:
+        for i in range(5):
+            background.submit(i)
+        raise stop("stopped")
     assert seen == list(range(5))
     assert not [t for t in threading.enumerate() if t.name == "klpipe-writer"]
 
@@ -172,21 +169,20 @@ def test_check_raises_the_consumers_error_without_a_submit():
         failed.set()
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space left"):
-        with in_background(consume, depth=0, on_error="finish") as background:
-            background.submit(0)
-            assert failed.wait(timeout=30)
-            with pytest.raises(OSError, match="No space left"):
-                background.wait_for_room()
-            background.check()
-            raise AssertionError("check did not raise")
+    raises = pytest.raises(OSError, match="No space left")
+    with raises, in_background(consume, depth=0, on_error="finish") as background:
+        background.submit(0)
+        assert failed.wait(timeout=30)
+        with pytest.raises(OSError, match="No space left"):
+            background.wait_for_room()
+        background.check()
+        raise AssertionError("check did not raise")
 
 
 def test_on_error_finish_keeps_the_blocks_error_when_the_consumer_fails_too():
     def consume(item):
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(KeyError, match="stopped"):
-        with in_background(consume, depth=1, on_error="finish") as background:
-            background.submit(0)
-            raise KeyError("stopped")
+    with pytest.raises(KeyError, match="stopped"), in_background(consume, depth=1, on_error="finish") as background:
+        background.submit(0)
+        raise KeyError("stopped")

@@ -191,7 +191,7 @@ class StandIn:
         # A generation prompt the rendered turn does not continue (`<think>\n` where the turn has `<think></think>`):
         # the policy writes what the turn renders after the tokens the two share.
         header_ids, own_ids = (self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in (header, own))
-        ids = own_ids[len(os.path.commonprefix([header_ids, own_ids])):]
+        ids = own_ids[len(os.path.commonprefix([header_ids, own_ids])):]  # noqa: RUF071 - of token lists, not paths
         stops = set(self.trainer.eos_token_ids)
         for i, token in enumerate(ids):
             if token in stops:

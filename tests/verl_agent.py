@@ -34,8 +34,8 @@ import pytest
 
 VERL_PACKAGES = ("verl", "verl.utils", "verl.experimental", "verl.experimental.agent_loop", "verl.tools",
                  "verl.workers", "verl.workers.rollout")
-AGENT_LOOP_NAMES = ("AgentLoopMetrics", "AgentLoopOutput", "DictConfigWrap", "ToolListWrap", "AgentLoopBase", "register",
-                    "_agent_loop_registry", "logger")
+AGENT_LOOP_NAMES = ("AgentLoopMetrics", "AgentLoopOutput", "DictConfigWrap", "ToolListWrap", "AgentLoopBase",
+                    "register", "_agent_loop_registry", "logger")
 
 
 def verl_root() -> Path:

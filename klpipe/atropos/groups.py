@@ -111,23 +111,30 @@ _DECODER = json.JSONDecoder()
 
 def top_level_spans(line: str) -> tuple[dict[str, tuple[int, int]], int]:
     """Where each top-level field's value lies in a JSON object's text, and where its closing brace is."""
-    pos = _SPACE.match(line, 0).end()
+    pos = _past_space(line, 0)
     if line[pos:pos + 1] != "{":
         raise ValueError("not a JSON object")
-    pos = _SPACE.match(line, pos + 1).end()
+    pos = _past_space(line, pos + 1)
     spans: dict[str, tuple[int, int]] = {}
     if line[pos] == "}":
         return spans, pos
     while True:
-        key, pos = json.decoder.scanstring(line, pos + 1)  # line[pos] is the key's opening quote
-        pos = _SPACE.match(line, pos).end() + 1  # past the colon
-        start = _SPACE.match(line, pos).end()
+        key, pos = _DECODER.raw_decode(line, pos)  # line[pos] is the key's opening quote
+        pos = _past_space(line, pos) + 1  # past the colon
+        start = _past_space(line, pos)
         _, end = _DECODER.raw_decode(line, start)
         spans[key] = (start, end)
-        pos = _SPACE.match(line, end).end()
+        pos = _past_space(line, end)
         if line[pos] == "}":
             return spans, pos
-        pos = _SPACE.match(line, pos + 1).end()  # past the comma
+        pos = _past_space(line, pos + 1)  # past the comma
+
+
+def _past_space(line: str, pos: int) -> int:
+    """The first position at or after `pos` that is not JSON whitespace."""
+    space = _SPACE.match(line, pos)
+    assert space is not None  # the pattern also matches the empty string
+    return space.end()
 
 
 def fill_line(line: str, values: dict[str, object]) -> str:

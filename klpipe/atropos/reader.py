@@ -78,7 +78,7 @@ def iter_batches(path: Location, lo: int, hi: int, batch_rows: int,
                     yield first, _batch(pending, file_schema)
                     pending, first = [], None
             row += 1
-    if pending:
+    if pending and first is not None:  # `first` is set with the first pending row
         yield first, _batch(pending, file_schema)
 
 

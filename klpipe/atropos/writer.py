@@ -81,6 +81,7 @@ class GroupWriter:
         self._rows = []
 
     def _emit(self) -> None:
+        assert self._line is not None, "a group is open"
         values: dict[str, object] = {"ref_logprobs": [row["ref"] for row in self._rows]}
         if self.scored:
             values["scores"] = [row["adjusted_reward"] for row in self._rows]

@@ -64,7 +64,7 @@ def handle_errors(func: Callable) -> Callable:
                 raise
             _error_line("interrupted")
             raise typer.Exit(130) from None
-        except Exception as exc:  # noqa: BLE001 - the last line of defence for a 3 a.m. cron job
+        except Exception as exc:  # the last line of defence for a 3 a.m. cron job
             if debug_enabled():
                 raise
             what = type(exc).__name__

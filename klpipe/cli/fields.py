@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import inspect
 import sys
+import types
+import typing
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -22,23 +24,26 @@ from klpipe.options import KEY, Option
 TYPE_CHECKING_NAMES = {"Location": str}
 
 
-def option_fields(config_class: type) -> list[tuple[dataclasses.Field, Option]]:
+def option_fields(config_class: type) -> list[tuple[dataclasses.Field[Any], Option]]:
     """The fields of a config dataclass that are command-line options, in their order."""
     return [(f, f.metadata[KEY]) for f in dataclasses.fields(config_class) if KEY in f.metadata]
 
 
-def _annotation(config_class: type, f: dataclasses.Field) -> Any:
-    """A field's type as an object (the configs write `from __future__ import annotations`: it is a string)."""
+def _annotation(config_class: type, f: dataclasses.Field[Any]) -> Any:
+    """A field's type as an object (the configs write `from __future__ import annotations`: it is a string), read in
+    its config's module. This field's alone: another may name a type its module imports only for type checkers."""
     if not isinstance(f.type, str):
         return f.type
-    return eval(f.type, vars(sys.modules[config_class.__module__]), TYPE_CHECKING_NAMES)  # noqa: S307 - our source
+    one = types.SimpleNamespace(__annotations__={f.name: f.type})
+    namespace = vars(sys.modules[config_class.__module__])
+    return typing.get_type_hints(one, namespace, TYPE_CHECKING_NAMES, include_extras=True)[f.name]
 
 
-def _parameter(config_class: type, f: dataclasses.Field, shown: Option, env_prefix: str) -> inspect.Parameter:
+def _parameter(config_class: type, f: dataclasses.Field[Any], shown: Option, env_prefix: str) -> inspect.Parameter:
     kind = shown.cli_type or _annotation(config_class, f)
-    info = dict(help=shown.help, envvar=shown.env(env_prefix, f.name), show_default=shown.show_default,
-                rich_help_panel=shown.panel, metavar=shown.metavar)
-    info = typer.Argument(**info) if shown.argument else typer.Option(*shown.names(f.name), **info)
+    said: dict[str, Any] = dict(help=shown.help, envvar=shown.env(env_prefix, f.name), show_default=shown.show_default,
+                                rich_help_panel=shown.panel, metavar=shown.metavar)
+    info = typer.Argument(**said) if shown.argument else typer.Option(*shown.names(f.name), **said)
     if f.default is not dataclasses.MISSING:
         default = f.default
     elif f.default_factory is not dataclasses.MISSING:
@@ -62,7 +67,7 @@ def options(*config_classes: type, env_prefix: str) -> Callable[[Callable[[dict]
         def typer_command(**given: Any) -> Any:
             return command(given)
 
-        typer_command.__signature__ = inspect.Signature(parameters)
+        typer_command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]  # typer reads it
         typer_command.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
         del typer_command.__wrapped__  # typer reads the signature above, not the command's own
         return typer_command

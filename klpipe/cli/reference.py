@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import typer.main
+from typer.core import TyperGroup
 
 from klpipe.cli import app
 
@@ -50,7 +51,9 @@ def _row(param) -> str:
 def markdown() -> str:
     """The whole page."""
     lines = [HEADER]
-    for name, command in typer.main.get_command(app).commands.items():
+    group = typer.main.get_command(app)
+    assert isinstance(group, TyperGroup), "klpipe has subcommands"
+    for name, command in group.commands.items():
         lines += [f"## `klpipe {name}`", "", _cell((command.help or "").split("\n\n")[0]), ""]
         panels: dict[str | None, list] = {}
         for param in command.params:

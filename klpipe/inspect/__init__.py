@@ -1,11 +1,8 @@
 """`klpipe inspect`: where a run's KL comes from, row by row and token by token, as one HTML page. No torch.
 
-select.py   the first pass: every row's figures (KL, penalty, largest token gap), the per-step curves, the rows picked
-decode.py   the tokenizer (the `tokenizers` library, not transformers) and each token's text, faithfully
-gather.py   the second pass: the picked rows' token ids and logprobs
-charts.py   the curves and the KL histogram as inline SVG
-page.py     the self-contained page: data, charts and the template (page.html, page.css, page.js) in one file
-run.py      the command: both passes, the page written atomically
+Two passes over the file: every row's figures to pick the rows, then the picked rows' tokens, decoded with the
+`tokenizers` library (not transformers); the page holds its data, charts and script in one file.
+docs/development.md maps the modules.
 """
 
 __all__ = ["InspectConfig", "InspectResult", "inspect"]

@@ -6,6 +6,7 @@ A run of more steps than a chart is wide is drawn from means over equal runs of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
 
 import numpy as np
@@ -80,7 +81,7 @@ class _Frame:
         return parts
 
 
-def _svg(title: str, parts: list[str], legend: list[tuple[str, str]] = ()) -> str:
+def _svg(title: str, parts: list[str], legend: Sequence[tuple[str, str]] = ()) -> str:
     keys = "".join(f'<tspan class="{cls}-key">■</tspan> {escape(name)}  ' for name, cls in legend)
     return (f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{escape(title)}" '
             f'xmlns="http://www.w3.org/2000/svg"><title>{escape(title)}</title>'

@@ -78,9 +78,9 @@ class Decoder:
 
     def decode(self, context: np.ndarray, ids: np.ndarray) -> Tokens:
         """The texts of `ids`, each decoded after the ones before it, the first after `context`'s last tokens."""
-        context = [int(i) for i in context[-CONTEXT:]]
-        whole = context + [int(i) for i in ids]
-        first = len(context)
+        lead = [int(i) for i in context[-CONTEXT:]]
+        whole = lead + [int(i) for i in ids]
+        first = len(lead)
         windows = [(max(0, i - CONTEXT), i) for i in range(first, len(whole))]
         decode = self.tokenizer.decode_batch
         with_token = decode([whole[start:i + 1] for start, i in windows], skip_special_tokens=False)

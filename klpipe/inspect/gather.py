@@ -91,8 +91,13 @@ def _row(batch: pa.RecordBatch, index: int, name: str, source: Source) -> Picked
             out[~numpy_valid(flat)] = np.nan
         return out
 
-    response_ids = values(RESPONSE_IDS).astype(np.int64)
-    policy, ref = values(POLICY_LOGPROBS), values(REF_LOGPROBS)
+    def required(role: str) -> np.ndarray:
+        found = values(role)
+        assert found is not None, f"{role}: open_source checked that the file has it"
+        return found
+
+    response_ids = required(RESPONSE_IDS).astype(np.int64)
+    policy, ref = required(POLICY_LOGPROBS), required(REF_LOGPROBS)
     if len(response_ids) != len(policy):
         raise InputError(f"{name}: {names.name(RESPONSE_IDS)} has {len(response_ids)} tokens but "
                          f"{names.name(POLICY_LOGPROBS)} has {len(policy)}; the logprobs must be of the response's "
@@ -104,7 +109,7 @@ def _row(batch: pa.RecordBatch, index: int, name: str, source: Source) -> Picked
     prompt = values(PROMPT_IDS)
     sampler = None
     if source.has(SAMPLER_LOGPROBS) and batch.column(names.name(SAMPLER_LOGPROBS)).null_count == 0:
-        sampler = values(SAMPLER_LOGPROBS)
+        sampler = required(SAMPLER_LOGPROBS)
         if len(sampler) != len(policy):  # another length: klpipe score names the row misaligned; nothing to align
             sampler = None
     exact, entropy = (values(KL_POLICY_REF), values(POLICY_ENTROPY)) if source.exact else (None, None)

@@ -210,8 +210,8 @@ def provenance_html(page: PageInput) -> str:
     else:
         items.append(("reference", f"{p.model} ({p.revision}, {p.dtype}, temperature {p.temperature:g})"))
         if p.policy_model is not None:
-            items.append(("policy", f"computed by klpipe precompute --policy {p.policy_model} "
-                                    f"({p.policy_revision}, {p.policy_dtype})"))
+            items.append(("policy", (f"computed by klpipe precompute --policy {p.policy_model} "
+                                     f"({p.policy_revision}, {p.policy_dtype})")))
         else:
             items.append(("policy", "the rollouts' own logprobs (a sampler's)"))
         items.append(("tokenizer fingerprint", p.tokenizer))
@@ -222,12 +222,13 @@ def provenance_html(page: PageInput) -> str:
     items.append(("klpipe", ", ".join(v for v in versions if v)))
     if page.source.scored:
         controller = settings.get("controller") or {}
-        items.append(("scored with", f"{settings.get('estimator')} {settings.get('aggregate')}"
-                      f"{', clamped' if settings.get('clamp') else ''}; {controller.get('controller', '?')} "
-                      f"controller, target {controller.get('kl_target', '?')}"))
+        items.append(("scored with", (f"{settings.get('estimator')} {settings.get('aggregate')}"
+                                      f"{', clamped' if settings.get('clamp') else ''}; "
+                                      f"{controller.get('controller', '?')} controller, "
+                                      f"target {controller.get('kl_target', '?')}")))
     else:
-        items.append(("KL", f"not scored: computed here as klpipe score would ({settings['estimator']} "
-                            f"{settings['aggregate']}{', clamped' if settings['clamp'] else ''})"))
+        items.append(("KL", (f"not scored: computed here as klpipe score would ({settings['estimator']} "
+                             f"{settings['aggregate']}{', clamped' if settings['clamp'] else ''})")))
     return _dl(items)
 
 
@@ -237,9 +238,9 @@ def summary_html(page: PageInput) -> str:
     stats = report.kl_statistics(f.kl, 0.0, 0, len(f))
     rows = len(f)
     parts = [f"{rows:,} rows in {len(c.labels):,} controller batches",
-             f"KL mean {stats['kl/mean']:.4f} (p50 {stats['kl/p50']:.4f}, p90 {stats['kl/p90']:.4f}, "
-             f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})"]
-    if f.kl_coeff is not None and len(c.kl_coeff):
+             (f"KL mean {stats['kl/mean']:.4f} (p50 {stats['kl/p50']:.4f}, p90 {stats['kl/p90']:.4f}, "
+              f"p99 {stats['kl/p99']:.4f}, max {stats['kl/max']:.4f})")]
+    if c.kl_coeff is not None and len(c.kl_coeff):
         changes = int(np.count_nonzero(np.diff(c.kl_coeff)))
         parts.append(f"kl_coeff applied {c.kl_coeff[0]:.5g} → {c.kl_coeff[-1]:.5g} "
                      f"({changes} change{'' if changes == 1 else 's'} between controller batches)")
@@ -318,8 +319,8 @@ def table_head(page: PageInput) -> str:
 def mismatch_html(page: PageInput) -> str:
     """The sampler-against-trainer section: the headline, the correction sweep as a chart, the findings, and the
     embedded rows by |log_ppl_diff| (their tokens, coloured by ℓ_t, sit under each row's policy − ref view)."""
-    section = page.figures.mismatch
-    if section is None:
+    section, log_ppl_diff = page.figures.mismatch, page.figures.log_ppl_diff
+    if section is None or log_ppl_diff is None:  # both come with a sampler column
         return ""
     lines = report.mismatch_lines(section)
     table = section["corrections"]
@@ -328,10 +329,10 @@ def mismatch_html(page: PageInput) -> str:
         [f"{e['scheme']} {e['threshold']}" + (f" ({e['default_of']})" if e["default_of"] else "") for e in table],
         [e["rows_affected_fraction"] or 0.0 for e in table], "fraction of rows")
     rows = [page.rows[i] for i in page.selection.indices.tolist()]
-    ranked = sorted(range(len(rows)), key=lambda k: -abs(_finite(page.figures.log_ppl_diff[rows[k].index])))
+    ranked = sorted(range(len(rows)), key=lambda k: -abs(_finite(log_ppl_diff[rows[k].index])))
     worst = "".join(
         f'<li><a href="#row-{k + 1}">{escape(rows[k].name)}</a>: log_ppl_diff '
-        f"{_finite(page.figures.log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
+        f"{_finite(log_ppl_diff[rows[k].index]):+.4g}</li>" for k in ranked[:10])
     return ('<section class="mismatch" aria-labelledby="mismatch-heading"><h2 id="mismatch-heading">Sampler against '
             "trainer</h2>" + "".join(f"<p>{escape(line)}</p>" for line in lines)
             + f'<figure class="sweep">{chart}</figure>'

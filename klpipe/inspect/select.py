@@ -9,7 +9,9 @@ are read in a second pass (gather.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -58,7 +60,7 @@ class Source:
     schema: pa.Schema
     columns: ColumnMap  # role -> the file's column
     provenance: Provenance | None  # precompute's record; None for a file klpipe did not write
-    settings: dict  # score's settings (estimator, aggregate, clamp, controller) or score's defaults
+    settings: dict[str, Any]  # score's settings (estimator, aggregate, clamp, controller) or score's defaults
     scored: bool  # the file has klpipe score's columns
     exact: bool = False  # the file holds the exact KL's columns (cache.FULL_KL_COLUMNS) as precompute wrote them
 
@@ -70,7 +72,7 @@ def open_source(path: Location) -> Source:
     """Check `path` as klpipe score checks a cache; a scored file also brings the settings it was scored with."""
     provenance = read_provenance(path)
     metadata = read_schema(path).metadata or {}
-    settings = dict(_SCORE_DEFAULTS)
+    settings: dict[str, Any] = dict(_SCORE_DEFAULTS)
     given: dict[str, str] = dict(provenance.columns) if provenance is not None else {}
     raw = metadata.get(SCORED_METADATA_KEY)
     if raw is not None:
@@ -132,24 +134,27 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
     log_ppl_diff = []
     wanted += [name for name in SCORED if source.scored] + (list(FULL_KL_COLUMNS) if source.exact else [])
     exact = ExactRun(has_steps=False) if source.exact else None
-    exact_means: dict[str, list] = {"kl": [], "policy_entropy": []}
+    exact_means: dict[str, list[np.ndarray]] = {"kl": [], "policy_entropy": []}
     has_steps = source.has(STEP)
-    parts: dict[str, list] = {key: [] for key in ("ids", "steps", "reward", "kl", "kl_coeff", "penalty", "adjusted",
-                                                  "tokens", "masked", "max_gap", "negative_k1")}
+    parts: dict[str, list[Any]] = {key: [] for key in ("ids", "steps", "reward", "kl", "kl_coeff", "penalty",
+                                                       "adjusted", "tokens", "masked", "max_gap", "negative_k1")}
     settings = source.settings
     batch_bytes = ScoreConfig.batch_bytes
     for batch, rows in read_batches([source.path], batch_tokens, batch_bytes, names, only=wanted):
         logprobs = check_batch(batch, rows, has_steps, names)
-        tokens = read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS)) if exact is not None else None
+        exact_tokens = None
+        if exact is not None:
+            exact_tokens = read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS))
+        full = exact_tokens.kl if exact_tokens is not None and settings["estimator"] == "full" else None
         estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, settings["estimator"],
-                          settings["aggregate"], settings["clamp"],
-                          exact=tokens.kl if settings["estimator"] == "full" else None)
+                          settings["aggregate"], settings["clamp"], exact=full)
         check_finite(estimate, logprobs, rows, settings["estimator"], names)
-        if tokens is not None:
-            exact.measure(tokens)
-            counts = np.diff(tokens.offsets)
+        if exact is not None and exact_tokens is not None:
+            exact.measure(exact_tokens)
+            counts = np.diff(exact_tokens.offsets)
             for key, values in exact_means.items():
-                sums = row_reduce(np.add, getattr(tokens, key).astype(np.float64), tokens.offsets, empty=np.nan)
+                sums = row_reduce(np.add, getattr(exact_tokens, key).astype(np.float64), exact_tokens.offsets,
+                                  empty=np.nan)
                 values.append(sums / np.maximum(counts, 1))
         if sampler is not None:
             keys = group_keys(batch, [names.name(PROMPT_IDS), names.name(PROMPT)])
@@ -176,7 +181,7 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         else:
             parts["kl"].append(estimate.kl)
 
-    def joined(key: str, dtype=np.float64) -> np.ndarray:
+    def joined(key: str, dtype: type = np.float64) -> np.ndarray:
         return np.concatenate(parts[key]) if parts[key] else np.zeros(0, dtype=dtype)
 
     def exact_joined(key: str) -> np.ndarray:
@@ -198,7 +203,7 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         max_gap=joined("max_gap"), negative_k1=joined("negative_k1", bool),
         log_ppl_diff=(np.concatenate(log_ppl_diff) if log_ppl_diff else np.zeros(0)) if has_sampler else None,
         mismatch=sampler.section(names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), "trainer", None)
-        if has_sampler else None,
+        if sampler is not None else None,
         exact_kl=exact_joined("kl") if source.exact else None,
         policy_entropy=exact_joined("policy_entropy") if source.exact else None,
         exact=None if exact is None else exact.section(names.name(POLICY_LOGPROBS)),
@@ -241,14 +246,14 @@ def curves(figures: RowFigures) -> Curves:
         numeric, x_label = True, "row"
     counts = np.diff(np.concatenate([starts, [n]]))
 
-    def mean(values: np.ndarray | None) -> np.ndarray | None:
-        if values is None:
-            return None
-        return np.add.reduceat(values, starts) / counts if n else np.zeros(0)
+    def mean(values: np.ndarray) -> np.ndarray:
+        means: np.ndarray = np.add.reduceat(values, starts) / counts if n else np.zeros(0)
+        return means
 
     return Curves(labels=labels, numeric=numeric, x_label=x_label, rows=counts, kl_mean=mean(figures.kl),
                   kl_coeff=None if figures.kl_coeff is None else figures.kl_coeff[starts],
-                  reward_mean=mean(figures.reward), adjusted_mean=mean(figures.adjusted))
+                  reward_mean=mean(figures.reward),
+                  adjusted_mean=None if figures.adjusted is None else mean(figures.adjusted))
 
 
 # -- which rows the page embeds ---------------------------------------------------------------------
@@ -286,8 +291,8 @@ def sort_values(figures: RowFigures, sort: str, path: object) -> np.ndarray:
     return figures.penalty
 
 
-def select_rows(figures: RowFigures, path: object, *, sort: str = "kl", top: int = 50, rows: list[str] = (),
-                steps: list[str] = (), extreme_nats: float = 20.0) -> Selection:
+def select_rows(figures: RowFigures, path: object, *, sort: str = "kl", top: int = 50, rows: Sequence[str] = (),
+                steps: Sequence[str] = (), extreme_nats: float = 20.0) -> Selection:
     """The rows named by `rows` (ids), or the `top` by `sort`, among those of `steps` when given.
 
     Rows with a token whose |policy − ref| exceeds `extreme_nats` come first (largest first), and are

@@ -39,12 +39,12 @@ from klpipe.precompute.rollouts import (
 )
 from klpipe.precompute.scorer import ChunkScorer, Joint, check_topk_room
 from klpipe.precompute.sharing import Sharing
+from klpipe.precompute.signals import StopOnSignal
 from klpipe.precompute.tokenize import ChunkTokenizer
 from klpipe.precompute.verdict_key import Remembering, run_key
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
-from klpipe.signals import StopOnSignal
 from klpipe.storage.discover import output_beside, refuse_overwriting_inputs
 from klpipe.storage.store import Location, check_output, is_glob
 from klpipe.storage.verdicts import VerdictCache

@@ -96,7 +96,7 @@ class ScoreConfig:
     atropos_api: str | None = option(
         None, flags=("--atropos-api",), metavar="URL", panel=OUTPUT_PANEL,
         help="Post the written Atropos groups to this Atropos API server (/scored_data_list), in order; a rerun "
-             "posts only what the server has not taken.")  # klpipe/atropos/api.py
+             "posts only what the server has not taken.")  # klpipe/atropos/post.py
 
     @property
     def writes_groups(self) -> bool:

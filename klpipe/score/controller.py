@@ -27,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 from klpipe.errors import InputError, StateError
 from klpipe.options import option
@@ -111,7 +111,7 @@ class KLStats:
     adaptation_count: int = 0
     samples_processed: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         # The original controller's keys and 4-decimal rounding, so existing dashboards keep working.
         return {
             "kl/mean": round(self.mean_kl, 4),
@@ -232,7 +232,7 @@ class KLController:
         """Forget the per-row KL history (e.g. at a checkpoint); coefficient and counters stay."""
         self._history.clear()
 
-    def save_state(self) -> dict:
+    def save_state(self) -> dict[str, Any]:
         """A JSON-able snapshot that continues this controller exactly, with the config it ran under."""
         return {
             "format": STATE_FORMAT,
@@ -244,7 +244,7 @@ class KLController:
             "recent_history": list(self._history),
         }
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         """Continue from `save_state` output (or a checkpoint of the original controller, which records no config).
 
         A state made under another rule or target would steer towards the wrong place, so it is
@@ -270,7 +270,7 @@ class KLController:
         self.samples_processed = samples_processed
         self._history = deque((float(v) for v in history), maxlen=self._history_kept)
 
-    def _check_same_goal(self, recorded: dict) -> None:
+    def _check_same_goal(self, recorded: dict[str, Any]) -> None:
         try:
             made_with = ControllerConfig(
                 **{f.name: recorded[f.name] for f in fields(ControllerConfig) if f.name in recorded}
@@ -283,7 +283,7 @@ class KLController:
                 f"this run uses the {self.config.kind} controller and kl_target {self.config.kl_target}"
             )
 
-    def config_differences(self, recorded: dict) -> list[str]:
+    def config_differences(self, recorded: dict[str, Any]) -> list[str]:
         """Config fields, other than the starting coefficient, that differ from a state's record."""
         current = asdict(self.config)
         return [
@@ -318,14 +318,14 @@ def _is_finite_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _number(state: dict, key: str, default: float) -> float:
+def _number(state: dict[str, Any], key: str, default: float) -> float:
     value = state.get(key, default)
     if not _is_finite_number(value):
         raise StateError(f"state {key} must be a finite number, got {value!r}")
     return float(value)
 
 
-def _count(state: dict, key: str) -> int:
+def _count(state: dict[str, Any], key: str) -> int:
     value = state.get(key, 0)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise StateError(f"state {key} must be a non-negative integer, got {value!r}")

@@ -21,6 +21,7 @@ per-threshold work runs over that tail alone, and the sums over every token come
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -62,8 +63,9 @@ SCHEMES: tuple[Scheme, ...] = (
 # Token schemes leave r_t with |ℓ_t| below mismatch.TAIL untouched, so only the tail at or above it (each block's
 # `tail`) is looked at per threshold. A threshold nearer to r = 1 would need a smaller TAIL.
 _TOKEN = [s for s in SCHEMES if s.name in ("token_tis", "icepop", "veto")]
-assert TAIL <= min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
-                   min(-np.log(s.low) for s in _TOKEN if s.low is not None)) + 1e-12
+_NEAREST = min(min(np.log(s.high) for s in _TOKEN if s.high is not None),
+               min(-np.log(s.low) for s in _TOKEN if s.low is not None))
+assert TAIL <= _NEAREST + 1e-12
 
 
 @dataclass
@@ -79,8 +81,8 @@ class CorrectionSums:
     groups: int | None = None  # GRPO groups seen; None when the cache has no prompt to group by
     groups_losing: np.ndarray = field(default_factory=lambda: np.zeros(len(SCHEMES), np.int64))
     # Rows not yet counted into groups: their group keys and a bit per scheme that loses them.
-    _keys: list = field(default_factory=list)
-    _lost: list = field(default_factory=list)
+    _keys: list[np.ndarray] = field(default_factory=list)
+    _lost: list[np.ndarray] = field(default_factory=list)
 
     def add(self, tokens: TokenMismatch, rows: RowMismatch, group_keys: np.ndarray | None, sum_r: float,
             sum_r2: float) -> None:
@@ -94,15 +96,18 @@ class CorrectionSums:
         has = rows.has_tokens
         lost = np.zeros(n_rows, np.uint32)
         for i, scheme in enumerate(SCHEMES):
+            # Each branch reads the bounds its scheme has; a side it has not is never read.
+            low = -np.inf if scheme.low is None else scheme.low
+            high = np.inf if scheme.high is None else scheme.high
             if scheme.name == "token_tis":
-                hit = tail_r > scheme.high
+                hit = tail_r > high
                 excess = tail_r[hit]
-                cap = scheme.high
+                cap = high
                 after = sum_r - float(np.sum(excess - cap))
                 after_sq = sum_r2 - float(np.sum(excess * excess - cap * cap))
                 self._tally(i, int(np.count_nonzero(hit)), np.unique(tail_row[hit]).size, sum_r, after, after_sq)
             elif scheme.name == "icepop":
-                hit = (tail_r < scheme.low) | (tail_r > scheme.high)
+                hit = (tail_r < low) | (tail_r > high)
                 out = tail_r[hit]
                 masked = np.bincount(tail_row[hit], minlength=n_rows)
                 whole = has & (masked == counts)
@@ -111,16 +116,16 @@ class CorrectionSums:
                             sum_r - float(np.sum(out)), sum_r2 - dot(out, out))
             elif scheme.name == "veto":
                 rejected = np.zeros(n_rows, bool)
-                rejected[tail_row[tail_r < scheme.low]] = True
+                rejected[tail_row[tail_r < low]] = True
                 self._reject(i, rejected, counts, has, lost)
             elif scheme.name == "geometric_rs":
                 geo = rows.geometric_weight
-                rejected = has & ((geo < scheme.low) | (geo > scheme.high))
+                rejected = has & ((geo < low) | (geo > high))
                 self._reject(i, rejected, counts, has, lost)
             else:  # sequence_is, geometric_is: truncate the row weight
                 weight = (rows.sequence_weight if scheme.name == "sequence_is" else rows.geometric_weight)[has]
-                hit = weight > scheme.high
-                truncated = np.minimum(weight, scheme.high)
+                hit = weight > high
+                truncated = np.minimum(weight, high)
                 self._tally(i, int(np.sum(counts[has][hit])), int(np.count_nonzero(hit)), float(np.sum(weight)),
                             float(np.sum(truncated)), dot(truncated, truncated))
         if group_keys is not None:
@@ -165,7 +170,7 @@ class CorrectionSums:
         self._keys += other._keys
         self._lost += other._lost
 
-    def table(self, totals: MismatchSums) -> list[dict]:
+    def table(self, totals: MismatchSums) -> list[dict[str, Any]]:
         """One entry per scheme and threshold: the report's sweep table."""
         self.close_groups()
         entries = []

@@ -18,7 +18,9 @@ constant c varies with the context): it says the direction and roughly the size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +84,7 @@ class DiagnosisSums:
     nonfinite: int = 0
     placeholder: int = 0
     length_rows: int = 0
-    named: dict = field(default_factory=lambda: {code: [] for code in CODES})
+    named: dict[str, Any] = field(default_factory=lambda: {code: [] for code in CODES})
     # ℓ regressed on x = log π_sampler
     sx: float = 0.0
     sy: float = 0.0
@@ -95,7 +97,7 @@ class DiagnosisSums:
     shift_forward: float = 0.0  # |trainer_{t+1} − sampler_t|
     shift_back: float = 0.0  # |trainer_t − sampler_{t+1}|
 
-    def add_screen(self, found: Screen, offsets: np.ndarray, row_name) -> None:
+    def add_screen(self, found: Screen, offsets: np.ndarray, row_name: Callable[[int], str]) -> None:
         self.nonfinite += int(np.count_nonzero(found.nonfinite))
         self.placeholder += int(np.count_nonzero(found.placeholder))
         self.length_rows += int(np.count_nonzero(found.length_rows))
@@ -145,7 +147,7 @@ class DiagnosisSums:
         r2 = cov * cov / (vx * vy) if vy > 0 else 0.0
         return slope, r2
 
-    def findings(self, sampler_name: str, histogram: np.ndarray) -> list[dict]:
+    def findings(self, sampler_name: str, histogram: np.ndarray) -> list[dict[str, Any]]:
         """[{code, evidence, rows}] in CODES order: what the data shows, one entry each. `histogram` is the run's
         histogram of ℓ (mismatch.bin_index), whose bin edges hold ZERO_TOLERANCE and CLEARLY_NEGATIVE exactly."""
         found = []
@@ -168,11 +170,11 @@ class DiagnosisSums:
             best = min(self.shift_forward, self.shift_back) / self.pairs
             if aligned >= SHIFT_MIN_ALIGNED and best <= SHIFT_RATIO * aligned:
                 way = "ahead" if self.shift_forward <= self.shift_back else "behind"
-                shifted = (f"the sampler's logprobs fit the trainer's shifted by one token (the sampler's list runs one "
-                           f"token {way}): mean |trainer − sampler| {aligned:.4g} nats aligned, {best:.4g} shifted")
+                shifted = (f"the sampler's logprobs fit the trainer's shifted by one token (the sampler's list runs "
+                           f"one token {way}): mean |trainer − sampler| {aligned:.4g} nats aligned, {best:.4g} shifted")
         if self.length_rows or shifted:
-            parts = [f"{self.length_rows} row(s) whose {sampler_name} list has another length than the response "
-                     "(left out)"] if self.length_rows else []
+            parts = [(f"{self.length_rows} row(s) whose {sampler_name} list has another length than the response "
+                      "(left out)")] if self.length_rows else []
             say("misaligned", "; ".join(parts + ([shifted] if shifted else [])))
         if shifted or self.tokens < MIN_TOKENS:
             return found  # a shifted ℓ says nothing about temperature or truncation

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -94,10 +95,15 @@ class ExactTokens:
 def read_exact(batch: pa.RecordBatch, logprobs: Logprobs, rows: RowLocator, policy_name: str) -> ExactTokens:
     """The batch's exact values on the tokens `logprobs` scores; a list of another length than the response, or a
     null, NaN, ±inf or negative value on a scored token, is refused naming the row."""
-    offsets = logprobs.offsets if logprobs.keep is None else logprobs.response_offsets
-    values = [_column(batch.column(name), name, offsets, logprobs.keep, rows, policy_name) for name in FULL_KL_COLUMNS]
+    offsets = logprobs.offsets
+    if logprobs.keep is not None:
+        assert logprobs.response_offsets is not None  # read with the mask
+        offsets = logprobs.response_offsets
+    kl, kl_reverse, policy_entropy, ref_entropy = (_column(batch.column(name), name, offsets, logprobs.keep, rows,
+                                                           policy_name) for name in FULL_KL_COLUMNS)
     trainer = logprobs.trainer if logprobs.trainer is not None else logprobs.policy
-    return ExactTokens(*values, policy=trainer, ref=logprobs.ref, offsets=logprobs.offsets)
+    return ExactTokens(kl, kl_reverse, policy_entropy, ref_entropy, policy=trainer, ref=logprobs.ref,
+                       offsets=logprobs.offsets)
 
 
 def _column(array: pa.Array | pa.ChunkedArray, name: str, offsets: np.ndarray, keep: np.ndarray | None,
@@ -203,7 +209,7 @@ class ExactSums:
         self.k1_gap.merge(other.k1_gap)
         self.k3_gap.merge(other.k3_gap)
 
-    def figures(self) -> dict:
+    def figures(self) -> dict[str, Any]:
         """FIGURES, token-weighted; None where no token was counted (or k3 overflowed)."""
         n = self.tokens
 
@@ -238,17 +244,23 @@ class ExactRun:
     def open_step(self) -> None:
         self.step = ExactSums()
 
+    def _open(self) -> ExactSums:
+        assert self.step is not None, "no step is open"
+        return self.step
+
     def add_rows(self, start: int, stop: int) -> None:
         """Rows start..stop of the batch last measured belong to the open step."""
-        self.step.add(self._batch.rows(start, stop))
+        assert self._batch is not None, "no batch measured"
+        self._open().add(self._batch.rows(start, stop))
 
-    def close_step(self) -> dict:
-        figures = self.step.figures()
-        self.run.merge(self.step)
+    def close_step(self) -> dict[str, Any]:
+        step = self._open()
+        figures = step.figures()
+        self.run.merge(step)
         self.step = None
         return figures
 
-    def section(self, policy_name: str) -> dict:
+    def section(self, policy_name: str) -> dict[str, Any]:
         """The report's `exact` section."""
         return {
             "columns": {"kl": KL_POLICY_REF, "kl_ref_policy": KL_REF_POLICY, "policy_entropy": POLICY_ENTROPY,

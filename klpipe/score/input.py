@@ -9,9 +9,10 @@ file and row (rows.py), and each column by the name the user's file gives it (`-
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +76,7 @@ class Logprobs:
         return 0 if self.keep is None else int(len(self.keep) - np.count_nonzero(self.keep))
 
 
-def expand_cache_inputs(paths: list[str | Path | Location]) -> tuple[list[Location], list[Location]]:
+def expand_cache_inputs(paths: Sequence[str | Path | Location]) -> tuple[list[Location], list[Location]]:
     """(caches, skipped) in scoring order: files as given, directories' files sorted by name, and a
     sharded run's output directory in shard order once sharding.py has found it complete. A scored
     file that an earlier run wrote into an input directory is skipped, never scored again. Any of
@@ -122,7 +123,7 @@ def open_caches(files: list[Location], columns: ColumnMap) -> tuple[pa.Schema, C
     return first_schema, resolved, rows
 
 
-def policy_source(files: list[Location]) -> dict:
+def policy_source(files: list[Location]) -> dict[str, Any]:
     """Where the caches' policy logprobs come from: the rollouts (a sampler), or a model that `klpipe precompute
     --policy` ran (open_caches has checked that every cache agrees)."""
     provenance = read_provenance(files[0]) if files else None
@@ -203,7 +204,8 @@ def check_batch(batch: pa.RecordBatch, rows: RowLocator, has_steps: bool, column
     for name, array in ((policy_name, policy), (ref_name, ref)):
         i = _first_null_kept(array, keep, offsets)
         if i is not None:
-            raise InputError(f"{rows.name(i)}: {name} holds a null" + (" where the mask is 1" if keep is not None else ""))
+            where = " where the mask is 1" if keep is not None else ""
+            raise InputError(f"{rows.name(i)}: {name} holds a null{where}")
     reward = numpy_view(batch.column(reward_name)).astype(np.float64, copy=False)
     bad_reward = ~np.isfinite(reward)
     if bad_reward.any():
@@ -299,7 +301,7 @@ def check_finite(estimate: RowKL, logprobs: Logprobs, rows: RowLocator, estimato
         )
 
 
-def _check_columns(path: Path, schema: pa.Schema, columns: ColumnMap) -> None:
+def _check_columns(path: Location, schema: pa.Schema, columns: ColumnMap) -> None:
     policy, ref, reward, step = (columns.name(role) for role in (POLICY_LOGPROBS, REF_LOGPROBS, REWARD, STEP))
     missing = [name for name in (policy, ref, reward) if name not in schema.names]
     if missing:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -46,12 +46,15 @@ class RowKL:
 
 def token_kl(diff: np.ndarray, estimator: Estimator) -> np.ndarray:
     """Per-token KL estimates from d = policy − ref (float64)."""
+    out: np.ndarray
     if estimator == "k1":
         return diff
     if estimator == "abs":
-        return np.abs(diff)
+        out = np.abs(diff)
+        return out
     if estimator == "k2":
-        return 0.5 * np.square(diff)
+        out = 0.5 * np.square(diff)
+        return out
     if estimator == "k3":
         # expm1 keeps the small-d values accurate where exp(−d) − 1 would cancel. An overflow
         # (d < −709) becomes inf, which the caller reports as a row error.
@@ -163,10 +166,16 @@ def kl_divergence(policy_probs: Sequence[float], reference_probs: Sequence[float
     return max(0.0, float(np.sum(p * (np.log(p) - np.log(q)))))
 
 
+class Encoder(Protocol):
+    """What estimate_kl_from_samples reads of a tokenizer."""
+
+    def encode(self, text: str) -> Iterable[int]: ...
+
+
 def estimate_kl_from_samples(
     policy_samples: Iterable[str],
     reference_samples: Iterable[str],
-    tokenizer,
+    tokenizer: Encoder,
 ) -> float:
     """A rough KL between two sets of texts from their smoothed token frequencies (for debugging).
 

@@ -13,13 +13,15 @@ points, and the names sort in run order, which is the order TensorBoard reads a 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,16 +81,16 @@ class StepMetrics:
     kl_target: float  # nats, the same for every batch
     # Per batch, the sampler-against-trainer figures (score/mismatch.py) under their own names, verl's
     # `rollout_corr/…` and klpipe's `mismatch/…`: written unprefixed, so dashboards line up with verl's.
-    mismatch: list[dict] | None = None
+    mismatch: list[dict[str, Any]] | None = None
     # Per batch, with the exact KL's columns, score/exact.py's FIGURES (`exact_kl`, `k1_spread`, ...), prefixed.
-    exact: list[dict] | None = None
+    exact: list[dict[str, Any]] | None = None
 
-    def records(self) -> Iterator[dict]:
+    def records(self) -> Iterator[dict[str, Any]]:
         """One dict per batch: `step`, then every name in METRICS, as Python numbers."""
         target = self.kl_target
         columns = (self.step, self.kl, self.kl_coef, self.kl_coef_after, self.reward, self.kl_penalty,
                    self.adjusted_reward, self.rows, self.tokens)
-        none = [{}] * len(self.step)
+        none: list[dict[str, Any]] = [{}] * len(self.step)
         extras = [a | b for a, b in zip(self.mismatch or none, self.exact or none, strict=True)]
         for (step, kl, coef, after, reward, penalty, adjusted, rows, tokens), extra in zip(
             zip(*(c.tolist() for c in columns), strict=True), extras, strict=True
@@ -102,13 +104,13 @@ class StepMetrics:
             }  # fmt: skip
 
 
-def from_steps(entries: list[dict], kl_target: float, first_batch: int | None) -> StepMetrics:
+def from_steps(entries: list[dict[str, Any]], kl_target: float, first_batch: int | None) -> StepMetrics:
     """From the report's per-step entries (report.step_entry).
 
     The x axis is each step's label when `first_batch` is None (an integer step column), else a
     batch counter starting at `first_batch`.
     """
-    def column(key: str, dtype=np.float64) -> np.ndarray:
+    def column(key: str, dtype: type[np.generic] = np.float64) -> np.ndarray:
         return np.array([entry[key] for entry in entries], dtype=dtype)
 
     if first_batch is None:
@@ -124,12 +126,12 @@ def from_steps(entries: list[dict], kl_target: float, first_batch: int | None) -
     )  # fmt: skip
 
 
-def _section(entries: list[dict], key: str) -> list[dict] | None:
+def _section(entries: list[dict[str, Any]], key: str) -> list[dict[str, Any]] | None:
     """Each step's figures of the section under `key` (score/steps.py), None when the run has no such section."""
     return [_numbers(entry[key]) for entry in entries] if entries and key in entries[0] else None
 
 
-def _numbers(figures: dict) -> dict:
+def _numbers(figures: dict[str, Any]) -> dict[str, Any]:
     """The numeric figures of a step's section entry (a quantile of no tokens is None: left out)."""
     return {name: value for name, value in figures.items() if isinstance(value, int | float)}
 
@@ -185,26 +187,25 @@ def write_jsonl(outputs: OutputGroup, path: Location, metrics: StepMetrics) -> N
 
 
 class _HideTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name.split(".")[0] == "torch":
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 
 
-def _import_tensorboardx():
+def _import_tensorboardx() -> None:
     # tensorboardX's writer imports torch whenever it can, only to accept tensors. klpipe hands it
     # floats, and `klpipe score` stays torch-free: torch would cost seconds of start-up on a GPU host.
     if "torch" in sys.modules:
-        import tensorboardX
-
-        return tensorboardX
+        importlib.import_module("tensorboardX")
+        return
     hide = _HideTorch()
     sys.meta_path.insert(0, hide)
     try:
-        import tensorboardX
+        importlib.import_module("tensorboardX")
     finally:
         sys.meta_path.remove(hide)
-    return tensorboardX
 
 
 def require_tensorboardx(directory: Location) -> None:

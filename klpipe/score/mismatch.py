@@ -27,10 +27,11 @@ statistic, so memory stays bounded however many tokens a run holds. Pure numpy: 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from klpipe.score.kl import row_reduce, token_kl
+from klpipe.score.kl import Estimator, row_reduce, token_kl
 
 # verl clamps a log-ratio sum at ±20 before exp (its SAFETY_BOUND), so one wild row cannot overflow.
 SAFETY_BOUND = 20.0
@@ -127,7 +128,8 @@ class TokenMismatch:
     ref: np.ndarray  # (tokens,) log π_ref (float32 as cached, or float64)
     offsets: np.ndarray  # (rows + 1,) int64
     position_bucket: np.ndarray  # (tokens,) int8 POSITION_EDGES bucket of the token's index in its response
-    after_tool: np.ndarray | None  # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
+    # (tokens,) int64 tokens since the last mask-0 token of its row, −1: none; None: no mask
+    after_tool: np.ndarray | None
     # Computed once for the whole block, then sliced by `rows`: each is one numpy pass over the tokens.
     log_ratio: np.ndarray = field(init=False)  # (tokens,) ℓ = trainer − sampler
     expm1: np.ndarray = field(init=False)  # (tokens,) r − 1 = e^ℓ − 1, exact for small ℓ
@@ -185,15 +187,18 @@ class RowMismatch:
     def log_ppl_diff(self) -> np.ndarray:
         # log(training ppl) − log(rollout ppl) per row = mean log π_sampler − mean log π_trainer = −mean ℓ: the
         # row's mismatch_kl; the two differ only in how a batch averages them (tokens against rows).
-        return self.mean_sampler - self.mean_trainer
+        diff: np.ndarray = self.mean_sampler - self.mean_trainer
+        return diff
 
     @property
     def sequence_weight(self) -> np.ndarray:
-        return np.exp(np.clip(self.sum_ratio, -SAFETY_BOUND, SAFETY_BOUND))  # exp Σℓ, verl's clamp
+        weight: np.ndarray = np.exp(np.clip(self.sum_ratio, -SAFETY_BOUND, SAFETY_BOUND))  # exp Σℓ, verl's clamp
+        return weight
 
     @property
     def geometric_weight(self) -> np.ndarray:
-        return np.exp(self.mean_ratio)  # exp mean ℓ
+        weight: np.ndarray = np.exp(self.mean_ratio)  # exp mean ℓ
+        return weight
 
 
 def per_row(tokens: TokenMismatch) -> RowMismatch:
@@ -273,7 +278,7 @@ class MismatchSums:
     # (CATEGORIES, BINS) int64 counts of ℓ per joint category: the histogram and every breakdown are its marginals.
     joint: np.ndarray = field(default_factory=lambda: np.zeros((CATEGORIES, BINS), np.int64))
 
-    def add(self, tokens: TokenMismatch, rows: RowMismatch, estimator: str) -> tuple[float, float]:
+    def add(self, tokens: TokenMismatch, rows: RowMismatch, estimator: Estimator) -> tuple[float, float]:
         """Add a block of rows; score's per-token `estimator` gives the KL figures. Returns the block's (Σr, Σr²)."""
         ratio, expm1 = tokens.log_ratio, tokens.expm1
         n = len(ratio)
@@ -311,7 +316,8 @@ class MismatchSums:
 
     @property
     def histogram(self) -> np.ndarray:
-        return self.joint.sum(axis=0)
+        counts: np.ndarray = self.joint.sum(axis=0)
+        return counts
 
     def merge(self, other: MismatchSums) -> None:
         for name in self.__dataclass_fields__:
@@ -319,7 +325,7 @@ class MismatchSums:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
         self.joint += other.joint
 
-    def figures(self) -> dict:
+    def figures(self) -> dict[str, Any]:
         """verl's metrics under verl's names, then klpipe's own; None where nothing was counted."""
         n, rows = self.tokens, self.rows
         tok = (lambda total: total / n) if n else (lambda total: None)
@@ -349,7 +355,7 @@ class MismatchSums:
             figures[f"mismatch/abs_log_ratio_{name}"] = value
         return figures
 
-    def breakdown_tables(self) -> dict:
+    def breakdown_tables(self) -> dict[str, Any]:
         """Per breakdown, per bucket: tokens and the quantiles of ℓ and |ℓ|."""
         joint = self.joint.reshape(*CATEGORY_SHAPE[::-1], BINS)  # (mask run, position, probability, BINS)
         marginals = {"sampler_probability": joint.sum(axis=(0, 1)), "position": joint.sum(axis=(0, 2)),

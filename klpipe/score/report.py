@@ -11,13 +11,20 @@ matplotlib until a plot is asked for.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from klpipe.errors import OutputError
 from klpipe.score.controller import KLController, KLStats
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from klpipe.storage.store import Location
 
 PERCENTILES = (50, 90, 99)
 HISTOGRAM_BINS = 50
@@ -55,8 +62,8 @@ class RunTotals:
         return np.concatenate(self.row_kls) if self.row_kls else np.zeros(0)
 
 
-def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, negative_k1: int, tokens: int,
-               controller: KLController) -> dict:
+def step_entry(label: object, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, negative_k1: int, tokens: int,
+               controller: KLController) -> dict[str, Any]:
     """A step's entry in `steps`: its rows were penalised with `kl_coeff`; `controller` has seen them since.
 
     Holds every value of the step's metrics record (klpipe.score.metrics): `kl_mean` is `kl/mean`
@@ -64,7 +71,7 @@ def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, neg
     """
     penalty = kl_coeff * kls  # the same arithmetic as the output columns
     adjusted = rewards - penalty
-    entry = {"step": label, "rows": len(kls), "tokens": tokens}
+    entry: dict[str, Any] = {"step": label, "rows": len(kls), "tokens": tokens}
     entry.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
     entry.update(
         {
@@ -80,14 +87,14 @@ def step_entry(label, kls: np.ndarray, rewards: np.ndarray, kl_coeff: float, neg
     return entry
 
 
-def build_report(*, inputs: list[Path], output: Path, settings: dict, controller: KLController,
-                 kl_coeff_before: float, batch_count: int, steps: list[dict], totals: RunTotals,
-                 extreme_nats: float, warnings: list[str], seconds: float) -> dict:
+def build_report(*, inputs: Sequence[Location], output: Location, settings: dict[str, Any], controller: KLController,
+                 kl_coeff_before: float, batch_count: int, steps: list[dict[str, Any]], totals: RunTotals,
+                 extreme_nats: float, warnings: list[str], seconds: float) -> dict[str, Any]:
     """The report JSON: the run's settings, summary, per-step entries, histogram and warnings."""
     kls = totals.all_kls()
     rows = totals.rows
-    summary = {"rows": rows, "batches": batch_count, "tokens": totals.tokens, "masked_tokens": totals.masked_tokens,
-               "rows_without_tokens": totals.rows_without_tokens}
+    summary: dict[str, Any] = {"rows": rows, "batches": batch_count, "tokens": totals.tokens,
+                               "masked_tokens": totals.masked_tokens, "rows_without_tokens": totals.rows_without_tokens}
     summary.update(kl_statistics(kls, controller.kl_coeff, controller.adaptation_count, controller.samples_processed))
     summary.update(
         {
@@ -111,7 +118,8 @@ def build_report(*, inputs: list[Path], output: Path, settings: dict, controller
     }
 
 
-def trajectory(has_steps: bool, steps: list[dict], totals: RunTotals, row_coeffs: list[np.ndarray]) -> Trajectory:
+def trajectory(has_steps: bool, steps: list[dict[str, Any]], totals: RunTotals,
+               row_coeffs: list[np.ndarray]) -> Trajectory:
     """The plot's x axis and series: one point per step, or per row when each row is its own batch."""
     if has_steps:
         labels = [s["step"] for s in steps]
@@ -131,7 +139,7 @@ def trajectory(has_steps: bool, steps: list[dict], totals: RunTotals, row_coeffs
     )
 
 
-def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, samples_processed: int) -> dict:
+def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, samples_processed: int) -> dict[str, Any]:
     """The original controller's `kl/` keys over `kls`, plus `kl/p50`, `kl/p90` and `kl/p99` in the same rounding."""
     if kls.size == 0:
         stats = KLStats(
@@ -153,7 +161,7 @@ def kl_statistics(kls: np.ndarray, kl_coeff: float, adaptation_count: int, sampl
     return stats
 
 
-def histogram(kls: np.ndarray) -> dict:
+def histogram(kls: np.ndarray) -> dict[str, Any]:
     counts, edges = np.histogram(kls, bins=HISTOGRAM_BINS) if kls.size else (np.zeros(0), np.zeros(0))
     return {"edges": edges.tolist(), "counts": [int(c) for c in counts]}
 
@@ -169,7 +177,7 @@ def extreme_rows_warning(row_names: list[str], count: int, threshold_nats: float
     return f"{count} row(s) have a token with |policy − ref| above {threshold_nats:g} nats: {named}{more}. {why}"
 
 
-def render_table(report: dict, console) -> None:
+def render_table(report: dict[str, Any], console: Console) -> None:
     """The per-step trajectory and the run summary as a rich table on `console` (stderr in the CLI)."""
     from rich import box  # rich is only needed when a person is watching
     from rich.table import Table
@@ -210,7 +218,8 @@ def render_table(report: dict, console) -> None:
         f"({summary['kl/adaptation_count']} adaptations in all); "
         f"reward {summary['reward_mean_before']:.4f} → {summary['reward_mean_after']:.4f}; "
         f"negative k1 in {summary['negative_k1_fraction']:.1%} of rows"
-        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out (mask 0: tool results, pads)"
+        + (f"; {summary['tokens']:,} policy tokens scored, {summary['masked_tokens']:,} masked out "
+           "(mask 0: tool results, pads)"
            + (f", {summary['rows_without_tokens']:,} rows with none (KL 0)" if summary['rows_without_tokens'] else "")
            if summary.get("masked_tokens") else ""),
         markup=False,
@@ -230,7 +239,7 @@ def render_table(report: dict, console) -> None:
         console.print(exact_line(report["exact"]), markup=False, highlight=False)
 
 
-def exact_line(exact: dict) -> str:
+def exact_line(exact: dict[str, Any]) -> str:
     """The exact KL beside the sampled estimators', and both entropies, for the whole run, in one line."""
     run = exact["run"]
 
@@ -244,7 +253,7 @@ def exact_line(exact: dict) -> str:
             f"{number('policy_entropy')}, π_ref {number('ref_entropy')}")
 
 
-def mismatch_lines(mismatch: dict) -> list[str]:
+def mismatch_lines(mismatch: dict[str, Any]) -> list[str]:
     """The mismatch section in a few lines for the terminal: the headline figures, then one line per finding."""
     run = mismatch["run"]
 
@@ -253,12 +262,12 @@ def mismatch_lines(mismatch: dict) -> list[str]:
         return "n/a" if value is None else f"{value:.4g}"
 
     lines = [
-        f"sampler against trainer ({mismatch['sampler_logprobs']} vs {mismatch['trainer_logprobs']}, "
-        f"{run['mismatch/tokens']:,} sampled tokens): rollout_corr/kl {number('rollout_corr/kl')}, "
-        f"k3_kl {number('rollout_corr/k3_kl')}, |ℓ| p99 {number('mismatch/abs_log_ratio_p99')}, "
-        f"ESS token IS {number('mismatch/ess_token_is')}; KL from the {mismatch['kl_from']}'s logprobs "
-        f"(trainer's {number('mismatch/kl_trainer')}, sampler's {number('mismatch/kl_sampler')}, importance-corrected "
-        f"{number('mismatch/kl_importance_corrected')} per token)",
+        (f"sampler against trainer ({mismatch['sampler_logprobs']} vs {mismatch['trainer_logprobs']}, "
+         f"{run['mismatch/tokens']:,} sampled tokens): rollout_corr/kl {number('rollout_corr/kl')}, "
+         f"k3_kl {number('rollout_corr/k3_kl')}, |ℓ| p99 {number('mismatch/abs_log_ratio_p99')}, "
+         f"ESS token IS {number('mismatch/ess_token_is')}; KL from the {mismatch['kl_from']}'s logprobs "
+         f"(trainer's {number('mismatch/kl_trainer')}, sampler's {number('mismatch/kl_sampler')}, importance-corrected "
+         f"{number('mismatch/kl_importance_corrected')} per token)"),
     ]
     codes = mismatch["mismatch/diagnosis"]
     lines.append(f"mismatch diagnosis: {', '.join(codes) if codes else 'none'}")
@@ -267,7 +276,7 @@ def mismatch_lines(mismatch: dict) -> list[str]:
     return lines
 
 
-def plot(path: Path, trajectory: Trajectory, report: dict) -> None:
+def plot(path: Path, trajectory: Trajectory, report: dict[str, Any]) -> None:
     """Three panels into the PNG `path`: batch KL against the target band, the coefficient, a histogram of row KL.
 
     The caller makes it appear atomically (score/run.py writes it to a temporary file of its OutputGroup).

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +37,7 @@ from klpipe.score import report, state
 from klpipe.score import sampler as sampler_section
 from klpipe.score.config import ScoreConfig
 from klpipe.score.input import (
+    Logprobs,
     check_batch,
     check_finite,
     expand_cache_inputs,
@@ -41,7 +45,7 @@ from klpipe.score.input import (
     policy_source,
     read_batches,
 )
-from klpipe.score.kl import row_kl
+from klpipe.score.kl import RowKL, row_kl
 from klpipe.score.steps import ControllerSteps
 from klpipe.storage.atomic import OutputGroup
 from klpipe.storage.discover import (
@@ -77,9 +81,9 @@ class ScoreResult:
     """What a run wrote and found; `report` is also what `--report` holds."""
 
     output: Location
-    report: dict
+    report: dict[str, Any]
     warnings: list[str]
-    posted: object = None  # klpipe.atropos.api.Posted: what --atropos-api sent
+    posted: object = None  # klpipe.atropos.post.Posted: what --atropos-api sent
 
 
 def default_output(first_input: Location, groups: bool = False) -> Location:
@@ -88,7 +92,7 @@ def default_output(first_input: Location, groups: bool = False) -> Location:
     return output_beside(expand(first_input)[0], ATROPOS_SUFFIX if groups else OUTPUT_SUFFIX, PARQUET_SUFFIXES)
 
 
-def score(config: ScoreConfig, log=print) -> ScoreResult:
+def score(config: ScoreConfig, log: Callable[[str], object] = print) -> ScoreResult:
     """Score the caches in `config.inputs` and write the output, report, plot, metrics and state it asks for.
 
     Every file appears whole or not at all, and the state file, written last, is only advanced by a
@@ -135,11 +139,11 @@ class _Caches:
     schema: pa.Schema
     names: ColumnMap  # role -> the caches' column names
     rows: int  # in all the caches
-    source: dict  # a sampler's logprobs, or a model's that precompute --policy ran (input.policy_source)
+    source: dict[str, Any]  # a sampler's logprobs, or a model's that precompute --policy ran (input.policy_source)
 
 
 def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings: list[str], started: float,
-           log) -> ScoreResult:
+           log: Callable[[str], object]) -> ScoreResult:
     """The run, from the state `held` read to the next state: the controller continues it, row batch by row batch."""
     files, output, schema, names, source = caches.files, caches.output, caches.schema, caches.names, caches.source
     controller, previous_run = state.load_controller(config, held, warnings)
@@ -229,7 +233,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
     if config.atropos_api is not None:
         # Before the state: a run whose groups did not all reach the trainer leaves the state as it was, so a
         # rerun writes the same groups and posts only those the server has not taken (the marker says which).
-        from klpipe.atropos.api import post_groups
+        from klpipe.atropos.post import post_groups
         from klpipe.storage.download import local_copy
 
         posted = post_groups(local_copy(output), config.atropos_api)
@@ -262,7 +266,7 @@ def _require_matplotlib(plot_path: Location) -> None:
         raise OutputError(f"{plot_path}: --plot needs matplotlib: pip install 'klpipe[plot]'")
 
 
-def _kl_from(config: ScoreConfig, has_sampler: bool, source: dict, names: ColumnMap) -> str:
+def _kl_from(config: ScoreConfig, has_sampler: bool, source: dict[str, Any], names: ColumnMap) -> str:
     """Whose logprobs the KL reads: "trainer" (policy_logprobs) or "sampler" (sampler_logprobs).
 
     Without a sampler column, policy_logprobs are the sampler's own unless precompute --policy computed them.
@@ -288,7 +292,7 @@ def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str], 
     return pa.schema(kept + added, metadata=metadata)
 
 
-def _settings(config: ScoreConfig) -> dict:
+def _settings(config: ScoreConfig) -> dict[str, Any]:
     return {
         "klpipe_version": __version__,
         "estimator": config.estimator,
@@ -300,14 +304,20 @@ def _settings(config: ScoreConfig) -> dict:
     }
 
 
-def _scored(files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema):
+# One record batch (and where its rows come from) to its output columns.
+ScoreBatch: TypeAlias = Callable[[pa.RecordBatch, RowLocator], list[pa.Array]]
+
+
+def _scored(files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
+            out_schema: pa.Schema) -> Generator[pa.RecordBatch, None, None]:
     """The one loop both writers share: read a record batch (a thread decodes the next meanwhile), score it."""
     with closing(prefetch(read_batches(files, config.batch_tokens, config.batch_bytes, names))) as stream:
         for batch, rows in stream:
             yield pa.RecordBatch.from_arrays(score_batch(batch, rows), schema=out_schema)
 
 
-def _write_parquet(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
+def _write_parquet(tmp: Path, files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
+                   out_schema: pa.Schema) -> None:
     # Three stages overlap: a thread decodes the next record batch, this thread scores, and
     # another thread encodes the previous row group (parquet and numpy release the GIL).
     with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write, \
@@ -318,7 +328,8 @@ def _write_parquet(tmp, files, config: ScoreConfig, score_batch, names: ColumnMa
         row_groups.flush()
 
 
-def _write_groups(tmp, files, config: ScoreConfig, score_batch, names: ColumnMap, out_schema: pa.Schema) -> None:
+def _write_groups(tmp: Path, files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
+                  out_schema: pa.Schema) -> None:
     """The scored rows as the Atropos groups they came from (klpipe/atropos/writer.py), one JSON line each."""
     with open(tmp, "w", encoding="utf-8") as out, \
             closing(_scored(files, config, score_batch, names, out_schema)) as scored:
@@ -348,10 +359,11 @@ def _score_batch(
     exact_tokens = None
     if exact is not None:  # measured before the coefficients, which hand each step its rows
         exact_tokens = exact_section.read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS))
+    full = exact_tokens.kl if exact_tokens is not None and config.estimator == "full" else None
     estimate = row_kl(logprobs.policy, logprobs.ref, logprobs.offsets, config.estimator, config.aggregate,
-                      config.clamp, config.per_token, exact=exact_tokens.kl if config.estimator == "full" else None)
+                      config.clamp, config.per_token, exact=full)
     check_finite(estimate, logprobs, rows, config.estimator, names)
-    if exact is not None:
+    if exact is not None and exact_tokens is not None:
         exact.measure(exact_tokens)
 
     measured = None
@@ -390,10 +402,12 @@ def _score_batch(
     return columns
 
 
-def _per_token_column(estimate, logprobs) -> pa.Array:
+def _per_token_column(estimate: RowKL, logprobs: Logprobs) -> pa.Array:
     """`kl_per_token`: one value per response token, aligned with the response; null where the mask is 0."""
+    assert estimate.token_kl is not None, "estimated with per_token"
     if logprobs.keep is None:
         return list_array(estimate.offsets, estimate.token_kl)
+    assert logprobs.response_offsets is not None  # read with the mask
     values = np.zeros(len(logprobs.keep), dtype=np.float64)
     values[logprobs.keep] = estimate.token_kl
     return list_array(logprobs.response_offsets, values, valid=logprobs.keep)

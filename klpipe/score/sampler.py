@@ -9,6 +9,9 @@ run at once and there are no per-step figures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -17,6 +20,7 @@ from klpipe.mask import kept_offsets
 from klpipe.score.corrections import CorrectionSums
 from klpipe.score.diagnosis import DiagnosisSums, screen
 from klpipe.score.input import Logprobs
+from klpipe.score.kl import Estimator
 from klpipe.score.mismatch import POSITION_EDGES, MismatchSums, RowMismatch, TokenMismatch, dot, per_row
 
 # Columns the scored file gains with a sampler column.
@@ -48,25 +52,27 @@ def output_fields(per_token: bool) -> list[pa.Field]:
 def positions(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray | None]:
     """(scored tokens,) each: the bucket of the token's index in its response (mismatch.POSITION_EDGES, int8), and
     the tokens since the last mask-0 token of its row (int64, −1 when none comes before it; None without a mask)."""
-    offsets = logprobs.response_offsets if logprobs.keep is not None else logprobs.offsets
+    keep, offsets = logprobs.keep, logprobs.offsets
+    if keep is not None:
+        assert logprobs.response_offsets is not None  # read with the mask
+        offsets = logprobs.response_offsets
     lengths = np.diff(offsets)
     # A row's tokens fill the buckets in order, so each (row, bucket) is one run: its length is how much of
     # [edge_b, edge_b+1) the row reaches. One np.repeat writes every token's bucket, with no per-token arithmetic.
     edges = np.array((0, *POSITION_EDGES, np.iinfo(np.int64).max))
     runs = np.clip(np.minimum(lengths[:, None], edges[None, 1:]) - edges[None, :-1], 0, None)  # (rows, buckets)
     bucket = np.repeat(np.tile(np.arange(len(POSITION_EDGES) + 1, dtype=np.int8), len(lengths)), runs.ravel())
-    if logprobs.keep is None:
+    if keep is None:
         return bucket, None
     index = np.arange(int(offsets[-1]), dtype=np.int64)
     # The last mask-0 index at or before each token, within its row: a running maximum seeded with
     # start − 1 at each row's start, which no earlier row's index can exceed.
-    last_zero = np.where(logprobs.keep, -1, index)
+    last_zero = np.where(keep, -1, index)
     starts = offsets[:-1][lengths > 0]
     last_zero[starts] = np.maximum(last_zero[starts], starts - 1)
     np.maximum.accumulate(last_zero, out=last_zero)
     row_start = np.repeat(offsets[:-1], lengths)
     after = np.where(last_zero >= row_start, index - last_zero - 1, -1)
-    keep = logprobs.keep
     return bucket[keep], after[keep]
 
 
@@ -105,16 +111,17 @@ def _polynomial_hash(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     nonempty = lengths > 0
     if len(terms):
         keys[nonempty] = np.add.reduceat(terms, offsets[:-1][nonempty])
-    return keys ^ (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    mixed: np.ndarray = keys ^ (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    return mixed
 
 
 class SamplerRun:
     """The mismatch sums of one scoring run."""
 
-    def __init__(self, estimator: str, has_steps: bool):
+    def __init__(self, estimator: Estimator, has_steps: bool):
         # The mismatch's KL figures compare the two sides' sampled tokens; the exact KL has no sampler's side
         # (it is the trainer's distribution against the reference's), so under `full` they are k1's.
-        self.estimator = "k1" if estimator == "full" else estimator
+        self.estimator: Estimator = "k1" if estimator == "full" else estimator
         self.has_steps = has_steps
         self.run = MismatchSums()
         self.corrections = CorrectionSums()
@@ -123,16 +130,21 @@ class SamplerRun:
         self.step_corrections: CorrectionSums | None = None
         self._batch: tuple[TokenMismatch, RowMismatch, np.ndarray | None] | None = None
 
-    def measure(self, logprobs: Logprobs, row_name, keys: np.ndarray | None) -> tuple[RowMismatch, np.ndarray]:
+    def measure(self, logprobs: Logprobs, row_name: Callable[[int], str],
+                keys: np.ndarray | None) -> tuple[RowMismatch, np.ndarray]:
         """Measure a record batch: its per-row values, and (scored tokens,) bool where ℓ is counted."""
-        found = screen(logprobs.trainer, logprobs.sampler, logprobs.offsets, logprobs.sampler_rows_ok)
+        trainer, sampler, rows_ok = _sampled(logprobs)
+        found = screen(trainer, sampler, logprobs.offsets, rows_ok)
         self.diagnosis.add_screen(found, logprobs.offsets, row_name)
         usable = found.usable
         position_bucket, after_tool = positions(logprobs)
-        everything = usable.all()
-        pick = (lambda a: a) if everything else (lambda a: a[usable])
+        everything = bool(usable.all())
+
+        def pick(values: np.ndarray) -> np.ndarray:
+            return values if everything else values[usable]
+
         tokens = TokenMismatch(
-            trainer=pick(logprobs.trainer), sampler=pick(logprobs.sampler), ref=pick(logprobs.ref),
+            trainer=pick(trainer), sampler=pick(sampler), ref=pick(logprobs.ref),
             offsets=logprobs.offsets if everything else kept_offsets(usable, logprobs.offsets),
             position_bucket=pick(position_bucket), after_tool=None if after_tool is None else pick(after_tool),
         )  # fmt: skip
@@ -147,24 +159,31 @@ class SamplerRun:
     def open_step(self) -> None:
         self.step, self.step_corrections = MismatchSums(), CorrectionSums()
 
+    def _open(self) -> tuple[MismatchSums, CorrectionSums]:
+        assert self.step is not None and self.step_corrections is not None, "no step is open"
+        return self.step, self.step_corrections
+
     def add_rows(self, start: int, stop: int) -> None:
         """Rows start..stop of the batch last measured belong to the open step."""
+        assert self._batch is not None, "no batch measured"
         tokens, rows, keys = self._batch
+        step, step_corrections = self._open()
         part = tokens.rows(start, stop)
         part_rows = rows.rows(start, stop)
-        sums = self.step.add(part, part_rows, self.estimator)
-        self.step_corrections.add(part, part_rows, None if keys is None else keys[start:stop], *sums)
+        sums = step.add(part, part_rows, self.estimator)
+        step_corrections.add(part, part_rows, None if keys is None else keys[start:stop], *sums)
 
-    def close_step(self) -> dict:
+    def close_step(self) -> dict[str, Any]:
         """The closed step's figures; its sums join the run's (groups are a step's rows with one prompt)."""
-        figures = self.step.figures()
-        self.step_corrections.close_groups()
-        self.run.merge(self.step)
-        self.corrections.merge(self.step_corrections)
+        step, step_corrections = self._open()
+        figures = step.figures()
+        step_corrections.close_groups()
+        self.run.merge(step)
+        self.corrections.merge(step_corrections)
         self.step = self.step_corrections = None
         return figures
 
-    def section(self, sampler_name: str, trainer_name: str, kl_from: str, computed_by: str | None) -> dict:
+    def section(self, sampler_name: str, trainer_name: str, kl_from: str, computed_by: str | None) -> dict[str, Any]:
         """The report's `mismatch` section."""
         findings = self.diagnosis.findings(sampler_name, self.run.histogram)
         return {
@@ -193,15 +212,25 @@ def row_columns(rows: RowMismatch, per_token: bool, logprobs: Logprobs, usable: 
     columns = [from_numpy(values, has) for values in
                (rows.mismatch_kl, rows.log_ppl_diff, rows.sequence_weight, rows.geometric_weight)]
     if per_token:
-        ratio = (logprobs.trainer - logprobs.sampler).astype(np.float64)
+        trainer, sampler, _ = _sampled(logprobs)
+        ratio = (trainer - sampler).astype(np.float64)
         valid = usable
-        if logprobs.keep is None:
+        keep = logprobs.keep
+        if keep is None:
             columns.append(list_array(logprobs.offsets, np.where(valid, ratio, 0.0), valid=valid))
         else:
-            values = np.zeros(len(logprobs.keep))
-            full_valid = np.zeros(len(logprobs.keep), bool)
-            values[logprobs.keep] = np.where(valid, ratio, 0.0)
-            full_valid[logprobs.keep] = valid
+            assert logprobs.response_offsets is not None  # read with the mask
+            values = np.zeros(len(keep))
+            full_valid = np.zeros(len(keep), bool)
+            values[keep] = np.where(valid, ratio, 0.0)
+            full_valid[keep] = valid
             columns.append(list_array(logprobs.response_offsets, values, valid=full_valid))
     return columns
+
+
+def _sampled(logprobs: Logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(trainer, sampler, sampler_rows_ok): what a batch read with a sampler_logprobs column holds."""
+    trainer, sampler, rows_ok = logprobs.trainer, logprobs.sampler, logprobs.sampler_rows_ok
+    assert trainer is not None and sampler is not None and rows_ok is not None, "no sampler_logprobs column"
+    return trainer, sampler, rows_ok
 

@@ -8,7 +8,7 @@ its per-row KLs are held until it closes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -39,13 +39,13 @@ class StepSection(Protocol):
 
     def add_rows(self, start: int, stop: int) -> None: ...
 
-    def close_step(self) -> dict: ...
+    def close_step(self) -> dict[str, Any]: ...
 
 
 class ControllerSteps:
     """Cuts the row stream into controller batches and hands each row its coefficient."""
 
-    def __init__(self, controller: KLController, has_steps: bool, previous_last_step, warnings: list[str],
+    def __init__(self, controller: KLController, has_steps: bool, previous_last_step: object, warnings: list[str],
                  keep_rows: bool = False, sections: dict[str, StepSection] | None = None):
         self.controller = controller
         self.has_steps = has_steps
@@ -53,9 +53,9 @@ class ControllerSteps:
         self.warnings = warnings
         self.kl_coeff_before = controller.kl_coeff  # at the start of the run
         self.open: _OpenStep | None = None
-        self.steps: list[dict] = []  # report entries, one per step
+        self.steps: list[dict[str, Any]] = []  # report entries, one per step
         self.batch_count = 0
-        self.last_label = None
+        self.last_label: object = None
         # Without steps each row is a batch, and these hold its values (8 bytes a row each): the
         # coefficients for the plot, and with `keep_rows` rewards and token counts for the metrics.
         self.per_row_coeffs: list[np.ndarray] = []
@@ -77,6 +77,7 @@ class ControllerSteps:
                 self.per_row_rewards.append(reward)
                 self.per_row_tokens.append(tokens)
             return self._per_row(kl)
+        assert steps is not None, "a run with steps reads their column"
         n = len(kl)
         coeffs = np.empty(n)
         if n == 0:
@@ -86,10 +87,10 @@ class ControllerSteps:
         ends = np.append(starts[1:], n)
         labels = steps.take(from_numpy(starts)).to_pylist()
         for start, end, label in zip(starts.tolist(), ends.tolist(), labels, strict=True):
-            if self.open is None or label != self.open.label:
-                self._close()
-                self._open(label)
             step = self.open
+            if step is None or label != step.label:
+                self._close()
+                step = self._open(label)
             step.kls.append(kl[start:end])
             step.rewards.append(reward[start:end])
             step.negative_k1 += int(np.count_nonzero(negative_k1[start:end]))
@@ -111,7 +112,7 @@ class ControllerSteps:
         self.per_row_coeffs.append(coeffs)
         return coeffs
 
-    def _open(self, label) -> None:
+    def _open(self, label: object) -> _OpenStep:
         if not self.batch_count and self.previous_last_step is not None and label == self.previous_last_step:
             self.warnings.append(
                 f"step {label!r} continues from the previous run recorded in the state file; it is scored "
@@ -122,6 +123,7 @@ class ControllerSteps:
             section.open_step()
         self.batch_count += 1
         self.last_label = label
+        return self.open
 
     def _close(self) -> None:
         step, self.open = self.open, None

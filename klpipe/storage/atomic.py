@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from klpipe.errors import OutputError
-from klpipe.storage.store import Location, is_remote, staging_dir
+from klpipe.storage.store import Location, StorePath, staging_dir
 
 
 def _read_umask() -> int:
@@ -50,7 +50,7 @@ class OutputGroup:
     def __enter__(self) -> OutputGroup:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for fd, tmp, _ in self._staged:  # never committed: an error came first
             _discard(fd, tmp)
         self._staged = []
@@ -64,15 +64,18 @@ class OutputGroup:
         stray file beside outputs. For an output on a store it lives in `tmp_dir` or $TMPDIR, on
         local disk, until the commit uploads it.
         """
-        path = path if is_remote(path) else Path(path)
-        directory = Path(tmp_dir) if tmp_dir is not None else staging_dir() if is_remote(path) else path.parent
+        final: Location = path if isinstance(path, StorePath) else Path(path)
+        if tmp_dir is not None:
+            directory = Path(tmp_dir)
+        else:
+            directory = staging_dir() if isinstance(final, StorePath) else final.parent
         try:
-            if not is_remote(path):
-                path.parent.mkdir(parents=True, exist_ok=True)
-            _remove_stale_tmp(directory, path.name)
-            fd, tmp = _locked_tmp(directory, path.name)
+            if isinstance(final, Path):
+                final.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_tmp(directory, final.name)
+            fd, tmp = _locked_tmp(directory, final.name)
         except OSError as exc:
-            raise OutputError(f"{path}: cannot write here ({exc.strerror or exc})") from None
+            raise OutputError(f"{final}: cannot write here ({exc.strerror or exc})") from None
         try:
             # mkstemp makes 0600 files; outputs should get the usual umask-derived mode, like open() gives.
             os.fchmod(fd, 0o666 & ~_UMASK)
@@ -80,11 +83,11 @@ class OutputGroup:
             _fsync_file(tmp)
         except OSError as exc:
             _discard(fd, tmp)
-            raise OutputError(f"{path}: write failed ({exc.strerror or exc})") from None
+            raise OutputError(f"{final}: write failed ({exc.strerror or exc})") from None
         except BaseException:
             _discard(fd, tmp)
             raise
-        self._staged.append((fd, tmp, path))
+        self._staged.append((fd, tmp, final))
 
     def commit(self) -> None:
         """Rename every staged file into place, durably; upload those bound for a store, first.
@@ -95,13 +98,13 @@ class OutputGroup:
         """
         staged, self._staged = self._staged, []
         try:
-            remote = [(tmp, path) for _, tmp, path in staged if is_remote(path)]
+            remote = [(tmp, path) for _, tmp, path in staged if isinstance(path, StorePath)]
             if remote:
                 from klpipe.storage.upload import publish
 
                 publish(remote)  # raises an error naming the URI that failed
             for _, tmp, path in staged:
-                if is_remote(path):
+                if isinstance(path, StorePath):
                     continue
                 try:
                     os.replace(tmp, path)
@@ -143,13 +146,13 @@ def scratch_directory(directory: str | Path | Location, name: str) -> Iterator[P
     scratch directory of the same `name` removes a killed run's and never a live one's. For a
     directory on a store, it is made in $TMPDIR, where that OutputGroup file is staged too.
     """
-    directory = staging_dir() if is_remote(directory) else Path(directory)
+    local = staging_dir() if isinstance(directory, StorePath) else Path(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(directory, name)
-        fd, scratch = _locked_tmp(directory, name, is_dir=True)
+        local.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(local, name)
+        fd, scratch = _locked_tmp(local, name, is_dir=True)
     except OSError as exc:
-        raise OutputError(f"{directory}: cannot write here ({exc.strerror or exc})") from None
+        raise OutputError(f"{local}: cannot write here ({exc.strerror or exc})") from None
     try:
         yield scratch
     finally:

@@ -46,7 +46,8 @@ def expand_inputs(paths: list[str | Path | Location], suffixes: tuple[str, ...],
             ours = [p for p in children if skip(p)]
             children = [p for p in children if p not in ours]
             if not children:
-                only = f" but klpipe's own outputs ({', '.join(p.name for p in ours)}); name a file to read one" if ours else ""
+                only = (f" but klpipe's own outputs ({', '.join(p.name for p in ours)}); name a file to read one"
+                        if ours else "")
                 raise InputError(f"{path}: directory holds no {'/'.join(suffixes)} files{only}")
             found.extend(children)
             skipped.extend(ours)

@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 
 from klpipe.errors import InputError
 from klpipe.storage.fingerprint import cache_dir, store_fingerprint
-from klpipe.storage.store import Location, is_remote
+from klpipe.storage.store import Location, StorePath
 from klpipe.storage.store_errors import missing, store_error
 
 
@@ -23,7 +23,7 @@ def local_copy(path: Location) -> Path:
     ETag, so a rerun (and each pass of one run) downloads an unchanged object once, and a changed
     one again. Appears atomically: downloaded beside, then renamed.
     """
-    if not is_remote(path):
+    if not isinstance(path, StorePath):
         return path
     key = hashlib.sha256(f"{path.uri}\0{sorted(store_fingerprint(path).items())}".encode()).hexdigest()[:24]
     downloads = cache_dir() / "downloads"

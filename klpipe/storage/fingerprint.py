@@ -23,8 +23,9 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from klpipe.storage.store import Location, StorePath, is_remote
+from klpipe.storage.store import Location, StorePath
 
 CACHE_ENV = "KLPIPE_CACHE_DIR"  # where klpipe keeps what it remembers (digests); default ~/.cache/klpipe
 READ_BYTES = 1 << 22
@@ -61,12 +62,11 @@ def file_digest(path: str | Path) -> str:
     return digest
 
 
-def fingerprint(path: Location) -> dict:
+def fingerprint(path: Location) -> dict[str, Any]:
     """Name, size and a sha256 over every byte of a file, or of every file of a directory (`save_to_disk`);
     for an object on a store, name, size, ETag and modification time (store_fingerprint)."""
-    if is_remote(path):
+    if isinstance(path, StorePath):
         return store_fingerprint(path)
-    path = Path(path)
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     digest = hashlib.sha256()
     size = 0
@@ -78,7 +78,7 @@ def fingerprint(path: Location) -> dict:
     return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
 
 
-def store_fingerprint(path: StorePath) -> dict:
+def store_fingerprint(path: StorePath) -> dict[str, Any]:
     """`{name, size, etag, mtime}` of an object on a store, from its metadata; of a directory, an etag made
     of every object's. `{name, size, sha256}` where the store gives no ETag."""
     files = path.walk_files() if path.is_dir() else [path]
@@ -102,7 +102,7 @@ def store_fingerprint(path: StorePath) -> dict:
             "mtime": latest}
 
 
-def _hash_store_files(path: StorePath, files: list[StorePath]) -> dict:
+def _hash_store_files(path: StorePath, files: list[StorePath]) -> dict[str, Any]:
     """Name, size and a sha256 over every byte, read from the store: for stores that give no ETag."""
     digest = hashlib.sha256()
     size = 0

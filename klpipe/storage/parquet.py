@@ -8,7 +8,10 @@ a wrong policy update without anything crashing.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,26 +49,28 @@ def read_schema(path: str | Path | Location) -> pa.Schema:
 
 
 # pyarrow encodes `write_batch_size` values (1024 by default) before it checks a page's size, so 1024 rows of
-# a 20 kB pass-through column became one 20 MB page, encoded, dictionary-tried and compressed in memory whole
-# (a write of a 41 MB chunk held 62 MiB more). Batches of about half a page's bytes keep pages near pyarrow's
+# a 20 kB pass-through column make one 20 MB page, encoded, dictionary-tried and compressed in memory whole
+# (a write of a 41 MB chunk would hold 62 MiB more). Batches of about half a page's bytes keep pages near pyarrow's
 # 1 MiB whatever the rows' width (a write then holds a few MiB more); narrow rows keep the default.
 PAGE_BYTES = 1 << 20  # pyarrow's data_page_size
+Destination: TypeAlias = str | os.PathLike[str] | pa.NativeFile  # a path, or a stream (a temporary file's)
 DEFAULT_WRITE_BATCH = 1024  # pyarrow's write_batch_size
 
 
 def write_batch_rows(table: pa.Table | pa.RecordBatch) -> int:
     """The write batch (in values) for rows as wide as `table`'s: a list's values are never wider than its row."""
-    row_bytes = table.nbytes // max(table.num_rows, 1)
+    row_bytes: int = table.nbytes // max(table.num_rows, 1)
     return max(1, min(DEFAULT_WRITE_BATCH, PAGE_BYTES // 2 // max(row_bytes, 1)))
 
 
-def parquet_writer(where, schema: pa.Schema, write_batch_size: int = DEFAULT_WRITE_BATCH) -> pq.ParquetWriter:
+def parquet_writer(where: Destination, schema: pa.Schema,
+                   write_batch_size: int = DEFAULT_WRITE_BATCH) -> pq.ParquetWriter:
     """A parquet writer whose pages carry checksums: every klpipe writer writes this way. Wide rows: pass
     `write_batch_rows` of a table like the ones to come."""
     return pq.ParquetWriter(where, schema, write_page_checksum=True, write_batch_size=write_batch_size)
 
 
-def write_table(table: pa.Table, where) -> None:
+def write_table(table: pa.Table, where: Destination) -> None:
     """`pq.write_table`, with page checksums and pages of about 1 MiB however wide the rows."""
     pq.write_table(table, where, write_page_checksum=True, write_batch_size=write_batch_rows(table))
 
@@ -102,7 +107,7 @@ class RowGroups:
     writer thread encode one while the caller fills the next.
     """
 
-    def __init__(self, write, target_bytes: int):
+    def __init__(self, write: Callable[[pa.Table], object], target_bytes: int):
         self.write = write
         self.target_bytes = target_bytes
         self.pending: list[pa.RecordBatch] = []

@@ -28,7 +28,7 @@ import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import NamedTuple, TypeAlias, TypeGuard
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -107,7 +107,7 @@ class StorePath:
     def __repr__(self) -> str:
         return f"StorePath({self.uri!r})"
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, StorePath) and other.uri == self.uri
 
     def __hash__(self) -> int:
@@ -138,13 +138,13 @@ class StorePath:
         return self._info
 
     def exists(self) -> bool:
-        return self.info().type != pafs.FileType.NotFound
+        return bool(self.info().type != pafs.FileType.NotFound)
 
     def is_file(self) -> bool:
-        return self.info().type == pafs.FileType.File
+        return bool(self.info().type == pafs.FileType.File)
 
     def is_dir(self) -> bool:
-        return self.info().type == pafs.FileType.Directory
+        return bool(self.info().type == pafs.FileType.Directory)
 
     def stat(self) -> StoreStat:
         info = self.info()
@@ -157,7 +157,7 @@ class StorePath:
 
     def walk_files(self) -> list[StorePath]:
         """Every file under this prefix, at any depth, sorted."""
-        return sorted(p for p in self._list(recursive=True) if p._info.type == pafs.FileType.File)
+        return sorted(p for p in self._list(recursive=True) if p.is_file())
 
     def _list(self, recursive: bool) -> list[StorePath]:
         try:
@@ -172,7 +172,7 @@ class StorePath:
 
     # -- contents -----------------------------------------------------------------------------------
 
-    def open_input_file(self):
+    def open_input_file(self) -> pa.NativeFile:
         """A pyarrow random-access file; its `metadata()` holds what the store says about the object."""
         try:
             return self.filesystem.open_input_file(self.fs_path)
@@ -184,9 +184,10 @@ class StorePath:
     def read_bytes(self) -> bytes:
         with self.open_input_file() as stream:
             try:
-                return stream.read()
+                contents: bytes = stream.read()
             except OSError as exc:
                 raise store_error(self, exc) from None
+        return contents
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
@@ -203,8 +204,7 @@ class StorePath:
     def object_metadata(self) -> dict[str, str]:
         """What the store says about the object without reading it (S3: ETag, Last-Modified, Content-Length)."""
         with self.open_input_file() as stream:
-            return {key.decode() if isinstance(key, bytes) else key: value.decode() if isinstance(value, bytes) else value
-                    for key, value in (stream.metadata() or {}).items()}
+            return {_text(key): _text(value) for key, value in (stream.metadata() or {}).items()}
 
     def appears_whole(self) -> bool:
         """True on an object store, where a written object becomes visible only once its upload completes."""
@@ -217,35 +217,35 @@ class StorePath:
         return bool(protocols & OBJECT_STORE_PROTOCOLS)
 
 
-Location = Union[Path, StorePath]  # noqa: UP007 - a runtime alias on Python 3.10 too
+Location: TypeAlias = Path | StorePath
 
 
 # -- resolving ----------------------------------------------------------------------------------------
 
 
-def location(raw: str | os.PathLike | StorePath) -> Location:
-    """A local Path, exactly as before, or a StorePath for a URI (`file://` URIs are local paths)."""
+def location(raw: str | os.PathLike[str] | StorePath) -> Location:
+    """A local Path, or a StorePath for a URI (`file://` URIs are local paths)."""
     if isinstance(raw, (StorePath, Path)):
         return raw
-    raw = os.fspath(raw)
-    match = _SCHEME.match(raw)
+    name = os.fspath(raw)
+    match = _SCHEME.match(name)
     if match is None:
-        return Path(raw)
+        return Path(name)
     if match.group(1).lower() == "file":
-        return Path(urllib.parse.unquote(urllib.parse.urlparse(raw).path))
-    return StorePath(raw)
+        return Path(urllib.parse.unquote(urllib.parse.urlparse(name).path))
+    return StorePath(name)
 
 
-def is_remote(path) -> bool:
+def is_remote(path: object) -> TypeGuard[StorePath]:
     return isinstance(path, StorePath)
 
 
-def is_glob(path) -> bool:
+def is_glob(path: Location) -> TypeGuard[StorePath]:
     """A URI with `*`, `?` or `[` in it: a pattern klpipe expands (the shell expands local ones)."""
     return is_remote(path) and bool(_GLOB_CHARACTERS.search(path.uri))
 
 
-def expand(raw: str | os.PathLike | StorePath) -> list[Location]:
+def expand(raw: str | os.PathLike[str] | StorePath) -> list[Location]:
     """The locations `raw` names: a URI pattern's matching files, sorted; anything else, itself.
 
     A pattern matches one path component per component, as a shell's does (`*` never crosses a
@@ -258,11 +258,11 @@ def expand(raw: str | os.PathLike | StorePath) -> list[Location]:
     fixed = next(i for i, part in enumerate(parts) if _GLOB_CHARACTERS.search(part))
     if fixed < 3:
         raise InputError(f"{path}: a pattern cannot be in the bucket (or host) name; list the buckets one by one")
-    base = location("/".join(parts[:fixed]))
+    base = StorePath("/".join(parts[:fixed]))
     pattern = parts[fixed:]
     if not base.exists():
         raise missing(path)
-    matches = []
+    matches: list[Location] = []
     for candidate in base.walk_files():
         rest = candidate.uri[len(base.uri) + 1:].split("/")
         if len(rest) == len(pattern) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(rest, pattern, strict=True)):
@@ -274,7 +274,7 @@ def expand(raw: str | os.PathLike | StorePath) -> list[Location]:
 
 def identity(path: Location) -> str:
     """What two names of one file have in common: the URI, or the resolved local path."""
-    return path.uri if is_remote(path) else str(Path(path).resolve())
+    return path.uri if isinstance(path, StorePath) else str(path.resolve())
 
 
 def check_output(path: Location) -> None:
@@ -303,7 +303,7 @@ def staging_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
+def store_failure(path: str | Location, exc: BaseException) -> StoreOrInputError | None:
     """For an error met while reading `path`: the error to raise when the store itself failed (not the
     file's contents), else None, and the caller says what is wrong with the file."""
     if not is_remote(path):
@@ -323,7 +323,8 @@ def store_failure(path, exc: BaseException) -> StoreOrInputError | None:
 def _resolve(root: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, the path of `root` in it) for `scheme://netloc`: pyarrow's, else fsspec's, wrapped."""
     try:
-        return pafs.FileSystem.from_uri(root)
+        filesystem, path = pafs.FileSystem.from_uri(root)
+        return filesystem, path
     except OSError as exc:  # pyarrow knows the scheme but cannot set it up (S3 resolving a bucket's region)
         raise store_error(StorePath(root, _rest=""), exc) from None
     except pa.ArrowNotImplementedError as exc:  # a pyarrow built without this filesystem (S3, GCS, HDFS)
@@ -350,3 +351,7 @@ def _filesystem(root: str) -> pafs.FileSystem:
 
 def _root_path(root: str) -> str:
     return _resolve(root)[1].rstrip("/")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Protocol, Union
+from typing import Protocol, TypeAlias
 
 import pyarrow.fs as pafs
 
@@ -38,7 +38,8 @@ class Located(Protocol):
 
 
 def missing(path: Located) -> StoreOrInputError:
-    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path only)."""
+    """`no such file`, or `no such bucket` when it is the bucket that is missing (one more request, on this path
+    only)."""
     root = path.root
     try:
         bucket_missing = path.uri != root.uri and not root.exists()
@@ -49,7 +50,7 @@ def missing(path: Located) -> StoreOrInputError:
     return InputError(f"{path}: no such file or directory")
 
 
-StoreOrInputError = Union[InputError, StoreError]  # noqa: UP007
+StoreOrInputError: TypeAlias = InputError | StoreError
 
 
 # AWS SDK error names (in pyarrow's messages) → what to tell the user.

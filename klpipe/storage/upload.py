@@ -35,17 +35,22 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from klpipe.errors import OutputError, first_line
-from klpipe.storage.store import StorePath, location
+from klpipe.storage.store import StorePath
 from klpipe.storage.store_errors import store_error
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 READ_BYTES = 8 << 20  # what the child reads from the local file per write
 FLUSH_BYTES = 128 << 20  # the most the child sends before it waits for its parts to be acknowledged
 S3_PART_BYTES = 10 << 20  # the part size of pyarrow's S3 writer (arrow/filesystem/s3fs.cc kPartUploadSize)
 S3_MAX_OBJECT_BYTES = 10_000 * S3_PART_BYTES  # S3's 10,000 parts per upload, at that size
 
-_streams = []  # every stream the child opened: never collected, so no destructor completes one early
+# Every stream the child opened: never collected, so no destructor completes one early.
+_streams: list[pa.NativeFile] = []
 
 
 def publish(files: list[tuple[Path, StorePath]]) -> None:
@@ -88,11 +93,11 @@ def publish(files: list[tuple[Path, StorePath]]) -> None:
         if not isinstance(report, dict):
             continue  # not the child's own report: a library's chatter
         if "failed" in report:
-            raise store_error(location(report["failed"]), report["error"])
+            raise store_error(StorePath(report["failed"]), report["error"])
         done.add(report["done"])
     if child.returncode != 0 or len(done) != len(files):
         first = next((destination for _, destination in files if destination.uri not in done), files[-1][1])
-        why = first_line(stderr) if stderr.strip() else f"the uploader exited with {child.returncode}"
+        why = stderr.strip().splitlines()[0] if stderr.strip() else f"the uploader exited with {child.returncode}"
         raise OutputError(f"{first}: upload failed ({why})")
 
 
@@ -102,7 +107,7 @@ def _main() -> None:
     for item in json.load(sys.stdin):
         uri = item["uri"]
         try:
-            _put(Path(item["source"]), location(uri))
+            _put(Path(item["source"]), StorePath(uri))
         except BaseException as exc:  # noqa: BLE001 - whatever it is, the stream must not be closed
             print(json.dumps({"failed": uri, "error": first_line(exc)}), flush=True)
             os._exit(3)  # skips every `with`, finally and destructor that would complete the upload

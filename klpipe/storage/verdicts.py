@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from klpipe.errors import OutputError
 from klpipe.storage.atomic import write_json_atomic
@@ -22,22 +24,23 @@ from klpipe.storage.fingerprint import cache_dir
 FORMAT = 1  # the entries' layout: another is read as unreadable, and written anew
 
 
-def key_digest(key: dict) -> str:
+def key_digest(key: dict[str, Any]) -> str:
     """sha256 of the key as canonical JSON: the entry's file name."""
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class VerdictCache:
-    """The verdicts under `directory` (default: the cache directory's `verdicts/`); `log` hears of an unreadable entry."""
+    """The verdicts under `directory` (default: the cache directory's `verdicts/`); `log` hears of an unreadable
+    entry."""
 
-    def __init__(self, directory: Path | None = None, log=print):
+    def __init__(self, directory: Path | None = None, log: Callable[[str], object] = print):
         self.directory = Path(directory) if directory is not None else cache_dir() / "verdicts"
         self.log = log
 
-    def path(self, key: dict) -> Path:
+    def path(self, key: dict[str, Any]) -> Path:
         return self.directory / f"{key_digest(key)}.json"
 
-    def read(self, key: dict, parse=None) -> object | None:
+    def read(self, key: dict[str, Any], parse: Callable[[Any], object] | None = None) -> object | None:
         """The verdict remembered under `key` (as `parse(record)` makes it, where given), or None: none remembered,
         or an entry that cannot be read (one warning: the checks run again and write it anew)."""
         path = self.path(key)
@@ -46,18 +49,21 @@ class VerdictCache:
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as exc:
-            return self._unreadable(path, getattr(exc, "strerror", None) or str(exc))
+            self._unreadable(path, getattr(exc, "strerror", None) or str(exc))
+            return None
         try:
             entry = json.loads(text)
             if not isinstance(entry, dict) or entry.get("format") != FORMAT or "verdict" not in entry:
                 raise ValueError("not an entry klpipe wrote")
             if entry.get("key") != json.loads(json.dumps(key, sort_keys=True, default=str)):
                 raise ValueError("written for another key")
-            return parse(entry["verdict"]) if parse is not None else entry["verdict"]
+            verdict: object = entry["verdict"]
+            return parse(verdict) if parse is not None else verdict
         except (ValueError, TypeError) as exc:
-            return self._unreadable(path, str(exc))
+            self._unreadable(path, str(exc))
+            return None
 
-    def write(self, key: dict, verdict: dict) -> None:
+    def write(self, key: dict[str, Any], verdict: dict[str, Any]) -> None:
         """Remember `verdict` under `key`, whole or not at all. Best effort: a cache directory that cannot be written
         only means the checks run again next time."""
         entry = {"format": FORMAT, "key": key, "verdict": verdict}

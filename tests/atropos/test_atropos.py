@@ -148,8 +148,8 @@ def test_split_group_takes_the_prompt_up_to_the_first_trained_token():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda g: g["masks"][1].__setitem__(4, 99), "line 2, completion 1, position 4: masks holds 99 where tokens "
-                                                 "holds 9; a trained position's mask is its token id"),
+    (lambda g: g["masks"][1].__setitem__(4, 99), ("line 2, completion 1, position 4: masks holds 99 where tokens "
+                                                  "holds 9; a trained position's mask is its token id")),
     (lambda g: g["masks"][0].pop(), "line 2, completion 0: masks holds 5 values and tokens 6"),
     (lambda g: g.__setitem__("scores", [1.0]), "line 2: scores must hold one entry per completion (2, as tokens)"),
     (lambda g: g["inference_logprobs"][0].pop(), "line 2, completion 0: inference_logprobs holds 5 values"),
@@ -211,8 +211,8 @@ def test_a_server_that_is_down_is_one_line_and_a_non_zero_exit(stages, tmp_path)
 
 
 def test_fill_line_changes_only_the_values_it_is_given():
-    line = '{"tokens":[[1,2]],  "scores" : [1.0, 2e-05],"messages":[{"role":"user","content":"é \\"x\\""}],' \
-           '"overrides":null}'
+    line = ('{"tokens":[[1,2]],  "scores" : [1.0, 2e-05],"messages":[{"role":"user","content":"é \\"x\\""}],'
+            '"overrides":null}')
     filled = fill_line(line, {"scores": [0.5, -1.25], "overrides": [{"a": 1}], "ref_logprobs": [[1.0, -0.5]]})
     assert filled == ('{"tokens":[[1,2]],  "scores" : [0.5,-1.25],"messages":[{"role":"user","content":"é \\"x\\""}],'
                       '"overrides":[{"a":1}],"ref_logprobs":[[1.0,-0.5]]}')

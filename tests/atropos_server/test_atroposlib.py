@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from atroposlib.api.server import ScoredData
 
-from klpipe.atropos.api import ApiError, post_groups
+from klpipe.atropos.post import ApiError, post_groups
 from sample_data import generate_atropos
 from tests.helpers import SAMPLE, TINY_GEMMA, free_ports, oracle_logprobs, run_cli
 
@@ -60,7 +60,7 @@ def api_server(tmp_path):
     """atroposlib's `run-api` on 127.0.0.1 and a free port; stopped by its pid."""
     (port,) = free_ports(1)
     run_api = Path(sys.executable).with_name("run-api")
-    log = open(tmp_path / "run-api.log", "w")
+    log = open(tmp_path / "run-api.log", "w")  # noqa: SIM115 - the server writes into it until the finally below
     process = subprocess.Popen([str(run_api), "--host", "127.0.0.1", "--port", str(port)], stdout=log,
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -134,7 +134,8 @@ def test_work_dir_moves_the_checkpoints_of_a_local_output(tmp_path, monkeypatch)
     output is still written beside itself, so a work directory on another filesystem costs no copy."""
     out, scratch = tmp_path / "out" / "cached.parquet", tmp_path / "scratch"
     with killed_while_merging(monkeypatch):
-        first = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8", env={"KLPIPE_WORK_DIR": str(scratch)})
+        first = precompute("-m", TINY_LLAMA, ROLLOUTS, "-o", out, "--chunk-rows", "8",
+                           env={"KLPIPE_WORK_DIR": str(scratch)})
         assert first.exit_code == 130
     (work,) = scratch.iterdir()
     assert re.fullmatch(r"cached\.parquet\.[0-9a-f]{12}\.partial", work.name)
@@ -164,8 +165,8 @@ def test_missing_columns(tmp_path):
 def test_wrong_column_type(tmp_path):
     path = write(tmp_path, "in.parquet", {"prompt_ids": [["a"]], "response_ids": [[1]]})
     result = precompute("-m", TINY_GEMMA, path, "-o", tmp_path / "out.parquet")
-    assert_bad_input(result, f"{path}: column prompt_ids must be a list of integer token ids, found list<element: string>",
-                     tmp_path)
+    assert_bad_input(result, (f"{path}: column prompt_ids must be a list of integer token ids, "
+                              "found list<element: string>"), tmp_path)
 
 
 def test_empty_prompt_in_token_id_mode(tmp_path):

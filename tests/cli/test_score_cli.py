@@ -197,19 +197,19 @@ def _bad_caches(tmp_path):
     return [
         (
             [no_ref],
-            f"Error: {no_ref}: no ref_logprobs column; "
-            "run `klpipe precompute` on it first to add the reference logprobs",
+            (f"Error: {no_ref}: no ref_logprobs column; "
+             "run `klpipe precompute` on it first to add the reference logprobs"),
         ),
         (
             [mismatch],
-            f"Error: {mismatch}: row 4 (id 'r4'): policy_logprobs has {p} tokens but ref_logprobs has {r}; "
-            "both must cover the same response tokens (rerun `klpipe precompute` with the policy's tokenization)",
+            (f"Error: {mismatch}: row 4 (id 'r4'): policy_logprobs has {p} tokens but ref_logprobs has {r}; "
+             "both must cover the same response tokens (rerun `klpipe precompute` with the policy's tokenization)"),
         ),
         ([nan], f"Error: {nan}: row 2 (id 'r2'): policy_logprobs holds NaN"),
         (
             [one, two],
-            f"Error: caches disagree on tokenizer: {one} has 'sha-1', {two} has 'sha-2'; "
-            "score caches made with one reference model and settings at a time",
+            (f"Error: caches disagree on tokenizer: {one} has 'sha-1', {two} has 'sha-2'; "
+             "score caches made with one reference model and settings at a time"),
         ),
     ]
 
@@ -290,7 +290,8 @@ def test_warnings_go_to_stderr(tmp_path):
     cache = write_cache(tmp_path / "a.parquet", rows)
     result = invoke(cache, env={"COLUMNS": "400"})
     assert result.exit_code == 0 and result.stdout == ""
-    assert f"Warning: 1 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 0 (id 'odd')." in result.stderr
+    warning = f"Warning: 1 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 0 (id 'odd')."
+    assert warning in result.stderr
 
 
 # -- column mapping ---------------------------------------------------------------------------------
@@ -407,7 +408,7 @@ def test_kl_coeff_min_zero_is_no_lower_clamp_and_negatives_are_refused(tmp_path)
 
 def test_importing_the_cli_and_score_does_not_import_torch():
     result = run_python(
-        "import sys, klpipe.cli, klpipe.score.run, klpipe.score.report, klpipe.controller, klpipe.kl\n"
+        "import sys, klpipe.cli, klpipe.score.run, klpipe.score.report, klpipe.api\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'matplotlib') if m in sys.modules)\n"
         "assert not heavy, heavy"
     )
@@ -482,8 +483,8 @@ def test_an_output_written_into_an_input_directory_is_not_scored_again(tmp_path)
     assert scored.num_rows == 24
     again = invoke(caches, "-o", caches / "scored.parquet", "--report", caches / "report.json")
     assert again.exit_code == 0, again.stderr
-    assert f"skipped 1 file(s) that klpipe score wrote into an input directory, so they are not scored again: " \
-           f"{caches / 'scored.parquet'}" in " ".join(again.stderr.split())
+    assert (f"skipped 1 file(s) that klpipe score wrote into an input directory, so they are not scored again: "
+            f"{caches / 'scored.parquet'}") in " ".join(again.stderr.split())
     assert pq.read_table(caches / "scored.parquet").equals(scored)  # 24 rows, not 24 + 24
     assert json.loads((caches / "report.json").read_text())["summary"]["rows"] == 24
 

@@ -225,15 +225,15 @@ def test_bad_input_is_one_line_exit_2_and_no_page(scored, tmp_path):
     tiny = Tokenizer(__import__("tokenizers").models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
     tiny.save(str(small))
     cases = [
-        ((no_ids, "-o", out), f"Error: {no_ids}: no response_ids column; klpipe inspect decodes the response's "
-                              "token ids (a cache klpipe precompute wrote has them)"),
-        ((no_ref, "-o", out), f"Error: {no_ref}: no ref_logprobs column; run `klpipe precompute` on it first to add "
-                              "the reference logprobs"),
+        ((no_ids, "-o", out), (f"Error: {no_ids}: no response_ids column; klpipe inspect decodes the response's "
+                               "token ids (a cache klpipe precompute wrote has them)")),
+        ((no_ref, "-o", out), (f"Error: {no_ref}: no ref_logprobs column; run `klpipe precompute` on it first to add "
+                               "the reference logprobs")),
         ((scored, "-o", out, "--row", "r99"), f"Error: {scored}: no row with id 'r99'"),
         ((scored, "-o", out, "--step", "9"), f"Error: {scored}: no row of step '9'"),
         ((scored.parent / "cache.parquet", "-o", out, "--sort", "penalty"),
-         f"Error: {scored.parent / 'cache.parquet'}: --sort penalty needs a scored file (kl_penalty); this is a "
-         "cache: run klpipe score on it, or sort by kl"),
+         (f"Error: {scored.parent / 'cache.parquet'}: --sort penalty needs a scored file (kl_penalty); this is a "
+          "cache: run klpipe score on it, or sort by kl")),
         ((scored, "-o", out, "--tokenizer", small), None),
         ((scored, "-o", scored), f"Error: {scored}: is also an input; pass another --output"),
     ]
@@ -317,8 +317,10 @@ def test_the_mismatch_view_carries_the_samplers_logprobs_and_each_rows_log_ppl_d
     assert '<h2 id="mismatch-heading">Sampler against trainer</h2>' in html
     assert "mismatch diagnosis: temperature" in html
     # One bar per scheme and threshold of the report's sweep, each titled with its value.
-    sweep = score(ScoreConfig(inputs=[with_sampler], output=tmp_path / "again.parquet")).report["mismatch"]["corrections"]
-    bars = re.findall(r'<rect class="bar"[^>]*><title>([^<]*)</title>', html.split('class="sweep"')[1].split("</figure>")[0])
+    again = score(ScoreConfig(inputs=[with_sampler], output=tmp_path / "again.parquet"))
+    sweep = again.report["mismatch"]["corrections"]
+    figure = html.split('class="sweep"')[1].split("</figure>")[0]
+    bars = re.findall(r'<rect class="bar"[^>]*><title>([^<]*)</title>', figure)
     assert len(bars) == len(sweep)
     assert bars[0].startswith(f"{sweep[0]['scheme']} {sweep[0]['threshold']}")
     # The worst rows by |log_ppl_diff| are listed first.
@@ -419,8 +421,8 @@ def test_a_file_scored_with_full_that_lost_its_exact_columns_is_refused(exact_sc
     scored, _ = exact_scored
     table = pq.read_table(scored)
     pq.write_table(table.drop_columns([KL_POLICY_REF]), tmp_path / "dropped.parquet")
-    with pytest.raises(InputError, match="--estimator full reads the exact per-token KL .kl_policy_ref., and this "
-                                         "cache has no kl_policy_ref column"):
+    with pytest.raises(InputError, match=r"--estimator full reads the exact per-token KL \(kl_policy_ref\), and this "
+                                         r"cache has no kl_policy_ref column"):
         inspect(InspectConfig(input=tmp_path / "dropped.parquet", output=tmp_path / "kl.html",
                               tokenizer=str(TINY_GEMMA)))
     assert not (tmp_path / "kl.html").exists()

@@ -1,6 +1,8 @@
 """glibc's malloc told to give memory back (klpipe/model/allocator.py): only once the process holds more than it
 may (its own resident memory: tests/test_process_memory.py holds that to the kernel's RssAnon)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from klpipe.model import allocator
 
 def anonymous() -> int:
     """The kernel's own count of this process's anonymous memory (RssAnon), in bytes."""
-    status = open("/proc/self/status").read()
+    status = Path("/proc/self/status").read_text()
     return int(status.split("RssAnon:")[1].split()[0]) << 10
 
 

@@ -40,7 +40,7 @@ def agent_rows(vocab: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]
 
 
 def test_the_probe_accepts_every_architecture_and_the_model_is_not_trivial(tiny):
-    name, reference, oracle = tiny
+    name, reference, _oracle = tiny
     assert check_tree(reference) is None
     assert reference.keeps_state == (name in HYBRIDS)
     # The body is the decoder, never the whole model (Llama 4's get_decoder() and base_model are the model).
@@ -91,9 +91,9 @@ def test_every_mode_matches_with_temperature(tiny):
 # -- a hybrid as a user runs it -------------------------------------------------------------------------
 
 
-# Where the tree's attention layers attend over the context in place (klpipe/model/attention/cascade.py): every sdpa model
-# with a full or sliding attention layer. GPT-OSS's sinks run eager; DeepSeek-V3's attention expands MLA latents from
-# its cache, so it gets its context gathered.
+# Where the tree's attention layers attend over the context in place (klpipe/model/attention/cascade.py): every sdpa
+# model with a full or sliding attention layer. GPT-OSS's sinks run eager; DeepSeek-V3's attention expands MLA latents
+# from its cache, so it gets its context gathered.
 IN_PLACE = {"falcon_h1", "gemma3", "lfm2", "llama", "llama4", "mistral", "nemotron_h", "phi3", "qwen3", "qwen3_5",
             "qwen3_moe", "qwen3_next"}
 # Sliding-window layers take it too (window_cascade.py), where the family has them and attends by sdpa.
@@ -131,7 +131,7 @@ def cached_rows(path):
     import pyarrow.parquet as pq
 
     table = pq.read_table(path).to_pydict()
-    rows = list(zip(table["prompt_ids"], table["response_ids"]))
+    rows = list(zip(table["prompt_ids"], table["response_ids"], strict=True))
     return rows, [np.asarray(v, dtype=np.float32) for v in table["ref_logprobs"]]
 
 
@@ -274,7 +274,7 @@ def test_the_hubs_qwen3_5_layout_loads_as_its_text_model_and_shares(tmp_path):
     rows = agent_rows(reference.vocab_size, seed=4)[:12]
     results = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats())
     worst = 0.0
-    for (prompt, response), values in zip(rows, results):
+    for (prompt, response), values in zip(rows, results, strict=True):
         if len(response):
             ids = torch.tensor([[*prompt, *response]])
             with torch.no_grad():
@@ -295,7 +295,7 @@ def test_a_hybrid_with_a_mask_scores_only_the_policys_tokens(qwen3_5):
     expected, own = oracle.expected(rows)
     for sharing in ("off", "on"):
         results = chunk_logprobs(reference, rows, 96, 1.0, sharing, ForwardStats(), needed=needed)
-        for values, exact, need in zip(results, expected, needed):
+        for values, exact, need in zip(results, expected, needed, strict=True):
             assert np.isnan(values[~need]).all()
             if need.any():
                 assert np.max(np.abs(values[need] - exact[need])) <= own + TOLERANCE

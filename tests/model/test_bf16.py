@@ -17,7 +17,8 @@ the bound is twice the spread, plus the fp32 head's own 1e-4:
     tolerance = 2 · spread + 1e-4
 
 The head's part is not in the spread: it accumulates in fp32 (model/head.py), so its logits carry fp32 rounding, not
-bf16's (bf16 logits would round a logit of 20 by 0.06: tests/model/test_head.py holds the head to 1e-4 with bf16 weights).
+bf16's (bf16 logits would round a logit of 20 by 0.06: tests/model/test_head.py holds the head to 1e-4 with bf16
+weights).
 
 Some models round more than their linear outputs in bf16: a recurrent or chunked linear-attention kernel (Bailing's
 KDA) runs its state in bf16 through every step, and its own one-row bf16 forward lands outside that bound of fp64
@@ -72,7 +73,7 @@ def spread(model64, rows, expected, draws: int = DRAWS, seed: int = 0) -> float:
     try:
         worst = 0.0
         for _ in range(draws):
-            for (prompt, response), exact in zip(rows, expected):
+            for (prompt, response), exact in zip(rows, expected, strict=True):
                 if len(response):
                     moved = oracle_logprobs(model64, prompt, response)
                     worst = max(worst, float(np.max(np.abs(moved - exact))))
@@ -110,7 +111,7 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
     if own_model._can_set_experts_implementation():
         own_model.set_experts_implementation("eager")
     own = [oracle_logprobs(own_model, p, r) for p, r in rows]  # the model's own bf16 forward, a row at a time
-    own_error = max(float(np.max(np.abs(o - e))) for o, e in zip(own, expected) if len(e))
+    own_error = max(float(np.max(np.abs(o - e))) for o, e in zip(own, expected, strict=True) if len(e))
     errors, from_own = {}, {}
     for mode in modes:
         try:
@@ -123,15 +124,16 @@ def bf16_errors(directory: Path, modes=("off", "on")) -> tuple[dict, float, floa
         plan_stats(plan, stats)
         assert mode == "off" or stats.tree_rows, "the tree ran no row"
         results = run_plan(reference, plan, rows, 1.0)
-        errors[mode] = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected) if len(e))
-        from_own[mode] = max(float(np.max(np.abs(v - o))) for v, o, e in zip(results, own, expected) if len(e))
+        errors[mode] = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected, strict=True) if len(e))
+        from_own[mode] = max(float(np.max(np.abs(v - o)))
+                             for v, o, e in zip(results, own, expected, strict=True) if len(e))
     return errors, tolerance, measured, own_error, from_own
 
 
 # Where klpipe refuses a family in bf16 ("load": the model itself; a mode: that mode), and the words it says.
 REFUSED = {
-    "xlnet": ("load", "its own forward fails on a probe sequence (RuntimeError: expected scalar type Float but found "
-                      "BFloat16)"),
+    "xlnet": ("load", ("its own forward fails on a probe sequence (RuntimeError: expected scalar type Float but found "
+                       "BFloat16)")),
     "reformer": ("load", "its own forward fails on a probe sequence (RuntimeError: mixed dtype (CPU)"),
     "beam": ("on", "cannot share prefixes exactly (its forward is not causal"),
     "youtu": ("on", "cannot share prefixes exactly (continuing a prefix's keys and values changes the logprobs"),

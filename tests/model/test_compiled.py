@@ -81,7 +81,7 @@ def test_compiled_modules_that_disagree_with_the_models_own_forward_run_eager():
     untouched = AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
     rng = np.random.default_rng(0)
     rows = [(rng.integers(0, reference.vocab_size, 9), rng.integers(0, reference.vocab_size, 6)) for _ in range(3)]
-    for (prompt, response), values in zip(rows, reference.score_batch(rows)):
+    for (prompt, response), values in zip(rows, reference.score_batch(rows), strict=True):
         assert np.max(np.abs(values - oracle_logprobs(untouched, prompt, response))) <= 1e-4
 
 
@@ -170,9 +170,9 @@ def test_compiled_bf16_within_its_own_rounding_of_fp64_tree_on_and_off(name, tin
     own = [oracle_logprobs(own_model, p, r) for p, r in rows]  # the model's own bf16 forward, a row at a time
     for sharing in ("on", "off"):
         results, lines = _precompute(directory, rollouts, tmp_path / f"{sharing}.parquet", "bfloat16", sharing)
-        assert any("compiled (torch.compile)" in line for line in lines) and not any("eager" in l for l in lines)
-        error = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected) if len(e))
-        from_own = max(float(np.max(np.abs(v - o))) for v, o, e in zip(results, own, expected) if len(e))
+        assert any("compiled (torch.compile)" in line for line in lines) and not any("eager" in line for line in lines)
+        error = max(float(np.max(np.abs(v - e))) for v, e in zip(results, expected, strict=True) if len(e))
+        from_own = max(float(np.max(np.abs(v - o))) for v, o, e in zip(results, own, expected, strict=True) if len(e))
         assert error <= tolerance or from_own <= tolerance, (name, sharing, error, from_own, tolerance)
 
 

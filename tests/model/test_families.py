@@ -74,7 +74,7 @@ def test_on_is_exact_or_refused_in_one_line_naming_the_layer_kind(family):
         assert "\n" not in message and REFUSED[name] in message and message.startswith("--prefix-sharing on: ")
         assert "RuntimeError" not in message
         return
-    reference, sharing, lines, rows, plan, results = run(directory, "on")
+    _reference, sharing, _lines, rows, plan, results = run(directory, "on")
     assert plan.tree is not None and sharing.mode == "on"
     ours, own = oracle.errors(rows, results)
     assert ours <= own + TOLERANCE, f"{name} on: {ours:.3g} against the fp32 oracle's {own:.3g}"

@@ -44,7 +44,7 @@ def tiny(request, tmp_path_factory):
 
 
 def expected(tiny, rows, temperature=1.0) -> list[np.ndarray]:
-    name, _, untouched, memo, _ = tiny
+    _name, _, untouched, memo, _ = tiny
     key = (temperature, id(rows))
     if key not in memo:
         from klpipe.model import wide
@@ -61,7 +61,7 @@ def expected(tiny, rows, temperature=1.0) -> list[np.ndarray]:
 def worst(results, exact) -> float:
     for values, want in zip(results, exact, strict=True):
         assert values.dtype == np.float64 and values.shape == want.shape
-    return max(float(np.max(np.abs(values - want))) for values, want in zip(results, exact) if len(want))
+    return max(float(np.max(np.abs(values - want))) for values, want in zip(results, exact, strict=True) if len(want))
 
 
 ROWS = agent_rows(512)  # the sample tokenizer's vocabulary, as every tiny model's
@@ -97,7 +97,7 @@ def test_with_temperature(tiny):
 def test_the_paths_of_fp32(tiny):
     """fp64 takes fp32's paths: rows run whole packed or padded alike, the same substitutes kept by the load-time
     check (none falls back to the model's own forward in fp64 alone)."""
-    name, reference, _, _, directory = tiny
+    _name, reference, _, _, directory = tiny
     fp32 = ReferenceModel.load(ModelSpec(str(directory), dtype="float32", device="cpu"))
     assert (reference.packed, reference.padded_why) == (fp32.packed, fp32.padded_why)
     assert (reference.own_forward, reference.rows_alone, reference.notes) == (fp32.own_forward, fp32.rows_alone,

@@ -39,9 +39,9 @@ def test_the_head_stays_in_its_file_and_rests_as_a_stand_in(pair):
     whole = in_memory.model.get_output_embeddings().weight
     assert isinstance(head.weight, Resting) and (head.weight.shape, head.weight.dtype) == (whole.shape, whole.dtype)
     assert store.head.path == "lm_head" and store.sizes.tables >= whole.numel() * whole.element_size()
-    with pytest.raises(ModelError, match="^lm_head's weight, left in its file, was read outside its forward"):
+    with pytest.raises(ModelError, match=r"^lm_head's weight, left in its file, was read outside its forward"):
         head.weight[0]
-    with pytest.raises(ModelError, match="^lm_head's weight"):  # a state_dict's copy says the same
+    with pytest.raises(ModelError, match=r"^lm_head's weight"):  # a state_dict's copy says the same
         head.weight.detach() + 1
 
 

@@ -243,4 +243,4 @@ def test_fp64_within_1e9(tmp_path, name):
         exact = full_oracle(ref.model, policy.model, rows, 0.7)
     for sharing in ("on", "off"):
         scored = run(ref, policy, rows, 0.7, sharing, topk=4)
-        assert_at_oracle(scored, exact, {name: 0.0 for name in QUANTITIES}, EXACT)
+        assert_at_oracle(scored, exact, dict.fromkeys(QUANTITIES, 0.0), EXACT)

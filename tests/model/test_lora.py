@@ -260,7 +260,7 @@ def test_the_adapters_bytes_are_in_the_policys_fingerprint(tmp_path):
     assert first.startswith(read_provenance(summary.output).revision + " + adapter local:")
     # The same folder, other weights (a later checkpoint saved over it): the cache is another run's, refused.
     save_adapter(TINY_LLAMA, adapter, rank=2, seed=5)
-    with pytest.raises(OutputError, match="made by a different run .*policy"):
+    with pytest.raises(OutputError, match=r"made by a different run .*policy"):
         run(tmp_path, [rollouts], TINY_LLAMA, adapter)
     second = read_provenance(run(tmp_path, [rollouts], TINY_LLAMA, adapter, overwrite=True).output).policy_revision
     assert second != first
@@ -385,7 +385,7 @@ def test_shards_of_an_adapter_run_are_the_whole_run_cut(tmp_path):
                                shard=Shard(index, 2)).output) for index in range(2)]
     assert sum(part.num_rows for part in parts) == whole.num_rows and all(part.num_rows for part in parts)
     for column in ("ref_logprobs", "policy_logprobs"):
-        assert sum((part.column(column).to_pylist() for part in parts), []) == whole.column(column).to_pylist()
+        assert [v for part in parts for v in part.column(column).to_pylist()] == whole.column(column).to_pylist()
 
 
 def streaming_budget(monkeypatch, adapters) -> int:

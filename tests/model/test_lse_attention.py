@@ -1,5 +1,5 @@
-"""Attention that returns its log-sum-exp (klpipe/model/attention/lse_attention.py): each backend that runs on CPU against a
-naive fp64 attention written here, and the probe that keeps a kernel whose assumption does not hold from ever
+"""Attention that returns its log-sum-exp (klpipe/model/attention/lse_attention.py): each backend that runs on CPU
+against a naive fp64 attention written here, and the probe that keeps a kernel whose assumption does not hold from ever
 computing a call (a causal mask aligned bottom-right, an lse in another base, a kernel that raises), the call then
 computed by plain torch, exactly.
 """

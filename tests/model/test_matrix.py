@@ -42,7 +42,8 @@ def test_the_table_states_every_outcome():
     assert rows["| LlamaForCausalLM (`llama`)"] == (
         "| LlamaForCausalLM (`llama`) | at the fp64 oracle | shares | shares | packed |")
     assert rows["| Qwen3ForCausalLM (`qwen3`)"] == (
-        "| Qwen3ForCausalLM (`qwen3`) | **wrong by 8.81** | runs whole: a reason | refused: a reason | padded: a reason |")
+        "| Qwen3ForCausalLM (`qwen3`) | **wrong by 8.81** | runs whole: a reason | refused: a reason "
+        "| padded: a reason |")
     assert "the decoder half of an encoder-decoder model" in rows["| BartForCausalLM (`bart`)"]
     assert "| GPT2LMHeadModel (`gpt2`) | not recorded" in matrix.table(record)
     assert "wrong numbers: qwen3" in matrix.tally(record)

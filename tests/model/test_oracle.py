@@ -89,7 +89,7 @@ def test_the_models_own_head_is_bounded_by_blocks_and_gives_back_its_body(monkey
     got = chunk_logprobs(reference, rows, 10_000, 1.0, "off", ForwardStats())
     handle.remove()
     assert shapes and all(s[:2] == (1, 3) or (s[0] == 1 and s[1] < 3) for s in shapes)  # never more than a block
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= 1e-5
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= 1e-5
     assert reference.model.get_decoder() is reference.body  # the body is back
 
 

@@ -1,7 +1,6 @@
-"""Packed rows (klpipe/model/attention/packing.py): each row's segment attended alone, a sliding layer's window as a window,
-held to a dense masked attention written here and to the naive oracle; and the pairs they execute (pairs.py)."""
+"""Packed rows (klpipe/model/attention/packing.py): each row's segment attended alone, a sliding layer's window as a
+window, held to a dense masked attention written here and to the naive oracle; and the pairs they execute (pairs.py)."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -44,7 +43,7 @@ def test_rows_packed_side_by_side_never_see_each_other():
     key, value = (torch.randn(1, 2, rows.total, 8, generator=generator) for _ in range(2))
     module = torch.nn.Module()
     out = packing.attend(module, query, key, value, rows, 0.0, None, {"sliding_window": 8})  # (1, N, H, d)
-    for start, length in zip(rows.starts, lengths):
+    for start, length in zip(rows.starts, lengths, strict=True):
         span = slice(start, start + length)
         expected = dense(query[:, :, span], key[:, :, span], value[:, :, span], 8).transpose(1, 2)
         assert torch.allclose(out[:, span], expected, atol=1e-5)
@@ -61,7 +60,7 @@ def test_a_padded_pass_attends_each_rows_real_slots_alone(window):
     kwargs = {"sliding_window": window}
     out = packing.attend_spans(torch.nn.Module(), query, key, value, spans, 0.0, None, kwargs)  # (b, T, H, d)
     last = packing.attend_spans(torch.nn.Module(), query[:, :, -1:], key, value, spans, 0.0, None, kwargs)
-    for row, (start, length) in enumerate(zip(spans.starts, spans.lengths)):
+    for row, (start, length) in enumerate(zip(spans.starts, spans.lengths, strict=True)):
         span = slice(start, start + length)
         expected = dense(query[row:row + 1, :, span], key[row:row + 1, :, span], value[row:row + 1, :, span],
                          window).transpose(1, 2)
@@ -164,8 +163,8 @@ def test_a_call_refused_mid_run_runs_the_batch_padded_with_a_note(monkeypatch):
     rows = agent_rows(reference.vocab_size)[:6]
     assert worst_error(reference.model, rows, reference.score_batch(rows)) <= 1e-4
     assert not reference.packed and reference.model.config._attn_implementation == "sdpa"
-    assert reference.notes == ["LlamaForCausalLM: rows run whole go padded (LlamaAttention passes softcap to its "
-                               "attention)"]
+    assert reference.notes == [("LlamaForCausalLM: rows run whole go padded (LlamaAttention passes softcap to its "
+                                "attention)")]
 
 
 def test_a_stateful_model_keeps_its_rows_padded():

@@ -59,7 +59,7 @@ def test_temperature_divides_logits(reference):
     # And temperature really changes the numbers (the test above would pass if it were ignored).
     plain = reference.score_batch(rows, 1.0)
     hot = reference.score_batch(rows, 1.5)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(plain, hot)) > 1e-2
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(plain, hot, strict=True)) > 1e-2
 
 
 def test_prompts_longer_than_sliding_window(reference):

@@ -9,6 +9,8 @@ MoE) and Llama 4 (chunked attention, NoPE layers, MoE every other layer).
 """
 
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -93,7 +95,7 @@ def test_the_causality_probe_reads_each_layer_once_for_all_its_rows(pair):
     # as in memory, the weights read once rather than once a row.
     from klpipe.model import probes
 
-    name, in_memory, streamed, _ = pair
+    _name, in_memory, streamed, _ = pair
     rows = [(np.array([3]), np.arange(5, 5 + n) % in_memory.vocab_size) for n in (40, 31, 20)]
     reads = streamed.streamer.layer_reads
     got = probes.own_rows(streamed, rows)
@@ -108,7 +110,7 @@ def test_the_load_time_probes_by_the_models_own_forward_read_each_layer_once(pai
     from klpipe.model import probes
     from klpipe.model.attention import packing
 
-    name, in_memory, streamed, _ = pair
+    _name, in_memory, streamed, _ = pair
     block = streamed.head.rows
     wanted = [(probes.oracle_row(streamed), None)] + [(row, block) for row in probes.causal_rows(streamed)]
     if packing.refusal(streamed) is None:
@@ -140,14 +142,14 @@ def test_streamed_rows_match_the_model_in_memory_and_the_oracle(pair):
     # Layer-major: each layer read once for the whole chunk, however many passes, and freed after.
     assert streamed.streamer.layer_reads - reads == layer_count(streamed)
     assert not any(streamed.streamer.store.loaded(k) for k in range(layer_count(streamed)))
-    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a))
     assert gap <= SAME, f"{name}: streamed differs from in memory by {gap:.3g}"
     ours, own = oracle.errors(rows, got)
     assert ours <= own + TOLERANCE, f"{name}: {ours:.3g} from fp64 (the fp32 oracle's own error {own:.3g})"
 
 
 def test_a_temperature_and_a_tool_mask_stream_as_in_memory(pair):
-    name, in_memory, streamed, oracle = pair
+    _name, in_memory, streamed, oracle = pair
     rows = chunk(in_memory.vocab_size, seed=4)
     rng = np.random.default_rng(4)
     needed = [rng.random(len(response)) < 0.6 for _, response in rows]  # a tool's tokens: context, never scored
@@ -157,16 +159,17 @@ def test_a_temperature_and_a_tool_mask_stream_as_in_memory(pair):
         need[-1:] = True
     plan = plan_chunk(in_memory, rows, 96, "off", needed=needed)
     expected, got = run_plan(in_memory, plan, rows, 0.7), run_plan(streamed, plan, rows, 0.7)
-    for values, need in zip(got, needed):
+    for values, need in zip(got, needed, strict=True):
         assert np.isnan(values[~need]).all() and not np.isnan(values[need]).any()
-    assert max(float(np.nanmax(np.abs(a - b))) for a, b in zip(got, expected) if (~np.isnan(a)).any()) <= SAME
+    assert max(float(np.nanmax(np.abs(a - b)))
+               for a, b in zip(got, expected, strict=True) if (~np.isnan(a)).any()) <= SAME
     ours, own = oracle.errors(rows, [np.where(np.isnan(v), e, v).astype(np.float32)
-                                     for v, e in zip(got, oracle.expected(rows, 0.7)[0])], 0.7)
+                                     for v, e in zip(got, oracle.expected(rows, 0.7)[0], strict=True)], 0.7)
     assert ours <= own + TOLERANCE
 
 
 def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_once(pair):
-    name, in_memory, streamed, _ = pair
+    _name, in_memory, streamed, _ = pair
     rows = chunk(in_memory.vocab_size, seed=1)
     plan = plan_chunk(in_memory, rows, 96, "off")
     expected = run_plan(in_memory, plan, rows, 1.0)
@@ -186,7 +189,7 @@ def test_a_group_limit_cuts_the_chunk_into_groups_that_each_read_the_weights_onc
         tokens += n
     assert 1 < groups < len(fed)
     assert streamed.streamer.layer_reads - reads == groups * layer_count(streamed)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 # make test: a plain Llama and Gemma 4 (KV-shared layers, the right layout); the rest in make test-arch.
@@ -218,7 +221,7 @@ def test_the_prefix_tree_streams_to_the_tree_in_memory(pair):
     assert 0 < streamed.streamer.layer_reads - reads <= ran * layer_count(streamed)
     assert ran <= depth + 1 < len(streamed_plan.passes) + 1
     assert streamed.tree_layered and ran == 1 + bool(streamed_plan.batches)  # the tree in one group, rows in another
-    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a))
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a))
     assert gap <= SAME, f"{name}: the streamed tree differs from the tree in memory by {gap:.3g}"
     ours, own = oracle.errors(rows, got)
     assert ours <= own + TOLERANCE, f"{name}: {ours:.3g} from fp64 (the fp32 oracle's own error {own:.3g})"
@@ -246,9 +249,9 @@ def test_a_call_packed_rows_cannot_take_mid_group_reruns_the_whole_group_padded(
     in_memory.drop_packing("the same batches, padded")
     expected = [None] * len(rows)
     for batch in plan.batches:
-        for i, values in zip(batch.tolist(), in_memory.score_batch([rows[i] for i in batch])):
+        for i, values in zip(batch.tolist(), in_memory.score_batch([rows[i] for i in batch]), strict=True):
             expected[i] = values
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 def test_a_repositorys_other_copy_of_the_weights_is_never_read(tmp_path):
@@ -266,7 +269,7 @@ def test_a_repositorys_other_copy_of_the_weights_is_never_read(tmp_path):
     streamed, in_memory = ReferenceModel.load(spec, streamed=True), ReferenceModel.load(spec)
     rows = chunk(in_memory.vocab_size)[:8]
     got, expected = streamed.streamer.run([lambda: streamed.score_batch(rows)])[0], in_memory.score_batch(rows)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 def test_a_legacy_key_from_pretrained_leaves_is_left_streamed_too(tmp_path):
@@ -285,7 +288,7 @@ def test_a_legacy_key_from_pretrained_leaves_is_left_streamed_too(tmp_path):
     streamed, in_memory = ReferenceModel.load(spec, streamed=True), ReferenceModel.load(spec)
     rows = chunk(in_memory.vocab_size)[:8]
     got, expected = streamed.streamer.run([lambda: streamed.score_batch(rows)])[0], in_memory.score_batch(rows)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 @pytest.mark.parametrize("change, words", [("drop", "1 missing keys loading it streamed (model.layers.1.mlp.up_proj"),
@@ -339,7 +342,7 @@ def test_bfloat16_streams_to_the_bfloat16_run_in_memory(path):
     rows = chunk(in_memory.vocab_size, seed=2)
     plan = plan_chunk(in_memory, rows, 96, "off")
     expected, got = run_plan(in_memory, plan, rows, 1.0), run_plan(streamed, plan, rows, 1.0)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 @pytest.fixture(scope="module")
@@ -498,7 +501,7 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, tr
     model.streamer.run(calls)  # torch's first kernels and the allocator's first blocks, outside the figure
 
     def anonymous() -> int:
-        status = open("/proc/self/status").read()
+        status = Path("/proc/self/status").read_text()
         return int(status.split("RssAnon:")[1].split()[0]) << 10
     before, seen = anonymous(), []
     sizes = streamed.measure(spec, 512)
@@ -578,7 +581,7 @@ def test_a_recurrent_layer_of_a_layer_major_tree_never_runs_from_a_state_it_was_
     monkeypatch.setattr(context_cache.ContextCache, "fill", counted)
     got, expected = run_plan(streamed, plans[1], rows, 1.0), run_plan(in_memory, plans[0], rows, 1.0)
     assert sum(filled) > 0  # passes whose parents ran in their group, their states filled layer by layer
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
     monkeypatch.setattr(context_cache.ContextCache, "fill", lambda cache: None)
     with pytest.raises(RuntimeError, match="ran before its context's state was filled"):
         run_plan(streamed, plans[1], rows, 1.0)
@@ -634,7 +637,7 @@ def test_a_layer_major_tree_group_holds_two_layers_of_keys_where_a_pass_run_whol
     tree_groups = [(calls, bytes_) for calls, bytes_ in seen if bytes_ is not None]
     assert len(tree_groups) >= 3 and all(bytes_ <= whole // 3 or calls == 1 for calls, bytes_ in tree_groups)
     for result in (got, again):
-        assert max(float(np.max(np.abs(a - b))) for a, b in zip(result, expected) if len(a)) <= SAME
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(result, expected, strict=True) if len(a)) <= SAME
 
 
 def test_a_layer_that_reuses_keys_the_layer_major_tree_freed_runs_the_tree_again_in_waves(monkeypatch):
@@ -655,7 +658,7 @@ def test_a_layer_that_reuses_keys_the_layer_major_tree_freed_runs_the_tree_again
     got = run_plan(streamed, plan, rows, 1.0)
     assert streamed.cascade and not streamed.tree_layered
     assert streamed.streamer.groups - groups >= 3  # the group abandoned, then the waves
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 def test_a_stop_between_layers_abandons_the_tree_with_no_layer_loaded_and_the_next_run_is_whole(llama):
@@ -673,7 +676,7 @@ def test_a_stop_between_layers_abandons_the_tree_with_no_layer_loaded_and_the_ne
     assert stops == [1]
     assert not any(streamed.streamer.store.loaded(k) for k in range(layer_count(streamed)))
     got, expected = run_plan(streamed, plan, rows, 1.0), run_plan(in_memory, plan, rows, 1.0)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 def test_a_call_the_tree_cannot_take_packed_mid_group_reruns_the_whole_tree_as_in_memory(monkeypatch):
@@ -700,7 +703,7 @@ def test_a_call_the_tree_cannot_take_packed_mid_group_reruns_the_whole_tree_as_i
     got = run_plan(streamed, plan, rows, 1.0)
     assert not streamed.packed and len(calls) == 3  # padded from then on: no packed call after the refusal
     assert not plan.batches and streamed.streamer.groups - groups == 2  # the group refused, the whole tree again
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 # -- in a memory cgroup ------------------------------------------------------------------------------------------
@@ -848,7 +851,8 @@ def test_a_model_larger_than_its_memory_cgroup_streams_to_the_in_memory_result(t
     assert len(got) == len(expected) == 8
     values = np.concatenate([np.array(v) for v in expected if v])
     assert values.max() - values.min() > 2  # logprobs spread: a wrong computation cannot hide near log(1/V)
-    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a) <= SAME
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b))))
+               for a, b in zip(got, expected, strict=True) if a) <= SAME
 
 
 @pytest.mark.slow
@@ -878,7 +882,7 @@ def test_a_prefix_tree_streamed_in_its_memory_cgroup_stays_inside_it_at_the_in_m
     assert used <= CGROUP_LIMIT
     assert in_memory.returncode == 0 and "decoder layers stream" not in in_memory.stderr, in_memory.stderr
     assert len(got) == len(expected) == 16
-    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected)) <= SAME
+    assert max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected, strict=True)) <= SAME
 
 
 # -- the registry matrix (tests/matrix.py), streamed --------------------------------------------------------------
@@ -916,14 +920,14 @@ def test_every_family_of_the_registry_streams_to_its_in_memory_result_or_is_refu
     rows = matrix.agent_rows(in_memory.vocab_size)
     plan = plan_chunk(in_memory, rows, 96, "off")
     expected, got = run_plan(in_memory, plan, rows, 1.0), run_plan(streamed, plan, rows, 1.0)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
     # The tree too, where the family shares (auto: its probe decides, the same way in both).
     from klpipe.precompute.sharing import Sharing
 
     plans = [Sharing(model, "auto", 1 << 10, lambda line: None).plan(rows, 96, None) for model in (in_memory, streamed)]
     assert (plans[0].tree is None) == (plans[1].tree is None)
     expected, got = run_plan(in_memory, plans[0], rows, 1.0), run_plan(streamed, plans[1], rows, 1.0)
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(a)) <= SAME
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(a)) <= SAME
 
 
 @pytest.mark.slow
@@ -961,5 +965,5 @@ def test_kill_9_then_rerun_resumes_a_streamed_run_to_the_in_memory_result(tmp_pa
     assert got.column("id").to_pylist() == expected.column("id").to_pylist() and got.num_rows == 480
     gap = max(float(np.max(np.abs(np.array(a) - np.array(b))))
               for a, b in zip(got.column(cache.REF_LOGPROBS).to_pylist(),
-                              expected.column(cache.REF_LOGPROBS).to_pylist()) if a)
+                              expected.column(cache.REF_LOGPROBS).to_pylist(), strict=True) if a)
     assert gap <= SAME

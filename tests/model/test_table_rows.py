@@ -1,6 +1,6 @@
 """Embedding tables left in their files by a streamed model (klpipe/model/table_rows.py: Gemma's per-layer table,
-input embeddings the head does not share): each forward reads the rows its ids name, and gives, bit for bit, what the table loaded whole by transformers gives; which tables
-are left so is decided by the model's own modules."""
+input embeddings the head does not share): each forward reads the rows its ids name, and gives, bit for bit, what the
+table loaded whole by transformers gives; which tables are left so is decided by the model's own modules."""
 
 import pytest
 import torch

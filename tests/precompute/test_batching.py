@@ -1,5 +1,7 @@
 """Token-budget batching: pure index logic."""
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +36,7 @@ def brute_force_cost(sorted_lengths, max_tokens, batch_cost):
     for mask in range(1 << max(n - 1, 0)):
         cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
         cost = 0
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             padded = (b - a) * max(sorted_lengths[a], 1)
             if padded > max_tokens and b - a > 1:
                 break

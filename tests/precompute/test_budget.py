@@ -151,7 +151,7 @@ def table_bytes(path) -> tuple[int, int]:
     from safetensors import safe_open
 
     with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as weights:
-        names = [k for k in weights.keys() if "embed_tokens_per_layer" in k
+        names = [k for k in weights.keys() if "embed_tokens_per_layer" in k  # noqa: SIM118 - safe_open is no mapping
                  or (untied(path) and k.endswith("embed_tokens.weight"))]
         shapes = [weights.get_slice(name).get_shape() for name in names]
     return sum(4 * a * b for a, b in shapes), sum(4 * b for _, b in shapes)
@@ -216,7 +216,7 @@ def test_the_smallest_budget_is_named_before_anything_runs(tmp_path, monkeypatch
     ("dtype", "float64", "--dtype float64")])
 def test_what_does_not_stream_yet_is_refused_in_one_line(tmp_path, monkeypatch, option, value, words):
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
-    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    _weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     element = 8 if value == "float64" else 4
     streams = str(FOOTPRINT + budget.GROWTH + (resident + 2 * largest) * element // 4
                   + activations(TINY_GEMMA, 256, element))
@@ -353,7 +353,7 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     from safetensors import safe_open
 
     with safe_open(str(TINY_GEMMA / "model.safetensors"), framework="numpy") as weights:
-        layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)
+        layer_bytes = sum(weights.get_tensor(key).nbytes for key in weights.keys() if ".layers." in key)  # noqa: SIM118 - safe_open is no mapping
     _, row = table_bytes(TINY_GEMMA)
     assert streamed.streamed["groups"] >= 1 and 0.0 <= streamed.streamed["hidden"] <= 1.0
     if sharing == "off":  # (on: the tree's probe reads the weights once per forward too, at the first chunk)
@@ -366,7 +366,7 @@ def test_a_run_over_budget_streams_to_the_in_memory_result(tmp_path, monkeypatch
     got = pq.read_table(streamed.output).column(cache.REF_LOGPROBS).to_pylist()
     expected = pq.read_table(in_memory.output).column(cache.REF_LOGPROBS).to_pylist()
     assert len(got) == len(expected) == pq.read_metadata(ROLLOUTS).num_rows
-    gap = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected) if a)
+    gap = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(got, expected, strict=True) if a)
     assert gap <= 1e-5
 
 
@@ -408,7 +408,7 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
     reference's smallest part, else streams too; both columns equal the run in memory."""
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
-    policy_weights, policy_resident, policy_largest = sizes_in_memory(POLICY)
+    policy_weights, policy_resident, _policy_largest = sizes_in_memory(POLICY)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     limit = streams + policy_resident if policy_streams else streams + policy_weights  # both stream / policy fits
     lines = []
@@ -428,15 +428,17 @@ def test_a_policy_of_its_own_beside_a_streamed_reference_is_held_in_memory_or_st
                           log=lambda line: None)
     for column in (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS):
         a, b = (pq.read_table(r.output).column(column).to_pylist() for r in (got, expected))
-        assert max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b) if x) <= 1e-5, column
+        assert max(float(np.max(np.abs(np.array(x) - np.array(y))))
+                   for x, y in zip(a, b, strict=True) if x) <= 1e-5, column
     a, b = (pq.read_table(r.output).column(cache.POLICY_LOGPROBS).to_pylist() for r in (got, expected))
     ref = pq.read_table(got.output).column(cache.REF_LOGPROBS).to_pylist()
-    assert max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, ref) if x) > 1e-3  # not mixed
+    assert max(float(np.max(np.abs(np.array(x) - np.array(y))))
+               for x, y in zip(a, ref, strict=True) if x) > 1e-3  # not mixed
 
 
 def test_a_budget_too_small_for_both_streamed_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
-    weights, resident, largest = sizes_in_memory(TINY_GEMMA)
+    _weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     with pytest.raises(InputError) as caught:
         precompute(config_for(tmp_path, max_memory=str(streams), policy=str(POLICY)), log=lambda line: None)

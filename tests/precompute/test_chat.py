@@ -71,7 +71,7 @@ def test_a_prompt_ending_with_the_assistant_is_continued_as_trl_does(tokenizer):
                                     "{{ m.content }}<end_of_turn>\n{% endfor %}"
                                     "{% if add_generation_prompt %}<start_of_turn>assistant\n{% endif %}")
     prompt = USER + [{"role": "assistant", "content": "The capital is"}]
-    [prompt_ids], [response_ids] = render(free, [prompt], [[{"role": "assistant", "content": " Canberra."}]])
+    [prompt_ids], [_response_ids] = render(free, [prompt], [[{"role": "assistant", "content": " Canberra."}]])
     continued = free.apply_chat_template(prompt, tokenize=False, continue_final_message=True)
     assert continued.endswith("The capital is")  # no end of turn, no generation prompt
     assert prompt_ids == free(continued, add_special_tokens=False).input_ids
@@ -89,8 +89,8 @@ def test_message_keys_that_arrow_filled_with_none_are_dropped(tokenizer):
 
 def test_no_chat_template(tokenizer):
     assert fails(with_template(tokenizer, None), [USER], [ANSWER]) == (
-        0, "prompt holds chat messages, but the tokenizer has no chat template to render them with; "
-           "use a tokenizer that has one, or give prompt_ids and response_ids")
+        0, ("prompt holds chat messages, but the tokenizer has no chat template to render them with; "
+            "use a tokenizer that has one, or give prompt_ids and response_ids"))
 
 
 def test_a_template_that_does_not_keep_the_prompt_as_a_prefix(tokenizer):
@@ -99,9 +99,9 @@ def test_a_template_that_does_not_keep_the_prompt_as_a_prefix(tokenizer):
                                    "{% else %}Assistant: {{ m.content }}\n{% endif %}{% endfor %}"
                                    "{% if add_generation_prompt %}A:{% endif %}")
     assert fails(odd, [USER, USER], [ANSWER, ANSWER]) == (
-        0, "the chat template does not keep the rendered prompt as a prefix of prompt + completion (its generation "
-           "prompt ends with 'Australia?\\nA:' where the rendered turn has 'Australia?\\nAssistant: Canberra.\\n'), so "
-           "the response tokens cannot be told apart; give prompt_ids and response_ids instead")
+        0, ("the chat template does not keep the rendered prompt as a prefix of prompt + completion (its generation "
+            "prompt ends with 'Australia?\\nA:' where the rendered turn has 'Australia?\\nAssistant: Canberra.\\n'), "
+            "so the response tokens cannot be told apart; give prompt_ids and response_ids instead"))
 
 
 def test_tokens_that_merge_across_the_boundary(tokenizer):
@@ -112,16 +112,16 @@ def test_tokens_that_merge_across_the_boundary(tokenizer):
     good = [{"role": "user", "content": "Hello there!"}]
     row, message = fails(bare, [good, [{"role": "user", "content": "Th"}]],
                          [[{"role": "assistant", "content": " Hi"}], [{"role": "assistant", "content": "e quick"}]])
-    assert (row, message) == (1, "the tokens of the rendered prompt are not a prefix of those of the whole "
-                                 "conversation (the tokenizer merges across the boundary); give prompt_ids and "
-                                 "response_ids instead")
+    assert (row, message) == (1, ("the tokens of the rendered prompt are not a prefix of those of the whole "
+                                  "conversation (the tokenizer merges across the boundary); give prompt_ids and "
+                                  "response_ids instead"))
 
 
 def test_template_errors_and_bad_messages_name_the_row(tokenizer):
     system_last = [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"}]
     assert fails(tokenizer, [USER, system_last], [ANSWER, ANSWER]) == (
-        1, "the last prompt message has role 'system'; TRL renders prompts that end with a user, tool or "
-           "assistant message")
+        1, ("the last prompt message has role 'system'; TRL renders prompts that end with a user, tool or "
+            "assistant message"))
     # The sample template insists that roles alternate, with Gemma's own words.
     assert fails(tokenizer, [USER + ANSWER + ANSWER + USER], [ANSWER]) == (
         0, "the chat template failed: Conversation roles must alternate user/assistant/user/assistant/...")

@@ -189,7 +189,8 @@ def small_disk(tmp_path):
 
 def test_a_top_k_the_output_disk_cannot_hold_is_refused_before_any_row(small_disk):
     # 356 response tokens x 256 x 8 bytes = 712 KiB of top-k, onto a disk of 256 KiB.
-    with pytest.raises(OutputError, match=r"--ref-topk 256 would write 1.4 MiB onto .*disk, which has 2\d\d.0 KiB free"):
+    refused = r"--ref-topk 256 would write 1.4 MiB onto .*disk, which has 2\d\d.0 KiB free"
+    with pytest.raises(OutputError, match=refused):
         run(small_disk, TINY_GEMMA, None, ref_topk=256)
     assert list(small_disk.iterdir()) == []  # no work directory, no output
 

@@ -42,9 +42,9 @@ def run(tmp_path, inputs=(ROLLOUTS,), model=TINY_GEMMA, name="out.parquet", **kw
     ("chunk_rows", 0, "--chunk-rows must be at least 1"),
     ("max_tokens_per_batch", 0, "--max-tokens-per-batch must be at least 1"),
     ("progress", "fancy", "--progress must be auto, bar, log or none, not 'fancy'"),
-    ("columns", {"rewards": "score"}, "--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, "
-                                      "response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, "
-                                          "reward, ref_logprobs, mask, tools"),
+    ("columns", {"rewards": "score"}, ("--column rewards=score: unknown role 'rewards'; roles are id, step, prompt, "
+                                       "response, prompt_ids, response_ids, policy_logprobs, sampler_logprobs, "
+                                       "reward, ref_logprobs, mask, tools")),
 ])
 def test_the_config_refuses_bad_arguments(option, value, message):
     with pytest.raises(InputError) as excinfo:
@@ -64,9 +64,9 @@ def test_default_outputs_of_inputs_that_differ_before_the_suffix_differ(tmp_path
 
 def test_default_output_beside_a_single_input(tmp_path):
     assert default_output([tmp_path / "day1.parquet"]) == tmp_path / "day1.cached.parquet"
-    with pytest.raises(InputError, match="^--output is required with several inputs$"):
+    with pytest.raises(InputError, match=r"^--output is required with several inputs$"):
         default_output([tmp_path / "a.parquet", tmp_path / "b.parquet"])
-    with pytest.raises(InputError, match="^--output DIR is required for a sharded run$"):
+    with pytest.raises(InputError, match=r"^--output DIR is required for a sharded run$"):
         default_output([tmp_path / "a.parquet"], Shard(0, 2))
 
 
@@ -336,7 +336,7 @@ def test_work_dir_from_another_run_is_refused(tmp_path):
     work.mkdir()
     (work / "run.json").write_text(json.dumps({"chunk_rows": 3}))
     (work / "chunk-00000000.parquet").write_bytes(b"not this run's")
-    with pytest.raises(ProvenanceError, match="holds work from a different run .*pass --overwrite to start over"):
+    with pytest.raises(ProvenanceError, match=r"holds work from a different run .*pass --overwrite to start over"):
         run(tmp_path)
     assert (work / "chunk-00000000.parquet").exists()  # refused: nothing touched
     summary = run(tmp_path, overwrite=True)
@@ -380,8 +380,8 @@ def unique_then_shared(path: Path, shared_chunks: int) -> Path:
     that open with one 60-token system prompt: with chunks of 8, only the later chunks run a tree."""
     rng = np.random.default_rng(3)
     system = rng.integers(3, 512, 60).tolist()
-    rows = [{"prompt_ids": [2, 3 + i] + rng.integers(3, 512, 20).tolist(), "response_ids": rng.integers(3, 512, 9).tolist()}
-            for i in range(8)]
+    rows = [{"prompt_ids": [2, 3 + i] + rng.integers(3, 512, 20).tolist(),
+             "response_ids": rng.integers(3, 512, 9).tolist()} for i in range(8)]
     rows += [{"prompt_ids": system + rng.integers(3, 512, 5).tolist(), "response_ids": rng.integers(3, 512, 9).tolist()}
              for _ in range(8 * shared_chunks)]
     for i, row in enumerate(rows):

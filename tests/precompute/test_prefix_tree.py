@@ -138,7 +138,7 @@ def test_an_agent_day_and_multi_turn_histories_by_hand():
        st.sampled_from([0.0, 5e-4, 3e-3]))
 @settings(max_examples=300, deadline=None)
 def test_a_level_is_cut_into_passes_within_the_budget(nodes, budget, attention):
-    length, context = (np.array(column, dtype=np.int64) for column in zip(*nodes))
+    length, context = (np.array(column, dtype=np.int64) for column in zip(*nodes, strict=True))
     passes = prefix_tree.cut_level(length, context, budget, attention)
     assert sorted(i for p in passes for i in p.tolist()) == list(range(len(nodes)))  # every node once
     for p in passes:

@@ -70,7 +70,7 @@ def test_a_streamed_run_reads_its_weights_once_before_its_first_row(tmp_path, mo
                                   prefix_sharing="off")
         summaries.append(precompute(config, log=lambda line: None))
     with safe_open(str(model / "model.safetensors"), framework="numpy") as weights:
-        stored = {key: weights.get_tensor(key).nbytes for key in weights.keys()}
+        stored = {key: weights.get_tensor(key).nbytes for key in weights.keys()}  # noqa: SIM118 - safe_open is no mapping
     layer = max(sum(n for key, n in stored.items() if f".layers.{k}." in key) for k in range(4))
     assert [s.verdicts for s in summaries] == ["checked", "reused"]
     for summary in summaries:

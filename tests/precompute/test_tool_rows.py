@@ -29,8 +29,8 @@ TOOL_IDS = SAMPLE / "tool_calls.parquet"  # TRL's prompt_ids, completion_ids, to
 TOOL_CHAT = SAMPLE / "tool_calls_conversational.parquet"  # the same trajectories as TRL's messages
 TOOL_TEMPLATE = SAMPLE / "tool_chat_template.jinja"  # the template their trainer used: turns end with <eos>
 IDS_COLUMNS = {"response_ids": "completion_ids"}
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather now.",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather now.", "parameters": CITY}}]
 
 
 @pytest.fixture(scope="module", params=["gemma4", "llama"])
@@ -106,7 +106,7 @@ def test_a_row_masked_whole_or_after_its_last_1_feeds_nothing_it_does_not_need(r
     chunk_logprobs(reference, rows, 64, 1.0, "off", masked, needed=masks)
     # per row: prompt + response less its last token unmasked; up to the last needed token masked
     expected = 0
-    for (prompt, response), mask in zip(rows, masks, strict=True):
+    for (prompt, _), mask in zip(rows, masks, strict=True):
         ones = np.flatnonzero(mask)
         expected += len(prompt) + int(ones[-1]) if len(ones) else 0
     assert masked.fed_tokens == expected < unmasked.fed_tokens
@@ -235,10 +235,10 @@ def test_tools_given_as_a_list_column_render_like_their_json(tmp_path, tokenizer
     rows = sample_chat_rows()[:3]
     as_list = [dict(r, tools=json.loads(r["tools"])) for r in rows]
     renderer = ChatRenderer(tokenizer, "prompt", "completion")
-    from_json = renderer.render([r["prompt"] for r in rows], [r["completion"] for r in rows], [r["tools"] for r in rows])
+    from_json = renderer.render(*([r[k] for r in rows] for k in ("prompt", "completion", "tools")))
     # Through Arrow a list of schemas becomes structs whose missing keys read back as None: dropped again.
     back = pa.Table.from_pylist(as_list).to_pylist()
-    from_list = renderer.render([r["prompt"] for r in back], [r["completion"] for r in back], [r["tools"] for r in back])
+    from_list = renderer.render(*([r[k] for r in back] for k in ("prompt", "completion", "tools")))
     assert from_json[0] == from_list[0] and from_json[1] == from_list[1]
 
 
@@ -273,8 +273,8 @@ def with_row(table: pa.Table, index: int, column: str, value) -> pa.Table:
 
 @pytest.mark.parametrize("value, problem", [
     ([1, 0], "tool_mask has 2 values but completion_ids has {n} tokens; the mask needs one value per response token"),
-    ("two", "tool_mask holds 2; a mask holds 1 where the policy sampled the token and 0 where it did not (a tool's "
-            "result)"),
+    ("two", ("tool_mask holds 2; a mask holds 1 where the policy sampled the token and 0 where it did not (a tool's "
+             "result)")),
 ])
 def test_a_bad_mask_row_is_one_line_before_the_model_loads(tmp_path, value, problem):
     table = pq.read_table(TOOL_IDS)
@@ -334,12 +334,12 @@ def test_a_template_that_cannot_render_the_tools_is_one_line(tmp_path, tokenizer
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tools", "{tools}"], "{chat}: has a tools column and --tools was given; each says which tools a row saw: "
-                             "drop one"),
-    (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs: must be a JSON object, e.g. "
-                                        "'{{\"enable_thinking\": false}}', not '[1]'"),
-    (["--chat-template-kwargs", '{{"tools": []}}'], "--chat-template-kwargs: tools is set by klpipe itself, as TRL sets "
-                                                  "it; leave it out"),
+    (["--tools", "{tools}"], ("{chat}: has a tools column and --tools was given; each says which tools a row saw: "
+                              "drop one")),
+    (["--chat-template-kwargs", "[1]"], ("--chat-template-kwargs: must be a JSON object, e.g. "
+                                         "'{{\"enable_thinking\": false}}', not '[1]'")),
+    (["--chat-template-kwargs", '{{"tools": []}}'], ("--chat-template-kwargs: tools is set by klpipe itself, as TRL "
+                                                     "sets it; leave it out")),
     (["--tools", "{missing}"], "--tools {missing}: cannot read it (No such file or directory)"),
 ])
 def test_bad_tool_options_are_one_line(tmp_path, extra, message):
@@ -351,7 +351,8 @@ def test_bad_tool_options_are_one_line(tmp_path, extra, message):
 
 def test_tools_for_rows_that_are_not_conversational_are_refused(tmp_path):
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
-    message = cli_fails(tmp_path, TOOL_IDS, "--column", "response_ids=completion_ids", "--tools", tmp_path / "tools.json")
+    message = cli_fails(tmp_path, TOOL_IDS, "--column", "response_ids=completion_ids",
+                        "--tools", tmp_path / "tools.json")
     assert message == (f"Error: --tools apply to conversational rows (prompt and completion as chat messages), which "
                        f"{TOOL_IDS} does not hold")
 

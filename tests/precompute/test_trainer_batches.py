@@ -197,8 +197,8 @@ def test_the_issues_mapping_of_verls_padded_prompts_is_refused(tmp_path, tokeniz
                      "--column", "prompt_ids=prompts", "--column", "response_ids=responses")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"Error: {path}: holds verl's batch (prompts, responses, attention_mask), which klpipe reads by its keys "
-        "and unpads: drop --column prompt_ids=prompts"]
+        (f"Error: {path}: holds verl's batch (prompts, responses, attention_mask), which klpipe reads by its keys "
+         "and unpads: drop --column prompt_ids=prompts")]
     assert not (tmp_path / "out.parquet").exists()
     # The issue's second form: the same keys beside unpadded prompt_ids, response_mask left unmapped.
     rows = trajectories(rows=2)
@@ -241,11 +241,11 @@ def test_unpadded_ids_with_verls_response_mask_read_it_by_name(tmp_path, oracle)
 
 
 @pytest.mark.parametrize("column, message", [
-    ("labels", r"column labels holds -100 where no loss is taken, over the whole sequence; klpipe would leave it "
-               r"unread: give the response's mask \(1 where the policy sampled the token\) with --column mask=NAME$"),
+    ("labels", (r"column labels holds -100 where no loss is taken, over the whole sequence; klpipe would leave it "
+                r"unread: give the response's mask \(1 where the policy sampled the token\) with --column mask=NAME$")),
     ("attention_mask", r"column attention_mask marks pads, which klpipe reads only in a trainer's whole batch"),
-    ("tool_mask", r"columns tool_mask and response_mask could each be the mask; name the one to use with "
-                  r"--column mask=tool_mask$"),
+    ("tool_mask", (r"columns tool_mask and response_mask could each be the mask; name the one to use with "
+                   r"--column mask=tool_mask$")),
 ])
 def test_a_mask_like_column_is_never_left_unread(tmp_path, column, message):
     rows = trajectories(rows=2)

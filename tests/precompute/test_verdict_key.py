@@ -56,7 +56,8 @@ def entries() -> list[Path]:
 def identical(a: list, b: list) -> bool:
     """Bit for bit, NaNs in the same places."""
     return len(a) == len(b) and all(np.array_equal(np.array(x, dtype=np.float32).view(np.int32),
-                                                   np.array(y, dtype=np.float32).view(np.int32)) for x, y in zip(a, b))
+                                                   np.array(y, dtype=np.float32).view(np.int32))
+                                    for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`--rollout-format verl` on verl's `agent_data.messages`, held to verl 0.9.1's own ToolAgentLoop (tests/verl_agent.py).
+"""`--rollout-format verl` on verl's `agent_data.messages`, held to verl 0.9.1's ToolAgentLoop (tests/verl_agent.py).
 
 Each row here is built by verl's loop, its hermes parser, its Continuous Token builder and BaseTool tools, from turns
 a sampler can write (raw text with compact JSON, parallel calls, a malformed call, a turn cut at the length limit);

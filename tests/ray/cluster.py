@@ -16,6 +16,7 @@ by pid: never `ray stop`, which stops every Ray on the machine by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -146,14 +147,10 @@ class Cluster:
             time.sleep(0.5)
         left = self.processes()
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for _, proc in self.nodes:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         self.nodes.clear()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -17,6 +17,7 @@ not mounted where it runs.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -165,9 +166,7 @@ class HostsCluster(Cluster):
             time.sleep(0.5)
         self.network.remove()
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         self.procs.clear()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -19,6 +19,7 @@ then the namespaces and the bridge by name; never by a process's name.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
@@ -68,7 +69,7 @@ class Host:
 
     def command(self, *argv: str) -> list[str]:
         """`argv` run on this host: in its network namespace, with its private disk mounted."""
-        mount = 'mount -t tmpfs -o size=%d,mode=0700 klpipe-host "$0" && exec "$@"' % DISK_BYTES
+        mount = f'mount -t tmpfs -o size={DISK_BYTES:d},mode=0700 klpipe-host "$0" && exec "$@"'
         return ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--propagation", "private",
                 "sh", "-c", mount, str(self.disk), *argv]
 
@@ -80,10 +81,8 @@ class Host:
         """SIGKILL to every process of this host: the machine is gone (its disk with it)."""
         pids = self.pids()
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return pids
 
 

@@ -69,7 +69,8 @@ def test_precompute_from_s3_to_s3_then_a_rerun_finds_it_done(s3_server, bucket, 
 
     rerun = klpipe(s3_server, *args, KLPIPE_CACHE_DIR=cache_dir)
     assert rerun.returncode == 0, rerun.stderr
-    assert f"{output} is already complete for these inputs, this model and these settings; nothing to do" in rerun.stderr
+    said = f"{output} is already complete for these inputs, this model and these settings; nothing to do"
+    assert said in rerun.stderr
     assert read_table(s3_server, bucket, "caches/day1.cached.parquet").equals(got)
 
 
@@ -97,8 +98,8 @@ def test_kill_9_then_rerun_resumes_to_the_same_object(s3_server, bucket, tmp_pat
     work = tmp_path / "work"
     args = ("precompute", "-m", TINY_GEMMA, f"s3://{bucket}/rollouts.parquet", "-o", f"s3://{bucket}/cached.parquet",
             "--chunk-rows", "8", "--work-dir", work, *ARGS)
-    finished = kill_9_after_chunks(args, work, "*.partial/chunk-*.parquet", env={**s3_server.env(), "OMP_NUM_THREADS": "1"},
-                                   timeout=180)
+    finished = kill_9_after_chunks(args, work, "*.partial/chunk-*.parquet",
+                                   env={**s3_server.env(), "OMP_NUM_THREADS": "1"}, timeout=180)
     assert 3 <= finished < 60, finished
     assert s3_server.keys_under(bucket) == ["rollouts.parquet"]  # nothing under the output's name
 
@@ -172,7 +173,8 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
     for result in run_array(EXAMPLES / "precompute-array.sbatch", range(3), tmp_path, env):
         assert result.returncode == 0, result.stdout
     names = [f"part-{i:05d}-of-00003" for i in range(3)]
-    assert s3_server.keys_under(bucket, "parts/") == sorted(f"parts/{n}{s}" for n in names for s in (".done", ".parquet"))
+    assert s3_server.keys_under(bucket, "parts/") == sorted(f"parts/{n}{s}"
+                                                           for n in names for s in (".done", ".parquet"))
     for name in names:
         marker = json.loads(s3_server.read(bucket, f"parts/{name}.done"))
         assert marker["rows"] == read_table(s3_server, bucket, f"parts/{name}.parquet").num_rows > 0
@@ -181,7 +183,8 @@ def test_a_slurm_array_writes_parts_to_s3_and_score_reads_the_prefix(s3_server, 
     single = klpipe(s3_server, "precompute", "-m", TINY_LLAMA, ROLLOUTS, "-o", tmp_path / "single.parquet",
                     "--chunk-rows", env["KLPIPE_CHUNK_ROWS"], *ARGS)
     assert single.returncode == 0, single.stderr
-    concatenated = pa.concat_tables([without_metadata(read_table(s3_server, bucket, f"parts/{n}.parquet")) for n in names])
+    concatenated = pa.concat_tables([without_metadata(read_table(s3_server, bucket, f"parts/{n}.parquet"))
+                                     for n in names])
     assert concatenated.equals(without_metadata(pq.read_table(tmp_path / "single.parquet")))
     scored = subprocess.run(["bash", str(EXAMPLES / "score-after.sbatch")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300, check=False)
@@ -219,19 +222,19 @@ ERROR_CASES = {
     "missing key": ({}, ["s3://{bucket}/caches/day9.parquet", OUT_URI],
                     "Error: s3://{bucket}/caches/day9.parquet: no such file or directory"),
     "unknown access key": ({"AWS_ACCESS_KEY_ID": "AKIAKLPIPEUNKNOWN000"}, [CACHE_URI, OUT_URI],
-                           f"Error: {CACHE_URI}: the store does not accept these credentials: the access key is "
-                           "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)"),
+                           (f"Error: {CACHE_URI}: the store does not accept these credentials: the access key is "
+                            "unknown (check AWS_ACCESS_KEY_ID or AWS_PROFILE)")),
     "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, [CACHE_URI, OUT_URI],
-                     f"Error: {CACHE_URI}: the store does not accept these credentials: the secret key does not "
-                     "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"),
+                     (f"Error: {CACHE_URI}: the store does not accept these credentials: the secret key does not "
+                      "match (check AWS_SECRET_ACCESS_KEY or AWS_PROFILE)")),
     "access denied": ({"user": "denied"}, [CACHE_URI, OUT_URI],
                       f"Error: {CACHE_URI}: access denied: these credentials may not do this here"),
     "unreachable endpoint": ({"AWS_ENDPOINT_URL": "{endpoint}"}, [CACHE_URI, OUT_URI],
-                             f"Error: {CACHE_URI}: cannot reach the store at {{endpoint}} (check AWS_ENDPOINT_URL "
-                             "and the network)"),
+                             (f"Error: {CACHE_URI}: cannot reach the store at {{endpoint}} (check AWS_ENDPOINT_URL "
+                              "and the network)")),
     "output bucket missing": ({}, [CACHE_URI, "s3://klpipe-no-such-bucket/result.parquet"],
-                              "Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
-                              "'klpipe-no-such-bucket'"),
+                              ("Error: s3://klpipe-no-such-bucket/result.parquet: no such bucket "
+                               "'klpipe-no-such-bucket'")),
     "output denied": ({"user": "reader"}, [CACHE_URI, OUT_URI],
                       f"Error: {OUT_URI}: access denied: these credentials may not do this here"),
 }
@@ -265,7 +268,8 @@ def test_each_store_error_is_one_line_naming_the_uri(s3_server, bucket, tmp_path
     # Nothing that looks like an output, anywhere: not in the directory it ran in, not in $TMPDIR,
     # not on the store. A precompute that failed at its upload keeps its chunks to resume from.
     assert list(cwd.iterdir()) == []
-    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []  # torch's own cache aside
+    # torch's own cache aside
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     assert s3_server.keys_under(bucket) == ["caches/day1.parquet"]
     partial = list(cache.glob("work/*.partial"))
     if rollouts and case == "output denied":

@@ -303,18 +303,18 @@ def test_state_records_its_config_and_keeps_enough_history():
     [
         (
             ControllerConfig(controller="proportional"),
-            "state was made with the window controller and kl_target 3.0, "
-            "this run uses the proportional controller and kl_target 3.0",
+            ("state was made with the window controller and kl_target 3.0, "
+             "this run uses the proportional controller and kl_target 3.0"),
         ),
         (
             ControllerConfig(kl_target=2.5),
-            "state was made with the window controller and kl_target 3.0, "
-            "this run uses the window controller and kl_target 2.5",
+            ("state was made with the window controller and kl_target 3.0, "
+             "this run uses the window controller and kl_target 2.5"),
         ),
         (
             ControllerConfig(adaptive=False),
-            "state was made with the window controller and kl_target 3.0, "
-            "this run uses the fixed controller and kl_target 3.0",
+            ("state was made with the window controller and kl_target 3.0, "
+             "this run uses the fixed controller and kl_target 3.0"),
         ),
     ],
 )

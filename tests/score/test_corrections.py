@@ -78,7 +78,8 @@ def test_every_scheme_and_threshold_against_a_naive_application(tmp_path, fault)
             if value is None:
                 assert entry[key] is None, (entry["scheme"], key)
             else:
-                assert entry[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (entry["scheme"], entry["threshold"], key)
+                where = (entry["scheme"], entry["threshold"], key)
+                assert entry[key] == pytest.approx(value, rel=1e-9, abs=1e-12), where
         touched += entry["rows_affected_fraction"] > 0
     assert touched >= 3  # the data moves several schemes, or the comparison would prove little
 

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from klpipe.api import kl_divergence
 from klpipe.cache import (
     FULL_KL_COLUMNS,
     ID,
@@ -29,7 +30,6 @@ from klpipe.cache import (
     STEP,
 )
 from klpipe.errors import InputError
-from klpipe.kl import kl_divergence
 from klpipe.score import ScoreConfig, score
 from klpipe.score.controller import ControllerConfig
 from klpipe.score.report import exact_line
@@ -260,8 +260,8 @@ def test_columns_precompute_did_not_compute_are_passed_through_not_read(tmp_path
     cache = write_cache(tmp_path / "a.parquet", rows, schema=EXACT_SCHEMA, provenance=exact_provenance(full_kl=False))
     result = run(tmp_path, [cache])
     assert result.report["exact"] is None and all("exact" not in entry for entry in result.report["steps"])
-    assert f"{cache}: holds {', '.join(FULL_KL_COLUMNS)} but its provenance says klpipe precompute did not compute the " \
-           "exact KL (full_kl false): those columns are passed through, not read" in result.warnings
+    assert (f"{cache}: holds {', '.join(FULL_KL_COLUMNS)} but its provenance says klpipe precompute did not compute "
+            "the exact KL (full_kl false): those columns are passed through, not read") in result.warnings
     assert read(result.output, [KL_POLICY_REF]) == read(cache, [KL_POLICY_REF])
 
 
@@ -313,8 +313,8 @@ def test_full_without_the_exact_kl_is_refused_naming_precompute_policy(tmp_path)
         f"{no_columns}: --estimator full reads the exact per-token KL (kl_policy_ref), and this cache has no "
         f"{' or '.join(FULL_KL_COLUMNS)} column; `klpipe precompute --policy MODEL` computes it")
     made_without = bad(tmp_path, lambda rows: None, made=exact_provenance(full_kl=False))
-    with pytest.raises(InputError, match="was made without it .its provenance says full_kl false.; `klpipe "
-                                         "precompute --policy MODEL` computes it"):
+    with pytest.raises(InputError, match=r"was made without it \(its provenance says full_kl false\); `klpipe "
+                                         r"precompute --policy MODEL` computes it"):
         run(tmp_path, [made_without], estimator="full")
     part = pa.schema([f for f in EXACT_SCHEMA if f.name != REF_ENTROPY])
     with pytest.raises(InputError, match="this cache has no ref_entropy column"):

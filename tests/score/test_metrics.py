@@ -54,7 +54,8 @@ def from_report(report: dict, steps: list[int]) -> list[dict]:
     return [
         {"step": x, "kl": s["kl_mean"], "kl_coef": s["kl_coeff_before"], "kl_coef_after": s["kl_coeff_after"],
          "reward_kl_penalty": s["kl_mean"], "reward_kl_penalty_coeff": s["kl_coeff_before"],
-         "reward": s["reward_mean_before"], "kl_penalty": s["kl_penalty_mean"], "adjusted_reward": s["reward_mean_after"],
+         "reward": s["reward_mean_before"], "kl_penalty": s["kl_penalty_mean"],
+         "adjusted_reward": s["reward_mean_after"],
          "kl_target": TARGET, "kl_target_low": 0.5 * TARGET, "kl_target_high": 1.5 * TARGET,
          "rows": s["rows"], "tokens": s["tokens"]}
         for x, s in zip(steps, report["steps"], strict=True)

@@ -2,6 +2,7 @@
 mismatch section, per step and for the run, and every per-row column, against numpy written here from the cache's
 own columns."""
 
+import itertools
 import json
 
 import numpy as np
@@ -26,7 +27,7 @@ def clean_run(tmp_path_factory):
 
 
 def test_the_run_figures_are_verls_definitions_over_the_sampled_tokens(clean_run):
-    cache, result, tmp = clean_run
+    cache, _result, tmp = clean_run
     section = json.loads((tmp / "report.json").read_text())["mismatch"]
     assert section["sampler_logprobs"] == "sampler_logprobs" and section["trainer_logprobs"] == "policy_logprobs"
     assert section["kl_from"] == "trainer"
@@ -70,7 +71,7 @@ def test_breakdowns_count_every_sampled_token_once_in_its_bucket(clean_run):
     positions, after = np.array(positions), np.array(after)
     edges = [0, 1, 4, 16, 64, 256, 1024, 10**9]
     assert [b["tokens"] for b in tables["position"]] == [
-        int(np.sum((positions >= lo) & (positions < hi))) for lo, hi in zip(edges, edges[1:], strict=False)]
+        int(np.sum((positions >= lo) & (positions < hi))) for lo, hi in itertools.pairwise(edges)]
     assert [b["tokens"] for b in tables["mask_run"]] == [
         int(np.sum(after < 0)), int(np.sum((after >= 0) & (after < 4))), int(np.sum(after >= 4))]
     assert tables["mask_run"][1]["tokens"] > 0
@@ -81,7 +82,7 @@ def test_breakdowns_count_every_sampled_token_once_in_its_bucket(clean_run):
 
 
 def test_per_row_columns_and_per_token_log_ratio(clean_run):
-    cache, result, tmp = clean_run
+    cache, _result, tmp = clean_run
     scored = pq.read_table(tmp / "scored.parquet").to_pylist()
     for row, expected in zip(scored, sampled(cache), strict=True):
         ratio = expected["t"] - expected["s"]
@@ -130,7 +131,8 @@ def test_kl_from_sampler_without_the_samplers_logprobs_is_refused(tmp_path):
 
     # precompute --policy computed these policy_logprobs, and nothing kept the sampler's.
     cache = write_cache(tmp_path / "c.parquet", make_rows(4),
-                        provenance=provenance(policy_model="policy-dir", policy_revision="local:1", policy_dtype="float32"))
+                        provenance=provenance(policy_model="policy-dir", policy_revision="local:1",
+                                              policy_dtype="float32"))
     with pytest.raises(InputError, match="--kl-from sampler: the caches hold no sampler_logprobs column"):
         score(ScoreConfig(inputs=[cache], output=tmp_path / "o.parquet", kl_from="sampler"))
     assert not (tmp_path / "o.parquet").exists()

@@ -203,8 +203,9 @@ def test_extreme_rows_are_named(tmp_path):
     cache = write_cache(tmp_path / "a.parquet", rows)
     result = run(tmp_path, [cache])
     assert result.warnings == [
-        f"2 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 1 (id 'r1'); {cache}: row 4 (id 'r4'). "
-        "This almost always means the policy and the reference tokenized the text differently."
+        (f"2 row(s) have a token with |policy − ref| above 20 nats: {cache}: row 1 (id 'r1'); "
+         f"{cache}: row 4 (id 'r4'). "
+         "This almost always means the policy and the reference tokenized the text differently.")
     ]
     assert result.report["extreme_rows"]["count"] == 2
 
@@ -260,8 +261,8 @@ def test_state_warnings_for_a_split_step_and_a_repeated_run(tmp_path):
     state = tmp_path / "state.json"
     run(tmp_path, [day1], state=state)
     assert run(tmp_path, [day2], state=state).warnings == [
-        "step 1 continues from the previous run recorded in the state file; it is scored as a new controller "
-        "batch, so its coefficients differ from scoring both runs together"
+        ("step 1 continues from the previous run recorded in the state file; it is scored as a new controller "
+         "batch, so its coefficients differ from scoring both runs together")
     ]
     assert run(tmp_path, [day2], state=state).warnings == [
         f"{state}: these inputs were already scored into this state file; scoring them again moves the controller twice"
@@ -330,8 +331,8 @@ def test_rescoring_a_scored_file_replaces_its_columns(tmp_path):
     first = run(tmp_path, [cache], per_token=True, output=tmp_path / "once.parquet")
     second = run(tmp_path, [first.output], output=tmp_path / "twice.parquet", estimator="k2")
     assert second.warnings == [
-        "the input already has scored columns (kl, kl_coeff, kl_penalty, adjusted_reward, kl_per_token); "
-        "they are replaced"
+        ("the input already has scored columns (kl, kl_coeff, kl_penalty, adjusted_reward, kl_per_token); "
+         "they are replaced")
     ]
     assert pq.read_schema(second.output).names == CACHE_SCHEMA.names + SCORED
 
@@ -357,8 +358,8 @@ BAD_ROWS = [
     (
         lambda rows: rows[2].update({REF_LOGPROBS: rows[2][REF_LOGPROBS] + [-1.0]}),
         {},
-        "row 2 (id 'r2'): policy_logprobs has {p} tokens but ref_logprobs has {r}; both must cover the same "
-        "response tokens (rerun `klpipe precompute` with the policy's tokenization)",
+        ("row 2 (id 'r2'): policy_logprobs has {p} tokens but ref_logprobs has {r}; both must cover the same "
+         "response tokens (rerun `klpipe precompute` with the policy's tokenization)"),
     ),
     (
         lambda rows: rows[3].update({POLICY_LOGPROBS: [float("nan")], REF_LOGPROBS: [-1.0]}),
@@ -387,8 +388,8 @@ BAD_ROWS = [
     (
         lambda rows: rows[4].update({POLICY_LOGPROBS: [-800.0], REF_LOGPROBS: [-1.0]}),
         {"estimator": "k3"},
-        "row 4 (id 'r4'): the k3 KL overflows (|policy − ref| up to 799 nats); the policy and reference "
-        "almost certainly tokenized differently",
+        ("row 4 (id 'r4'): the k3 KL overflows (|policy − ref| up to 799 nats); the policy and reference "
+         "almost certainly tokenized differently"),
     ),
 ]
 
@@ -422,8 +423,8 @@ def test_rows_without_ids_are_named_by_index_within_their_file(tmp_path):
         (REF_LOGPROBS, "no ref_logprobs column; run `klpipe precompute` on it first to add the reference logprobs"),
         (
             POLICY_LOGPROBS,
-            "no policy_logprobs column; the rollouts must carry the sampling policy's per-token logprobs, or "
-            "`klpipe precompute --policy MODEL` computes them",
+            ("no policy_logprobs column; the rollouts must carry the sampling policy's per-token logprobs, or "
+             "`klpipe precompute --policy MODEL` computes them"),
         ),
         (REWARD, "no reward column; add each rollout's reward before scoring"),
     ],

@@ -139,8 +139,7 @@ PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
 """
 
     def _spawn(self, name: str, *command: str) -> None:
-        out = open(self.root / f"{name}.out", "wb")
-        with out:
+        with open(self.root / f"{name}.out", "wb") as out:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=self.env(), cwd=self.root, start_new_session=True)
         self.daemons.append((name, proc))

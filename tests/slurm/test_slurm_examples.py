@@ -208,8 +208,8 @@ def test_array_tasks_stopped_mid_run_are_requeued_and_resume(slurm, tmp_path):
         r"received SIGUSR1: stopping after the current batch \(send it again to exit at once\)",
         r"Error: stopped by SIGUSR1; finished chunks are saved, rerun the same command to resume",
         r"srun: error: \S+: task 0: Exited with exit code 75",
-        rf"klpipe-array: klpipe exited 75 \(stopped early, finished chunks kept\); requeueing {array_job}_1 "
-        r"to finish this shard",
+        (rf"klpipe-array: klpipe exited 75 \(stopped early, finished chunks kept\); requeueing {array_job}_1 "
+         r"to finish this shard"),
     ]))
     # Slurm is ending this one: srun may be gone before it can report klpipe's exit code, and the
     # batch shell killed before its last words, so the log's word is klpipe's own.

@@ -31,7 +31,7 @@ def page_payload_positions(path, column: str, per_page: int = 5) -> list[int]:
     end = start + chunk.total_compressed_size
     header = 80  # a page header is a few dozen bytes of thrift; keep well clear of it
     pages = [start, chunk.data_page_offset] if chunk.has_dictionary_page else [start]
-    spans = [(page + header, following) for page, following in zip(pages, pages[1:] + [end])]
+    spans = [(page + header, following) for page, following in zip(pages, pages[1:] + [end], strict=True)]
     assert all(hi - lo > per_page for lo, hi in spans), spans
     return [lo + (hi - lo) * k // (per_page + 1) for lo, hi in spans for k in range(1, per_page + 1)]
 

@@ -16,10 +16,9 @@ from klpipe.storage import atomic, discover, fingerprint
 
 def test_atomic_output_appears_only_on_success(tmp_path):
     target = tmp_path / "out.txt"
-    with pytest.raises(RuntimeError):
-        with atomic.atomic_output(target) as tmp:
-            tmp.write_text("half")
-            raise RuntimeError("crash mid-write")
+    with pytest.raises(RuntimeError), atomic.atomic_output(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
     assert list(tmp_path.iterdir()) == []
     with atomic.atomic_output(target) as tmp:
         tmp.write_text("whole")
@@ -70,13 +69,13 @@ def test_a_scratch_directory_is_removed_and_a_killed_runs_is_too(tmp_path):
 
 
 def test_a_group_of_outputs_appears_together_or_not_at_all(tmp_path):
-    with pytest.raises(OutputError, match="out.b: write failed .No space left on device"):
-        with atomic.OutputGroup() as outputs:
-            with outputs.file(tmp_path / "out.a") as tmp:
-                tmp.write_text("a")
-            assert not (tmp_path / "out.a").exists()  # written, not yet in place
-            with outputs.file(tmp_path / "out.b") as tmp:
-                raise OSError(28, "No space left on device")
+    failed = pytest.raises(OutputError, match=r"out\.b: write failed \(No space left on device")
+    with failed, atomic.OutputGroup() as outputs:
+        with outputs.file(tmp_path / "out.a") as tmp:
+            tmp.write_text("a")
+        assert not (tmp_path / "out.a").exists()  # written, not yet in place
+        with outputs.file(tmp_path / "out.b") as tmp:
+            raise OSError(28, "No space left on device")
     assert list(tmp_path.iterdir()) == []  # out.a never appeared, and no temporary file is left
     with atomic.OutputGroup() as outputs:
         for name in ("out.a", "out.b"):
@@ -89,9 +88,9 @@ def test_a_group_of_outputs_appears_together_or_not_at_all(tmp_path):
 def test_atomic_output_into_an_unwritable_place_is_an_output_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OutputError, match=r"^.*/file/out\.txt: cannot write here"):
-        with atomic.atomic_output(blocker / "out.txt"):
-            pass
+    with pytest.raises(OutputError, match=r"^.*/file/out\.txt: cannot write here"), \
+            atomic.atomic_output(blocker / "out.txt"):
+        pass
 
 
 def test_expand_inputs(tmp_path):

@@ -101,7 +101,8 @@ def test_a_download_for_datasets_is_made_once_and_names_the_object(aws, bucket):
 def test_missing_keys_and_buckets_are_named(aws, bucket):
     with pytest.raises(InputError, match=rf"^s3://{bucket}/nothing.parquet: no such file or directory$"):
         location(f"s3://{bucket}/nothing.parquet").open_input_file()
-    with pytest.raises(StoreError, match=r"^s3://klpipe-no-such-bucket/x.parquet: no such bucket 'klpipe-no-such-bucket'$"):
+    with pytest.raises(StoreError,
+                       match=r"^s3://klpipe-no-such-bucket/x.parquet: no such bucket 'klpipe-no-such-bucket'$"):
         location("s3://klpipe-no-such-bucket/x.parquet").open_input_file()
     # An output's bucket is checked before any work, not at the upload hours later.
     with pytest.raises(StoreError, match="no such bucket 'klpipe-no-such-bucket'"):
@@ -143,7 +144,8 @@ def test_pyarrow_alone_commits_half_an_object_when_a_write_fails(aws, bucket):
 
 
 def _feed(fifo: Path, nbytes: int, hold: threading.Event | None = None) -> threading.Thread:
-    """A thread writing `nbytes` into the FIFO (blocking until they are read), then holding it open until `hold` is set."""
+    """A thread writing `nbytes` into the FIFO (blocking until they are read), then holding it open until `hold` is
+    set."""
     sent = threading.Event()
 
     def feed():
