@@ -121,6 +121,8 @@ def bench(name: str, model: Path, rows: Path, work: Path, pages: str) -> None:
         return step(argv, env_, work)
 
     alone_wall, said = timed(alone, ours)
+    if said is None:
+        return
     load = float(re.search(r"LOAD ([\d.]+)", said).group(1))
     print(f"\n== {name}, page cache {pages}: load alone {load:.1f} s (from_pretrained, the fingerprint, the weights "
           f"read in); its whole process {alone_wall:.1f} s", flush=True)

@@ -203,7 +203,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                          if m.streamer is not None]
             for streamer in streamers:
                 streamer.reset_statistics()  # the run's reads, not the load-time probes'
-            loaded = [m for m in {id(m): m for m in (model, policy) if m is not None}.values()]
+            loaded = list({id(m): m for m in (model, policy) if m is not None}.values())
             summary.check_seconds = sum(m.check_seconds for m in loaded)
             summary.verdicts = "reused" if all(m.verdict_reused for m in loaded) else "checked"
             for line in startup.verdict_lines(loaded):
