@@ -74,11 +74,6 @@ class Rollouts:
         """Whether the rows are the completions of Atropos groups, which score can write back as groups."""
         return self.files[0].kind == atropos.ATROPOS
 
-    @property
-    def has_mask(self) -> bool:
-        """Whether the rows carry a mask column (conversational rows get one derived from their roles)."""
-        return self.mode == BATCH or self.columns.name(cache.MASK) in self.schema.names
-
 
 @dataclass
 class Chunk:

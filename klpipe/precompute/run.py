@@ -146,10 +146,11 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
+    stop_ids = reference.stop_token_ids(spec)  # the generation config's EOS ids: a turn ends on any, and so may a row
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
                               template_kwargs=config.chat_template_kwargs,
-                              stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
-                              end_ids=reference.stop_token_ids(spec),
+                              stop_ids=stop_ids if rollouts.mode == CHAT else (),
+                              end_ids=stop_ids,
                               template_given=config.chat_template is not None,
                               rollout_format=config.rollout_format)
     work = WorkDir(output, recorded, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
