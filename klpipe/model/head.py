@@ -265,7 +265,7 @@ def streamed_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor,
     steps in the same order as in memory; each target's logit off the block that holds its row."""
     if hidden.dtype != head.weight.dtype and hidden.dtype.is_floating_point:  # as fused_logprobs rounds it
         hidden = hidden.to(head.weight.dtype)
-    hidden = hidden.float() if hidden.dtype != torch.float32 else hidden  # CPU only (streaming.py), as fused widens
+    hidden = hidden.float() if hidden.dtype != torch.float32 else hidden  # CPU only (layer_major.py), as fused widens
     n, blocks, width = hidden.shape[0], head.blocks, head.blocks.vocab
     rows = torch.arange(n) if rows is None else rows.cpu()
     targets = targets.cpu()

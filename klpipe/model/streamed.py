@@ -1,5 +1,5 @@
 """A streamed reference built and sized: its model on the meta device, its decoder layers left in their files
-(weight_store.py) and run layer-major (streaming.py), and what it holds, for the budget (precompute/budget.py).
+(weight_store.py) and run layer-major (layer_major.py), and what it holds, for the budget (precompute/budget.py).
 
 Nothing here reads a weight before it is asked for: `measure` builds the model from its config alone, so the
 budget is decided before anything loads; `reference` loads it streamed and checks it as one in memory is checked.
@@ -13,7 +13,7 @@ import torch
 
 from klpipe.errors import ModelError
 from klpipe.model import architecture
-from klpipe.model.streaming import LayerMajor
+from klpipe.model.layer_major import LayerMajor
 from klpipe.model.weight_store import WeightStore
 
 
@@ -64,7 +64,7 @@ FIXED_ACTIVATIONS = 64 << 20
 
 # What each pass of a group holds beyond its activations while it waits: measured 11 to 14 MiB per pass on 2 CPU cores
 # (hidden 256, MLP 8,192, 512 tokens) when each pass ran in a thread of its own (its stack, OpenMP team and BLAS
-# packing buffers). A pass is now a greenlet on the caller's thread (streaming.py), holding its saved stack alone:
+# packing buffers). A pass is now a greenlet on the caller's thread (layer_major.py), holding its saved stack alone:
 # the allowance stays, on the safe side.
 PASS_OVERHEAD = 16 << 20
 

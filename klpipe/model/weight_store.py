@@ -20,7 +20,7 @@ dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is hand
 Which checkpoint key belongs to which layer is decided by the same renaming, once, at load, and a checkpoint that
 does not fit its class (keys missing or unexpected, by from_pretrained's own rules) is refused then, before any
 tensor is read. Only the files from_pretrained reads are opened (the index's shards, else model.safetensors).
-Nothing else of the model changes: its modules, its forward and its attention are transformers' own (streaming.py
+Nothing else of the model changes: its modules, its forward and its attention are transformers' own (layer_major.py
 runs them).
 """
 
@@ -298,7 +298,7 @@ class WeightStore:
 
     def load(self, k: int, own: bool = False) -> None:
         """Layer k's tensors into the model, read from the files now; `own`: into memory of its own, not one of the
-        two buffers kept for layers (a layer kept loaded from group to group: streaming.py)."""
+        two buffers kept for layers (a layer kept loaded from group to group: layer_major.py)."""
         with self._lock:  # on a GPU a layer is a copy on the device whatever it was read into: the kept buffers do
             self._load(k, Buffers(0) if own and self.device.type == "cpu" else None)
 

@@ -1,4 +1,4 @@
-"""The memory a run may use, and whether the reference's weights fit it or stream layer by layer (model/streaming.py).
+"""The memory a run may use, and whether the reference's weights fit it or stream layer by layer (model/layer_major.py).
 
 No torch: the budget is read from the command line or the machine, the model's sizes come from the model package.
 
@@ -179,7 +179,7 @@ class Streamed:
     # budget less the room one pass needs at its widest. Below it, freed pages stay for reuse (no faults).
     trim_above: int | None = None
     # What the groups' fed tokens may hold, at `per_token` bytes each; what a group leaves of it keeps layers loaded
-    # from group to group (model/streaming.py). 0 where the policy streams too: two streamers would each keep layers.
+    # from group to group (model/layer_major.py). 0 where the policy streams too: two streamers would each keep layers.
     spare: int = 0
     per_token: int = 0
 
@@ -196,7 +196,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     """None where the reference's weights fit this run's budget (the in-memory path), or InMemory where what they
     leave of it caps the prefix tree's cache (`cache_mib` at most, half what is left at most: the tree's cache is
     not in the weights' sum, and 2 GiB on CPU, a quarter of a GPU by default, could take a tight Slurm job or a
-    nearly full GPU over); else how a streamed run shares what is left (model/streaming.py), after one line saying
+    nearly full GPU over); else how a streamed run shares what is left (model/layer_major.py), after one line saying
     so: the prefix tree's cache (the same rule) and the fed tokens a layer-major group may hold. Refuses, before
     anything loads, a budget too small for streaming and what does not stream yet."""
     from klpipe.model import resolve_device, runtime, streamed  # torch lives behind this import

@@ -499,7 +499,7 @@ def test_a_dora_norm_waits_for_its_layer_half_read_in_the_background(tmp_path, m
     from transformers import core_model_loading
 
     from klpipe.model import ModelSpec, ReferenceModel
-    from klpipe.model.streaming import LayerMajor
+    from klpipe.model.layer_major import LayerMajor
 
     adapter = save_adapter(TINY_GEMMA, tmp_path / "dora", rank=2, targets=["down_proj"], dora=True)
     real_load, real_ensure = core_model_loading.convert_and_load_state_dict_in_model, LayerMajor.ensure

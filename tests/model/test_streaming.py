@@ -1,4 +1,4 @@
-"""Weights streamed layer by layer (klpipe/model/streaming.py, weight_store.py): the same numbers as the model in
+"""Weights streamed layer by layer (klpipe/model/layer_major.py, weight_store.py): the same numbers as the model in
 memory, each layer read once per group of passes, every pass through a layer before any goes through the next.
 
 The streamed model is held to the in-memory model of the same dtype on the same plan (within 1e-5) and to the
@@ -532,10 +532,10 @@ def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(llama):
 
 
 def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
-    """On a GPU a layer's copy waits behind the compute queued before it (streaming.py): the host's clocks cannot
+    """On a GPU a layer's copy waits behind the compute queued before it (layer_major.py): the host's clocks cannot
     split the two, so no share and no hint is said. The store's device is set by hand (no GPU here), the clocks too."""
     from klpipe.cli.precompute import _streamed
-    from klpipe.model import streaming
+    from klpipe.model import layer_major
 
     streamer = llama.streamer
     streamer.reset_statistics()
@@ -548,8 +548,8 @@ def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
         streamer.store.device = torch.device("cuda", 0)
         figures = streamer.statistics()
         assert figures["hidden"] is None and "tokens_to_hide" not in figures
-        assert streaming.figures([streamer])["hidden"] is None
-        line = _streamed(type("Summary", (), {"streamed": streaming.figures([streamer])})())
+        assert layer_major.figures([streamer])["hidden"] is None
+        line = _streamed(type("Summary", (), {"streamed": layer_major.figures([streamer])})())
         assert line == "; weights streamed: 3 MiB read in 2 layer-major group(s), 2 MiB each"
     finally:
         streamer.store.device = saved

@@ -377,7 +377,7 @@ def test_the_streamer_is_given_the_room_the_budget_leaves_its_groups(tmp_path, m
     # group's 16 MiB a pass, so none can be kept in a budget it does not fit in memory.
     from klpipe.model import ModelSpec
     from klpipe.model import streamed as streamed_model
-    from klpipe.model.streaming import LayerMajor
+    from klpipe.model.layer_major import LayerMajor
 
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
