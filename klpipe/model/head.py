@@ -149,7 +149,7 @@ class LMHead:
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
         # (benchmarks/bench_head.py, docs/benchmarks.md); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
-        self.streamed = None  # a streamed model's head left in its file (head_rows.HeadRows): streamed.py sets it
+        self.streamed = None  # a streamed model's head left in its file (head_rows.HeadRows): streamed_load.py sets it
 
     @property
     def weight(self) -> torch.Tensor:

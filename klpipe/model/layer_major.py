@@ -89,7 +89,7 @@ device's (`--max-memory`, else its free memory), and the host only needs room to
 
 **Memory between layers** (allocator.py): each pass frees its layer's activations, trimmed after a pass's turn
 when the process is over its allowance; every later thread (the reader's) allocates from the main arena. A waiting
-pass's own (its greenlet's saved stack) the budget counts as the 16 MiB a thread held (streamed.PASS_OVERHEAD).
+pass's own (its greenlet's saved stack) the budget counts as the 16 MiB a thread held (streamed_load.PASS_OVERHEAD).
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group, probes.prefetch;
@@ -100,7 +100,7 @@ O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded b
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
 LoRA and DoRA adapters (`--model`'s, `--policy`'s) hook the layers' Linears as in memory, their tensors resident
-(streamed.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
+(streamed_load.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
 
 Not streamed yet, each refused in one line: `--compile on`, `--dtype float64`, `--trust-remote-code`, a quantized
 checkpoint (its tensors mean something only through transformers' quantizer), an adapter's modules_to_save inside a

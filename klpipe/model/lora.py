@@ -81,10 +81,10 @@ class Adapters:
         """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
         until `activate` (or `use`) names it.
 
-        A streamed model's Linears hold meta weights between forwards (streamed.py): `device` is where they compute,
-        and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA layer's
-        norm reads (streamed.py loads its layer). By default, each Linear's own weight and its device. `text_only`:
-        the plan the model was loaded by from a multimodal checkpoint (architecture.TextOnly), or None."""
+        A streamed model's Linears hold meta weights between forwards (streamed_load.py): `device` is where they
+        compute, and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA
+        layer's norm reads (streamed_load.py loads its layer). By default, each Linear's own weight and its device.
+        `text_only`: the plan the model was loaded by from a multimodal checkpoint (architecture.TextOnly), or None."""
         adapter = read(name, path, config, self.model, weight_of, device, text_only)
         self.adapters[name] = adapter
         if adapter.towers:

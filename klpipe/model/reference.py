@@ -116,9 +116,9 @@ class ReferenceModel:
         gives a layer-major group's waiting passes. `remembered(model) -> Verdict | None`: an earlier run's verdict for
         this model as loaded (storage/verdicts.py), applied and held to a short probe rather than checked again."""
         if streamed:
-            from klpipe.model import streamed as streamed_model
+            from klpipe.model import streamed_load
 
-            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
+            return streamed_load.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
         model, device, dtype, text_only = loading.load_model(spec)
         reference = cls(model, device, dtype)
         reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None

@@ -142,7 +142,7 @@ class WeightStore:
         # So does an untied LM head, read a block of rows at a time as it is applied (head_rows.py).
         head = head_rows.streamable(model, self.layers)
         if head is not None and not head_rows.stored_as_is(head, entries):
-            head = None  # converted at load: resident, as the budget counted it (streamed.measure)
+            head = None  # converted at load: resident, as the budget counted it (streamed_load.measure)
         found = table_rows.streamable(model, self.layers)
         for path, module in [*found.items(), *([(head, model.get_submodule(head))] if head else [])]:
             source = self._sources.get(f"{path}.weight")

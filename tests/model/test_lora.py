@@ -466,10 +466,10 @@ def test_modules_to_save_replacing_a_table_read_row_by_row_is_refused_in_one_lin
 def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
     # A plain update needs nothing of the base weight (its device is where the layers load to); DoRA's per-row norm
     # needs each adapted Linear's weight once. The streamed layers are read for that alone.
-    from klpipe.model import ModelSpec, lora, streamed
+    from klpipe.model import ModelSpec, lora, streamed_load
 
     adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj"], dora=dora)
-    model, device, _, streamer, _ = streamed.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    model, device, _, streamer, _ = streamed_load.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
     store, asked = streamer.store, []
 
     def weight_of(module_path, module):

@@ -487,7 +487,7 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, tr
     glibc's malloc, left to itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB
     here, against about 320 allowed). Trimmed after every turn, or, as a run trims, only once the process holds more
     than the budget less one pass's activations (budget.decide's trim_above)."""
-    from klpipe.model import streamed
+    from klpipe.model import streamed_load
 
     directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # a pass's MLP: 48 MiB
     spec = ModelSpec(str(directory), dtype="float32", device="cpu")
@@ -501,8 +501,9 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, tr
         status = open("/proc/self/status").read()
         return int(status.split("RssAnon:")[1].split()[0]) << 10
     before, seen = anonymous(), []
-    sizes = streamed.measure(spec, 512)
-    allowed = 2 * sizes.largest_layer + sizes.activations + 8 * (sizes.kept_per_token * 512 + streamed.PASS_OVERHEAD)
+    sizes = streamed_load.measure(spec, 512)
+    allowed = (2 * sizes.largest_layer + sizes.activations
+               + 8 * (sizes.kept_per_token * 512 + streamed_load.PASS_OVERHEAD))
     model.streamer.trim_above = None if trimmed == "always" else before + allowed - sizes.activations
     model.streamer.run(calls, between=lambda: seen.append(anonymous()))
     assert len(seen) == 4 and max(seen) - before <= allowed, (
