@@ -23,7 +23,7 @@ import numpy as np
 from klpipe.plan import ROOT, Pass, Tree, Wanted, by_tokens
 from klpipe.plan import fed as row_fed
 from klpipe.precompute import prefix_tree
-from klpipe.precompute.batching import pack_batches, padding_efficiency, plan_batches
+from klpipe.precompute.length_batches import pack_batches, padding_efficiency, plan_batches
 
 
 @dataclass
