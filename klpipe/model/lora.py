@@ -192,7 +192,7 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
         if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
             current = getattr(modules[module_path], attribute, None)
             # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter. A
-            # head read by blocks (head_rows.py) applies whichever weight is in place: the adapter's, where active.
+            # head read by blocks (streamed_head.py) applies whichever weight is in place: the adapter's, where active.
             head = modules[module_path] is model.get_output_embeddings()
             if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting) and not head):
                 where = ("read from its file by rows as each forward needs them" if isinstance(current, Resting)
