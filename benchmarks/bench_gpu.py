@@ -323,7 +323,7 @@ def streamed_budget() -> str:
     its footprint and a margin for what the process grows by before the decision included)."""
     import torch
 
-    from klpipe.model.streamed import measure
+    from klpipe.model.streamed_load import measure
     from klpipe.precompute import PrecomputeConfig
     from klpipe.precompute.budget import GROWTH
     from klpipe.precompute.models import resolve

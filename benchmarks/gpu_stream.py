@@ -1,6 +1,6 @@
 """bench_gpu.py's copy-stream row: what a copy stream would add to klpipe's layer-major GPU path, measured alone.
 
-klpipe streams a reference larger than the device's memory (klpipe/model/streaming.py) by copying each layer from
+klpipe streams a reference larger than the device's memory (klpipe/model/layer_major.py) by copying each layer from
 pinned host buffers on the compute's own stream: correct by the stream's order, but the copy does not overlap the
 compute. A copy stream would overlap it, and a slip in its synchronisation is a silent wrong number. This row
 measures that mechanism on its own, on a lent device, so the step starts from figures: a stack of Llama 3.1 70B's

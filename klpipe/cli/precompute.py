@@ -108,7 +108,7 @@ def _streamed(summary) -> str:
                 "would hide the read: a larger --max-memory, or --chunk-rows where a chunk is the smaller)")
     kept = (f", {streamed['kept']} of {streamed['layers']} layers kept loaded from group to group"
             if streamed.get("kept") else "")
-    hidden = ("" if streamed["hidden"] is None  # on a GPU: not measured (model/streaming.py)
+    hidden = ("" if streamed["hidden"] is None  # on a GPU: not measured (model/layer_major.py)
               else f", {streamed['hidden']:.0%} of the read hidden under compute")
     return (f"; weights streamed: {streamed['bytes_read'] / 2**20:,.0f} MiB read in {streamed['groups']} "
             f"layer-major group(s), {per_group:,.0f} MiB each{kept}{hidden}" + hint)

@@ -12,9 +12,9 @@ compiled.py   torch.compile of the decoder layers' norms and MLPs (--compile), h
 transfer.py   host ↔ device copies: pinned and non-blocking on CUDA
 runtime.py    what the stage records and sizes from torch: the device's memory, the library versions
 wide.py       fp64 all the way through (--dtype float64): every fp32 the model's code or klpipe's asks for made fp64
-streaming.py  a model larger than the memory budget: its decoder layers read one at a time, layer-major over passes
+layer_major.py  a model larger than the memory budget: its decoder layers read one at a time, layer-major over passes
 weight_store.py  the model built on meta, its layers' weights left in their safetensors files until asked for
-table_rows.py / head_rows.py  a streamed model's embedding tables and untied head read from their files by rows
+table_rows.py / streamed_head.py  a streamed model's embedding tables and untied head read from their files by rows
 """
 
 from klpipe.model.loading import (

@@ -1,6 +1,6 @@
 """What the C allocator holds beyond what the tensors hold: glibc's malloc, told to give memory back.
 
-A streamed model lives near its memory budget (streaming.py), so what the process holds must be what it
+A streamed model lives near its memory budget (layer_major.py), so what the process holds must be what it
 computes. glibc's malloc keeps two kinds of memory the tensors have let go of:
 
     arenas      each thread that allocates gets an arena of its own (up to 8 per core); when a layer-major

@@ -23,7 +23,6 @@ import torch
 
 from klpipe.errors import InputError
 
-PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # pickle protocols 2 to 5
 CONVERT = ("python -c \"import sys, pyarrow as pa, pyarrow.parquet as pq; from verl import DataProto; "
            "d = DataProto.load_from_disk(sys.argv[1]); pq.write_table(pa.table({**{k: v.tolist() for k, v in "
            "d.batch.items()}, **{k: v.tolist() for k, v in d.non_tensor_batch.items()}}), sys.argv[1] + '.parquet')\" "
@@ -97,10 +96,6 @@ class _InnerPickle:
     Unpickler = _restricted(_INNER)
     load = pickle.load
     __name__ = "klpipe_restricted_pickle"
-
-
-def is_pickle(head: bytes) -> bool:
-    return head[:2] in PICKLE_MAGIC
 
 
 def read_dataproto(path: object, local: Path) -> pa.Table:

@@ -149,7 +149,7 @@ class LMHead:
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
         # (benchmarks/bench_head.py, docs/benchmarks.md); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
-        self.streamed = None  # a streamed model's head left in its file (head_rows.HeadRows): streamed.py sets it
+        self.streamed = None  # a streamed model's head left in its file (streamed_head.HeadRows), as loaded
 
     @property
     def weight(self) -> torch.Tensor:
@@ -260,12 +260,12 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
 
 def streamed_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                       rows: torch.Tensor | None) -> torch.Tensor:
-    """fused_logprobs with the head's weight read from its file a block of rows at a time (head_rows.py): each block
+    """fused_logprobs with the head's weight read from its file a block of rows at a time (streamed_head.py): each block
     once, its columns in the fused head's vocabulary blocks, so that every row's online log-sum-exp takes the same
     steps in the same order as in memory; each target's logit off the block that holds its row."""
     if hidden.dtype != head.weight.dtype and hidden.dtype.is_floating_point:  # as fused_logprobs rounds it
         hidden = hidden.to(head.weight.dtype)
-    hidden = hidden.float() if hidden.dtype != torch.float32 else hidden  # CPU only (streaming.py), as fused widens
+    hidden = hidden.float() if hidden.dtype != torch.float32 else hidden  # CPU only (layer_major.py), as fused widens
     n, blocks, width = hidden.shape[0], head.blocks, head.blocks.vocab
     rows = torch.arange(n) if rows is None else rows.cpu()
     targets = targets.cpu()

@@ -35,7 +35,7 @@ class Side:
     file by `streamed`), or the model's own head (`own`, a ModelHead) run with `active` entered."""
 
     view: HeadView | None = None
-    streamed: object = None  # head_rows.HeadRows where the weight stays in its file
+    streamed: object = None  # streamed_head.HeadRows where the weight stays in its file
     own: ModelHead | None = None
     active: object = nullcontext  # () -> a context manager: the side's adapter on, for `own`'s forward
 
@@ -191,7 +191,7 @@ def _rows_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: f
 
 def _vocab_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: float, blocks: HeadBlocks,
                  vocab: int) -> None:
-    """Vocabulary blocks outermost, every row through each (a head read from its file, once: head_rows.py)."""
+    """Vocabulary blocks outermost, every row through each (a head read from its file, once: streamed_head.py)."""
     if any(side.own is not None for side, _, _ in sides):
         raise RuntimeError("klpipe bug: a streamed head beside a model's own head in the joint head")
     n, width = int(targets.shape[0]), blocks.vocab

@@ -81,10 +81,10 @@ class Adapters:
         """Read the adapter at `path` (its config already checked: precompute/adapters.py) and hook it in, inactive
         until `activate` (or `use`) names it.
 
-        A streamed model's Linears hold meta weights between forwards (streamed.py): `device` is where they compute,
-        and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA layer's
-        norm reads (streamed.py loads its layer). By default, each Linear's own weight and its device. `text_only`:
-        the plan the model was loaded by from a multimodal checkpoint (architecture.TextOnly), or None."""
+        A streamed model's Linears hold meta weights between forwards (streamed_load.py): `device` is where they
+        compute, and `weight_of(module_path, module)` gives an adapted Linear's base weight loaded, which only a DoRA
+        layer's norm reads (streamed_load.py loads its layer). By default, each Linear's own weight and its device.
+        `text_only`: the plan the model was loaded by from a multimodal checkpoint (architecture.TextOnly), or None."""
         adapter = read(name, path, config, self.model, weight_of, device, text_only)
         self.adapters[name] = adapter
         if adapter.towers:
@@ -192,7 +192,7 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
         if any(module_path == m or module_path.endswith("." + m) for m in to_save) and module_path in modules:
             current = getattr(modules[module_path], attribute, None)
             # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter. A
-            # head read by blocks (head_rows.py) applies whichever weight is in place: the adapter's, where active.
+            # head read by blocks (streamed_head.py) applies whichever weight is in place: the adapter's, where active.
             head = modules[module_path] is model.get_output_embeddings()
             if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting) and not head):
                 where = ("read from its file by rows as each forward needs them" if isinstance(current, Resting)

@@ -1,4 +1,4 @@
-"""A streamed model's load-time checks as passes of one layer-major group (streaming.py): each layer read once for
+"""A streamed model's load-time checks as passes of one layer-major group (layer_major.py): each layer read once for
 every probe, the model's own forwards and klpipe's rows run whole alike, rather than once per probe.
 
 The checks compare forwards that run under different attention implementations: the model's own (the oracle's,

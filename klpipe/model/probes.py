@@ -82,7 +82,7 @@ def own_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: 
 
 def own_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]], block: int | None = None) -> list[np.ndarray]:
     """own_logprobs of `rows`: those `prefetch` ran already, taken (once) from its memo; for a model whose layers
-    stream (streaming.py), the others each a pass of one layer-major group, so that each layer is read once for them
+    stream (layer_major.py), the others each a pass of one layer-major group, so that each layer is read once for them
     all rather than once per row: the same forwards, in another order."""
     memo = getattr(reference, "own_memo", None) or {}
     found = [memo.pop(_key(row, block), None) for row in rows]

@@ -85,7 +85,7 @@ class ReferenceModel:
         self.verdict_reused = False  # whether it was remembered from an earlier run (checks.check) rather than checked
         self.recheck_why: str | None = None  # why a remembered verdict was not taken
         self.check_seconds = 0.0  # the load-time checks' time
-        self.streamer = None  # streaming.LayerMajor where the decoder layers stream from their files; None: in memory
+        self.streamer = None  # layer_major.LayerMajor where the decoder layers stream from their files; None: in memory
         self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
         self.stream_cache_mib: int | None = None  # the tree cache the budget leaves (precompute/budget.py); None: the option
 
@@ -111,14 +111,14 @@ class ReferenceModel:
 
         `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
         the one active outside `side` (the reference's, or None: the weights alone). `streamed`: the decoder layers'
-        weights stay in their files (streaming.py), and the memory they free goes back to the kernel once the process
+        weights stay in their files (layer_major.py), and the memory they free goes back to the kernel once the process
         holds more than `trim_above` bytes (allocator.py; None: always); `room`: (bytes, bytes a fed token) the budget
         gives a layer-major group's waiting passes. `remembered(model) -> Verdict | None`: an earlier run's verdict for
         this model as loaded (storage/verdicts.py), applied and held to a short probe rather than checked again."""
         if streamed:
-            from klpipe.model import streamed as streamed_model
+            from klpipe.model import streamed_load
 
-            return streamed_model.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
+            return streamed_load.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
         model, device, dtype, text_only = loading.load_model(spec)
         reference = cls(model, device, dtype)
         reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None

@@ -2,7 +2,7 @@
 
 Gemma 4 E2B looks up, besides its token embeddings, a per-layer embedding for every token (`embed_tokens_per_layer`,
 262,144 x 35 x 256): 2.3B of its 4.6B parameters, 4.7 GB in bf16, of which a pass of 4,096 tokens reads at most 4,096
-rows (73 MB). A streamed model (streaming.py) keeps such a table in its safetensors file: before the table's own
+rows (73 MB). A streamed model (layer_major.py) keeps such a table in its safetensors file: before the table's own
 forward, the distinct ids of its input are read (tensor_files.read_rows: one positioned read per run of consecutive
 ids), cast as transformers' loader casts the whole table, and stand in as the table; the ids are renumbered into it.
 The module's own forward then runs as in memory (its scale, Gemma's `embed_scale`, included), over the rows it would
@@ -20,7 +20,7 @@ the weight's device; klpipe's input device is read off it), so between forwards 
 than a meta one: the table's shape, dtype and device, one element of memory, and an error for anything that would
 read its values. Whatever reads the table outside its forward fails loudly; it never computes on a stand-in.
 
-A streamed group's passes take turns only at decoder layers (streaming.py), so a table stands in for one forward
+A streamed group's passes take turns only at decoder layers (layer_major.py), so a table stands in for one forward
 at a time.
 """
 

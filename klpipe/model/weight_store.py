@@ -12,7 +12,7 @@ dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is hand
     per forward  the rows a forward needs of an embedding table it only gathers from (the input embeddings where
                  the head does not share them, Gemma's per-layer embeddings: table_rows.py), read from the files,
                  cast as the loader casts the table; an untied head, a block of rows at a time as it is applied
-                 (head_rows.py)
+                 (streamed_head.py)
     per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
                  read into memory the process owns, nothing mapped), converted into the layer's parameters;
                  `release(k)` puts the meta parameters back, so the layer's tensors are freed
@@ -20,7 +20,7 @@ dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is hand
 Which checkpoint key belongs to which layer is decided by the same renaming, once, at load, and a checkpoint that
 does not fit its class (keys missing or unexpected, by from_pretrained's own rules) is refused then, before any
 tensor is read. Only the files from_pretrained reads are opened (the index's shards, else model.safetensors).
-Nothing else of the model changes: its modules, its forward and its attention are transformers' own (streaming.py
+Nothing else of the model changes: its modules, its forward and its attention are transformers' own (layer_major.py
 runs them).
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from klpipe.errors import ModelError
-from klpipe.model import head_rows, table_rows
+from klpipe.model import streamed_head, table_rows
 from klpipe.model.tensor_files import Buffers, TensorFiles
 
 
@@ -46,7 +46,7 @@ class Sizes:
     weights: int  # every parameter
     resident: int  # those outside the decoder layers and the tables, kept for the run
     layers: list[int] = field(default_factory=list)  # each decoder layer's
-    tables: int = 0  # left in their files, read by rows: embedding tables (table_rows.py), the head (head_rows.py)
+    tables: int = 0  # left in their files, read by rows: embedding tables (table_rows.py), the head (streamed_head.py)
 
     @property
     def largest_layer(self) -> int:
@@ -139,10 +139,10 @@ class WeightStore:
         # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
         # stay in their files too: each forward reads the rows it needs (table_rows.py).
         tables = {}
-        # So does an untied LM head, read a block of rows at a time as it is applied (head_rows.py).
-        head = head_rows.streamable(model, self.layers)
-        if head is not None and not head_rows.stored_as_is(head, entries):
-            head = None  # converted at load: resident, as the budget counted it (streamed.measure)
+        # So does an untied LM head, read a block of rows at a time as it is applied (streamed_head.py).
+        head = streamed_head.streamable(model, self.layers)
+        if head is not None and not streamed_head.stored_as_is(head, entries):
+            head = None  # converted at load: resident, as the budget counted it (streamed_load.measure)
         found = table_rows.streamable(model, self.layers)
         for path, module in [*found.items(), *([(head, model.get_submodule(head))] if head else [])]:
             source = self._sources.get(f"{path}.weight")
@@ -162,7 +162,7 @@ class WeightStore:
         if head is not None:
             module = model.get_submodule(head)
             dtype = table_rows.dtype_of(f"{head}.weight", module.weight, self.load_config.dtype_plan)
-            self.head = head_rows.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count,
+            self.head = streamed_head.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count,
                                            self.device)
         inputs = model.get_input_embeddings()
         self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
@@ -298,7 +298,7 @@ class WeightStore:
 
     def load(self, k: int, own: bool = False) -> None:
         """Layer k's tensors into the model, read from the files now; `own`: into memory of its own, not one of the
-        two buffers kept for layers (a layer kept loaded from group to group: streaming.py)."""
+        two buffers kept for layers (a layer kept loaded from group to group: layer_major.py)."""
         with self._lock:  # on a GPU a layer is a copy on the device whatever it was read into: the kept buffers do
             self._load(k, Buffers(0) if own and self.device.type == "cpu" else None)
 

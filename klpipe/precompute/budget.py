@@ -1,4 +1,4 @@
-"""The memory a run may use, and whether the reference's weights fit it or stream layer by layer (model/streaming.py).
+"""The memory a run may use, and whether the reference's weights fit it or stream layer by layer (model/layer_major.py).
 
 No torch: the budget is read from the command line or the machine, the model's sizes come from the model package.
 
@@ -14,7 +14,7 @@ No torch: the budget is read from the command line or the machine, the model's s
 
 `footprint` is the process as it stands before the weights load (the interpreter, torch, transformers, the
 tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
-estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streamed.py's `measure`).
+estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streamed_load.py's `measure`).
 
 What a run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`; none with
 `--prefix-sharing off`): in memory, what the weights and one pass leave; streamed, what stays loaded, two layers
@@ -179,7 +179,7 @@ class Streamed:
     # budget less the room one pass needs at its widest. Below it, freed pages stay for reuse (no faults).
     trim_above: int | None = None
     # What the groups' fed tokens may hold, at `per_token` bytes each; what a group leaves of it keeps layers loaded
-    # from group to group (model/streaming.py). 0 where the policy streams too: two streamers would each keep layers.
+    # from group to group (model/layer_major.py). 0 where the policy streams too: two streamers would each keep layers.
     spare: int = 0
     per_token: int = 0
 
@@ -196,10 +196,10 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     """None where the reference's weights fit this run's budget (the in-memory path), or InMemory where what they
     leave of it caps the prefix tree's cache (`cache_mib` at most, half what is left at most: the tree's cache is
     not in the weights' sum, and 2 GiB on CPU, a quarter of a GPU by default, could take a tight Slurm job or a
-    nearly full GPU over); else how a streamed run shares what is left (model/streaming.py), after one line saying
+    nearly full GPU over); else how a streamed run shares what is left (model/layer_major.py), after one line saying
     so: the prefix tree's cache (the same rule) and the fed tokens a layer-major group may hold. Refuses, before
     anything loads, a budget too small for streaming and what does not stream yet."""
-    from klpipe.model import resolve_device, runtime, streamed  # torch lives behind this import
+    from klpipe.model import resolve_device, runtime, streamed_load  # torch lives behind this import
 
     device, device_map = resolve_device(models.spec.device)
     if device_map is not None:  # spread over several GPUs by accelerate: not one device's memory to budget
@@ -208,15 +208,15 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     # torch's allocator has reserved (nothing, for a fresh process: its CUDA context is outside the free memory).
     gpu = device != "cpu"
     limit = device_budget(config.max_memory, device) if gpu else find(config.max_memory)
-    sizes = streamed.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
+    sizes = streamed_load.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
-    policy = streamed.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
+    policy = streamed_load.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
     footprint = runtime.device_reserved_bytes(device) if gpu else process_memory.resident()
     beside = policy.weights if policy is not None else 0
     if sizes is None:
         return None
     # LoRA adapters over the reference (--model's, --policy's) stay resident, in memory or streamed beside it.
-    adapters = streamed.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
+    adapters = streamed_load.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
     weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
     # On a GPU the weights alone decide whether they stream, as before streaming ran there: a pass's activations are
@@ -257,7 +257,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)
     spare -= cache
     # Each waiting pass keeps its residual stream and kin per token, and its thread's own buffers per pass.
-    per_token = sizes.kept_per_token + streamed.PASS_OVERHEAD // max(max_tokens, 1)
+    per_token = sizes.kept_per_token + streamed_load.PASS_OVERHEAD // max(max_tokens, 1)
     tokens = max(spare // max(per_token, 1), max_tokens)
     with_policy = " with the policy's" if models.policy_spec is not None else ""
     log(f"{models.spec.name}: its {weights}{with_policy} do not fit {limit.source}: its "

@@ -123,7 +123,7 @@ class PrecomputeConfig:
         None, panel=BATCH_PANEL, show_default=False,
         help="Keys and values the prefix tree keeps alive at once, MiB. Default: 2048 on CPU, a quarter of the "
              "GPU's memory on CUDA.")
-    # Weights that do not fit stream layer by layer (model/streaming.py).
+    # Weights that do not fit stream layer by layer (model/layer_major.py).
     max_memory: str | None = option(
         None, metavar="SIZE", panel=BATCH_PANEL, show_default=False,
         help="The memory this run may use (32G, 1.5GiB, 500M), on its GPU where it runs on one: a reference whose "

@@ -23,7 +23,7 @@ import numpy as np
 from klpipe.plan import ROOT, Pass, Tree, Wanted, by_tokens
 from klpipe.plan import fed as row_fed
 from klpipe.precompute import prefix_tree
-from klpipe.precompute.batching import pack_batches, padding_efficiency, plan_batches
+from klpipe.precompute.length_batches import pack_batches, padding_efficiency, plan_batches
 
 
 @dataclass
@@ -170,7 +170,7 @@ def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], 
 
 
 def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, results: list) -> list:
-    """run_plan's batches on a model whose weights stream (model/streaming.py): each group of batches layer-major,
+    """run_plan's batches on a model whose weights stream (model/layer_major.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
     # torch lives behind this import (a streamed model has loaded it)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from klpipe.plan import ROOT, Pass, Tree
-from klpipe.precompute.batching import cheapest_cut, within_budget
+from klpipe.precompute.length_batches import cheapest_cut, within_budget
 
 # A pass charges one budget token for every this many context positions a row attends to. Those
 # positions are held as keys and values, gathered one layer at a time, while a fed token carries

@@ -23,7 +23,7 @@ from klpipe.cache import written_by_klpipe
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, first_line
 from klpipe.mask import check_mask_type, mask_by_name
-from klpipe.precompute import batches
+from klpipe.precompute import trainer_batches
 from klpipe.precompute.chat import is_messages_type
 from klpipe.storage.discover import (
     JSONL_SUFFIXES,
@@ -40,7 +40,7 @@ INPUT_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES
 TOKEN_IDS = "ids"  # token-id mode: prompt_ids / response_ids used as they are
 TEXT = "text"  # text mode: prompt / response tokenized with the reference tokenizer
 CHAT = "chat"  # TRL conversational: prompt / completion messages rendered with the chat template
-BATCH = "batch"  # a trainer's padded batch (verl's keys, OpenRLHF's experience): unpadded by batches.py
+BATCH = "batch"  # a trainer's padded batch (verl's keys, OpenRLHF's experience): unpadded by trainer_batches.py
 TOKEN_ID_TYPE = pa.list_(pa.int32())  # what text mode writes
 DATAPROTO = "dataproto"  # a file's kind: verl's DataProto.save_to_disk pickle
 PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")  # pickle protocols 2 to 5
@@ -63,7 +63,7 @@ class Rollouts:
     mode: str  # TOKEN_IDS, TEXT, CHAT or BATCH
     columns: ColumnMap  # role -> the user's column name
     skipped: list[Location] = field(default_factory=list)  # klpipe's own outputs found in input directories
-    batch: str | None = None  # BATCH mode: whose batch (batches.VERL or batches.OPENRLHF)
+    batch: str | None = None  # BATCH mode: whose batch (trainer_batches.VERL or trainer_batches.OPENRLHF)
 
     @property
     def num_rows(self) -> int:
@@ -73,11 +73,6 @@ class Rollouts:
     def atropos(self) -> bool:
         """Whether the rows are the completions of Atropos groups, which score can write back as groups."""
         return self.files[0].kind == atropos.ATROPOS
-
-    @property
-    def has_mask(self) -> bool:
-        """Whether the rows carry a mask column (conversational rows get one derived from their roles)."""
-        return self.mode == BATCH or self.columns.name(cache.MASK) in self.schema.names
 
 
 @dataclass
@@ -109,12 +104,12 @@ def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None 
                 f"{other.path}: columns differ from {first.path} "
                 f"({schema_difference(first.schema, other.schema)}); inputs of one run must share a schema"
             )
-    batches.refuse_rollout_dump(first.path, first.schema)
+    trainer_batches.refuse_rollout_dump(first.path, first.schema)
     columns = (columns or ColumnMap()).resolve(first.schema, first.path)
     columns.check_present(first.path, first.schema, outputs=writes)
-    batch = batches.detect(first.schema) if first.kind != atropos.ATROPOS else None
+    batch = trainer_batches.detect(first.schema) if first.kind != atropos.ATROPOS else None
     if batch is not None:
-        batches.check_schema(first.path, batch, first.schema, columns.given)
+        trainer_batches.check_schema(first.path, batch, first.schema, columns.given)
         return Rollouts(files=files, schema=first.schema, mode=BATCH, columns=columns, skipped=skipped, batch=batch)
     by_name = mask_by_name(first.path, first.schema, columns.name(cache.MASK), cache.MASK in columns.given)
     if by_name is not None:  # recorded as if mapped, so that score reads the same column

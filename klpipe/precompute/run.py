@@ -74,7 +74,7 @@ class PrecomputeSummary:
     resumed_rows: int = 0  # their rows, in the output but not counted in `rows`
     skipped: bool = False  # output already complete: nothing to do
     peak_memory: dict = field(default_factory=dict)
-    streamed: dict | None = None  # where the weights streamed: bytes read, groups, share hidden (model/streaming.py)
+    streamed: dict | None = None  # where the weights streamed: bytes read, groups, share hidden (model/layer_major.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -146,10 +146,11 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
+    stop_ids = reference.stop_token_ids(spec)  # the generation config's EOS ids: a turn ends on any, and so may a row
     tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
                               template_kwargs=config.chat_template_kwargs,
-                              stop_ids=reference.stop_token_ids(spec) if rollouts.mode == CHAT else (),
-                              end_ids=reference.stop_token_ids(spec),
+                              stop_ids=stop_ids if rollouts.mode == CHAT else (),
+                              end_ids=stop_ids,
                               template_given=config.chat_template is not None,
                               rollout_format=config.rollout_format)
     work = WorkDir(output, recorded, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
@@ -168,7 +169,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                 check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
             load_started = time.perf_counter()
             trim_above = streamed.trim_above if streamed is not None else None
-            # What the groups leave of the budget keeps layers loaded (streaming.py): none where the policy streams.
+            # What the groups leave of the budget keeps layers loaded (layer_major.py): none where the policy streams.
             room = (streamed.spare, streamed.per_token) if streamed is not None else (0, 0)
             verdicts = VerdictCache(log=log)
             remembered = Remembering(verdicts, run_key(config, models, recorded.revision, streamed is not None),
@@ -197,7 +198,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             if policy is not None:  # its tree runs after the reference's, in the same share of the budget
                 policy.stream_cache_mib = cache_mib
             summary.load_seconds = time.perf_counter() - load_started
-            from klpipe.model import streaming  # torch lives behind this import (loaded by now)
+            from klpipe.model import layer_major  # torch lives behind this import (loaded by now)
 
             streamers = [m.streamer for m in {id(m): m for m in (model, policy) if m is not None}.values()
                          if m.streamer is not None]
@@ -215,7 +216,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                 remembered.keep(model)
                 if policy_remembered is not None:
                     policy_remembered.keep(policy)
-            summary.streamed = streaming.figures(streamers)
+            summary.streamed = layer_major.figures(streamers)
         if groups_out:
             # The cache, merged inside the work directory, goes out as the groups it was read from.
             merged = work.path / "cache.parquet"

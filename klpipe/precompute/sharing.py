@@ -120,6 +120,6 @@ class Sharing:
 
 def uncounted(model):
     """What runs inside (the tree's probes, a cost measured once per model) left out of a streamed model's figures
-    (model/streaming.py's statistics: the run's reads, groups and times), though a probe under auto runs mid-run."""
+    (model/layer_major.py's statistics: the run's reads, groups and times), though a probe under auto runs mid-run."""
     streamer = getattr(model, "streamer", None)
     return nullcontext() if streamer is None else streamer.uncounted()

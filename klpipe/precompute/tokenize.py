@@ -21,7 +21,7 @@ from klpipe.arrow import (
 )
 from klpipe.errors import InputError
 from klpipe.mask import read_mask
-from klpipe.precompute import batches
+from klpipe.precompute import trainer_batches
 from klpipe.precompute.chat import ChatError, ChatRenderer
 from klpipe.precompute.rollouts import BATCH, CHAT, TOKEN_IDS, Chunk, Rollouts
 from klpipe.rows import row_name
@@ -98,7 +98,7 @@ class ChunkTokenizer:
         derived = None  # conversational rows: the mask their roles give
         pads = 0
         if self.rollouts.mode == BATCH:  # the attended tokens of a trainer's padded batch, as prompt_ids & co.
-            table, pads = batches.unpad(table, self.rollouts.batch, lambda i: self._row_name(chunk, i))
+            table, pads = trainer_batches.unpad(table, self.rollouts.batch, lambda i: self._row_name(chunk, i))
         if self.rollouts.mode in (TOKEN_IDS, BATCH):
             prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS), table)
             response, response_off = self._flat_ids(chunk, names(cache.RESPONSE_IDS), table)

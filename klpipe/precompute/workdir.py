@@ -25,7 +25,7 @@ from klpipe import cache
 from klpipe.arrow import list_array, offsets_from_lengths
 from klpipe.errors import InputError, OutputError, ProvenanceError, first_line
 from klpipe.mask import MASK_TYPE
-from klpipe.precompute import batches
+from klpipe.precompute import trainer_batches
 from klpipe.precompute.rollouts import BATCH, CHAT, TEXT, TOKEN_ID_TYPE, Rollouts
 from klpipe.precompute.tokenize import TokenizedChunk
 from klpipe.storage.atomic import atomic_output
@@ -89,8 +89,8 @@ class WorkDir:
                     schema = schema.set(schema.get_field_index(name), pa.field(name, TOKEN_ID_TYPE))
                 else:
                     schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
-        if rollouts.mode == BATCH:  # the batch's attended tokens, mask, logprobs and reward (batches.py)
-            derived = batches.derived_fields(rollouts.batch, schema)
+        if rollouts.mode == BATCH:  # the batch's attended tokens, mask, logprobs and reward (trainer_batches.py)
+            derived = trainer_batches.derived_fields(rollouts.batch, schema)
             if self.provenance.policy_model is not None and cache.POLICY_LOGPROBS in [f.name for f in derived]:
                 raise InputError(f"{rollouts.files[0].path}: the batch carries the policy's logprobs; --policy "
                                  "computes them for rows that have none")

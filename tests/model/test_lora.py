@@ -466,10 +466,10 @@ def test_modules_to_save_replacing_a_table_read_row_by_row_is_refused_in_one_lin
 def test_only_a_dora_norm_reads_a_streamed_base_layer_at_load(tmp_path, dora):
     # A plain update needs nothing of the base weight (its device is where the layers load to); DoRA's per-row norm
     # needs each adapted Linear's weight once. The streamed layers are read for that alone.
-    from klpipe.model import ModelSpec, lora, streamed
+    from klpipe.model import ModelSpec, lora, streamed_load
 
     adapter = save_adapter(TINY_GEMMA, tmp_path / "adapter", rank=2, targets=["q_proj"], dora=dora)
-    model, device, _, streamer, _ = streamed.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
+    model, device, _, streamer, _ = streamed_load.load(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"))
     store, asked = streamer.store, []
 
     def weight_of(module_path, module):
@@ -499,7 +499,7 @@ def test_a_dora_norm_waits_for_its_layer_half_read_in_the_background(tmp_path, m
     from transformers import core_model_loading
 
     from klpipe.model import ModelSpec, ReferenceModel
-    from klpipe.model.streaming import LayerMajor
+    from klpipe.model.layer_major import LayerMajor
 
     adapter = save_adapter(TINY_GEMMA, tmp_path / "dora", rank=2, targets=["down_proj"], dora=True)
     real_load, real_ensure = core_model_loading.convert_and_load_state_dict_in_model, LayerMajor.ensure

@@ -1,4 +1,4 @@
-"""Weights streamed layer by layer (klpipe/model/streaming.py, weight_store.py): the same numbers as the model in
+"""Weights streamed layer by layer (klpipe/model/layer_major.py, weight_store.py): the same numbers as the model in
 memory, each layer read once per group of passes, every pass through a layer before any goes through the next.
 
 The streamed model is held to the in-memory model of the same dtype on the same plan (within 1e-5) and to the
@@ -490,7 +490,7 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, tr
     glibc's malloc, left to itself, kept every pass's freed activations in the pass thread's arena (+440 to +680 MiB
     here, against about 320 allowed). Trimmed after every turn, or, as a run trims, only once the process holds more
     than the budget less one pass's activations (budget.decide's trim_above)."""
-    from klpipe.model import streamed
+    from klpipe.model import streamed_load
 
     directory = big_llama(tmp_path / "wide", layers=4, hidden=256, intermediate=8192)  # a pass's MLP: 48 MiB
     spec = ModelSpec(str(directory), dtype="float32", device="cpu")
@@ -504,8 +504,9 @@ def test_a_groups_memory_stays_inside_what_the_budget_allows_for_it(tmp_path, tr
         status = Path("/proc/self/status").read_text()
         return int(status.split("RssAnon:")[1].split()[0]) << 10
     before, seen = anonymous(), []
-    sizes = streamed.measure(spec, 512)
-    allowed = 2 * sizes.largest_layer + sizes.activations + 8 * (sizes.kept_per_token * 512 + streamed.PASS_OVERHEAD)
+    sizes = streamed_load.measure(spec, 512)
+    allowed = (2 * sizes.largest_layer + sizes.activations
+               + 8 * (sizes.kept_per_token * 512 + streamed_load.PASS_OVERHEAD))
     model.streamer.trim_above = None if trimmed == "always" else before + allowed - sizes.activations
     model.streamer.run(calls, between=lambda: seen.append(anonymous()))
     assert len(seen) == 4 and max(seen) - before <= allowed, (
@@ -535,10 +536,10 @@ def test_a_group_too_small_to_hide_its_read_says_how_many_tokens_would(llama):
 
 
 def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
-    """On a GPU a layer's copy waits behind the compute queued before it (streaming.py): the host's clocks cannot
+    """On a GPU a layer's copy waits behind the compute queued before it (layer_major.py): the host's clocks cannot
     split the two, so no share and no hint is said. The store's device is set by hand (no GPU here), the clocks too."""
     from klpipe.cli.precompute import _streamed
-    from klpipe.model import streaming
+    from klpipe.model import layer_major
 
     streamer = llama.streamer
     streamer.reset_statistics()
@@ -551,8 +552,8 @@ def test_on_a_gpu_the_summary_says_what_was_read_and_not_what_share_hid(llama):
         streamer.store.device = torch.device("cuda", 0)
         figures = streamer.statistics()
         assert figures["hidden"] is None and "tokens_to_hide" not in figures
-        assert streaming.figures([streamer])["hidden"] is None
-        line = _streamed(type("Summary", (), {"streamed": streaming.figures([streamer])})())
+        assert layer_major.figures([streamer])["hidden"] is None
+        line = _streamed(type("Summary", (), {"streamed": layer_major.figures([streamer])})())
         assert line == "; weights streamed: 3 MiB read in 2 layer-major group(s), 2 MiB each"
     finally:
         streamer.store.device = saved

@@ -5,7 +5,7 @@ table loaded whole by transformers gives; which tables are left so is decided by
 import pytest
 import torch
 
-from klpipe.model import ModelSpec, ReferenceModel, streamed
+from klpipe.model import ModelSpec, ReferenceModel, streamed_load
 from klpipe.model.architecture import decoder_body
 from klpipe.model.table_rows import Resting, streamable
 from klpipe.model.weight_store import decoder_layers
@@ -67,7 +67,7 @@ def test_an_id_past_the_table_is_refused_as_the_table_refuses_it():
 
 
 def built(path):
-    model = streamed._build(ModelSpec(str(path), dtype="float32", device="cpu"))[0]
+    model = streamed_load._build(ModelSpec(str(path), dtype="float32", device="cpu"))[0]
     return model, decoder_layers(decoder_body(model))[1]
 
 
@@ -104,7 +104,7 @@ def test_a_table_read_by_rows_of_another_shape_is_refused_before_anything_loads(
     tensors[key] = tensors[key][:-1].clone()  # one vocabulary row short
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError) as caught:
-        streamed.load(ModelSpec(str(tmp_path), dtype="float32", device="cpu"))
+        streamed_load.load(ModelSpec(str(tmp_path), dtype="float32", device="cpu"))
     shape = (expected[0] - 1, expected[1])
     assert str(caught.value) == (f"{key} is {shape} in the checkpoint, and the model's {key.removesuffix('.weight')} "
                                  f"{expected}: the checkpoint does not match the model class")

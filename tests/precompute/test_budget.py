@@ -128,7 +128,7 @@ def sizes_in_memory(path) -> tuple[int, int, int]:
 
 
 def activations(path, tokens: int, element: int = 4) -> int:
-    """streamed.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
+    """streamed_load.activation_bytes by hand, from the config: `element` bytes (fp32), 8 x hidden + 3 x intermediate
     + the per-layer inputs of every layer, twice (the inputs, and the rows of the per-layer table read for them), per
     token, the input embeddings' rows where they are read row by row (untied), the head's 64 MiB, and where the head
     is untied, two of its blocks."""
@@ -180,10 +180,10 @@ def rows_and_heads(extra: int, head: int, row: int, tokens: int) -> bool:
 def test_the_sizes_read_off_the_config_are_the_model_in_memorys(path):
     # Before anything loads, the budget's sizes come from the model built on meta: a tied head (the multimodal Gemma
     # 4's) is counted once, as it is once loaded; untied input embeddings are not kept (read row by row).
-    from klpipe.model import ModelSpec, streamed
+    from klpipe.model import ModelSpec, streamed_load
 
     weights, resident, largest = sizes_in_memory(path)
-    sizes = streamed.measure(ModelSpec(str(path), dtype="float32", device="cpu"), 256)
+    sizes = streamed_load.measure(ModelSpec(str(path), dtype="float32", device="cpu"), 256)
     assert (sizes.weights, sizes.resident, sizes.largest_layer) == (weights, resident, largest)
 
 
@@ -232,12 +232,12 @@ def test_a_gpus_budget_is_its_free_memory_and_weights_beyond_it_stream_to_it(tmp
     sizes (a 70B-like reference's proportions: measured sizes are held to the model in memory above) stand in; the
     host's budget is a cgroup's limit, fixed. What is held is the budget's arithmetic, worked by hand."""
     import klpipe.model
-    from klpipe.model import runtime, streamed
+    from klpipe.model import runtime, streamed_load
 
     gib = 1 << 30
-    sizes = streamed.Measure(weights=131 * gib, resident=1 * gib, largest_layer=gib * 8 // 5, activations=20 * gib,
+    sizes = streamed_load.Measure(weights=131 * gib, resident=1 * gib, largest_layer=gib * 8 // 5, activations=20 * gib,
                              kept_per_token=64 << 10)
-    monkeypatch.setattr(streamed, "measure", lambda spec, tokens: streamed.Measure(**vars(sizes)))
+    monkeypatch.setattr(streamed_load, "measure", lambda spec, tokens: streamed_load.Measure(**vars(sizes)))
     device_map = None
     monkeypatch.setattr(klpipe.model, "resolve_device", lambda device: ("cuda:0", device_map))
     asked = []
@@ -375,15 +375,14 @@ def test_the_streamer_is_given_the_room_the_budget_leaves_its_groups(tmp_path, m
     # leaves of it keeps layers loaded (test_streaming: ..._keeps_the_first_layers_loaded_from_group_to_group). Here,
     # the room each group was handed: the budget's arithmetic by hand. The tiny model's layers are small beside a
     # group's 16 MiB a pass, so none can be kept in a budget it does not fit in memory.
-    from klpipe.model import ModelSpec
-    from klpipe.model import streamed as streamed_model
-    from klpipe.model.streaming import LayerMajor
+    from klpipe.model import ModelSpec, streamed_load
+    from klpipe.model.layer_major import LayerMajor
 
     monkeypatch.setattr(process_memory, "resident", lambda: FOOTPRINT)
     weights, resident, largest = sizes_in_memory(TINY_GEMMA)
     streams = FOOTPRINT + budget.GROWTH + resident + 2 * largest + activations(TINY_GEMMA, 256)
     extra = (weights - resident - 2 * largest) // 2  # half way to the run in memory
-    measured = streamed_model.measure(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), 256)
+    measured = streamed_load.measure(ModelSpec(str(TINY_GEMMA), dtype="float32", device="cpu"), 256)
     seen, run = [], LayerMajor.run
 
     def noted(self, calls, between=lambda: None, tokens: int = 0):
@@ -395,7 +394,7 @@ def test_the_streamer_is_given_the_room_the_budget_leaves_its_groups(tmp_path, m
                      log=lambda line: None)
     assert got.streamed["groups"] >= 1 and seen
     # The load-time checks' groups too: their layers kept are the run's first groups'.
-    assert set(seen) == {(extra, measured.kept_per_token + streamed_model.PASS_OVERHEAD // 256)}
+    assert set(seen) == {(extra, measured.kept_per_token + streamed_load.PASS_OVERHEAD // 256)}
 
 
 POLICY = TINY_GEMMA.parent / "tiny-gemma4-policy"  # the policy that sampled the sample rollouts: other weights
@@ -464,7 +463,7 @@ def test_a_config_with_an_mlp_width_per_layer_is_sized_by_the_widest_and_runs(tm
     import torch
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
-    from klpipe.model import ModelSpec, streamed
+    from klpipe.model import ModelSpec, streamed_load
     from tests.helpers import agent_rollouts
 
     config = Gemma3nTextConfig(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=32,
@@ -475,7 +474,7 @@ def test_a_config_with_an_mlp_width_per_layer_is_sized_by_the_widest_and_runs(tm
                                activation_sparsity_pattern=[0.0] * 4)
     torch.manual_seed(0)
     Gemma3nForCausalLM(config).save_pretrained(tmp_path / "gemma3n")
-    sizes = streamed.measure(ModelSpec(str(tmp_path / "gemma3n"), dtype="float32", device="cpu"), 256)
+    sizes = streamed_load.measure(ModelSpec(str(tmp_path / "gemma3n"), dtype="float32", device="cpu"), 256)
     # 8 x hidden + 3 x the widest MLP + the per-layer inputs (4 layers of 8), and as many of the per-layer table's
     # rows, per token at fp32; the head's 64 MiB.
     assert sizes.activations == 256 * 4 * (8 * 32 + 3 * 96 + 32) + 256 * 4 * 32 + 64 * MIB

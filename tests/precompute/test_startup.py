@@ -56,12 +56,12 @@ def test_a_streamed_run_reads_its_weights_once_before_its_first_row(tmp_path, mo
     # layer read once before the first row, beside what loading reads (the rest of the file, once).
     from safetensors import safe_open
 
-    from klpipe.model import ModelSpec, streamed
+    from klpipe.model import ModelSpec, streamed_load
 
     model = tied_llama(tmp_path / "tied")
     footprint = 900 << 20
     monkeypatch.setattr(process_memory, "resident", lambda: footprint)
-    sizes = streamed.measure(ModelSpec(str(model), dtype="float32", device="cpu"), 256)
+    sizes = streamed_load.measure(ModelSpec(str(model), dtype="float32", device="cpu"), 256)
     smallest = footprint + budget.GROWTH + sizes.resident + 2 * sizes.largest_layer + sizes.activations
     summaries = []
     for run in ("cold", "remembered"):

@@ -2,7 +2,7 @@
 before any through k + 1, so that the weights are read once per group rather than once per level of the tree.
 
 A pass that others continue keeps its nodes' state layer by layer (context_cache.ContextCache.keep): as it
-reaches layer k + 1 (streaming.py's `on_layer`), what its own tokens made of layer k is kept, and a pass after it
+reaches layer k + 1 (layer_major.py's `on_layer`), what its own tokens made of layer k is kept, and a pass after it
 in the group reads it at layer k, within the same round. Once every pass of the group is past layer k
 (`after_layer`), the nodes no later group reads hold nothing of it, and each pass frees what it made of layer k as
 it leaves it. So a waiting pass holds a layer or two of keys and values, where a pass in a wave holds every

@@ -106,7 +106,7 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
 def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None,
           size=None) -> list[tuple[list[Pass], list]]:
     """The passes of a streamed model that reuses keys layered.py freed (cascade.FreedKeys) in waves, each
-    wave's groups run layer-major (model/streaming.py): (group, the nodes to release after it), in order. Groups
+    wave's groups run layer-major (model/layer_major.py): (group, the nodes to release after it), in order. Groups
     hold at most `limit` of `size(pass)` (by default its fed tokens). A node's state is kept when its pass ends,
     every layer at once, so a pass goes one wave after the latest wave that keeps a node it continues (an ancestor
     of its nodes), the first if none; within a wave the passes keep their planned order, cut into groups of at most

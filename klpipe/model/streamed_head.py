@@ -12,7 +12,7 @@ need outlive its matmul:
                               head's own vocabulary blocks: the same online log-sum-exp, in the same order, as the head
                               in memory; a target's logit is read off the block that holds its row
 
-A pass reads the head once, on its own, whatever the group (streaming.py groups its passes at decoder layers only):
+A pass reads the head once, on its own, whatever the group (layer_major.py groups passes at decoder layers only):
 a pass of T tokens computes 2·V·H·T FLOPs on the head while it reads V·H·b bytes, the same ratio as a decoder layer,
 so the read costs about what a layer's would if the pass holds few response tokens. Between forwards the weight is a
 `Resting` stand-in (table_rows.py): its shape, dtype and device for the model's code, an error for anything that would

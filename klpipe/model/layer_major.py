@@ -14,7 +14,7 @@ chunk's passes layer-major, as FlexGen does:
 layers (the final norm, a tied head's embeddings): resident for the run. Embedding tables a forward only gathers from
 stay in their files, and each forward reads the rows its tokens name (table_rows.py): the input embeddings where the
 head does not share them (Llama 3.1 70B's: 2 GiB in bf16), Gemma's per-layer table. So does an untied head, read a
-block at a time as each forward applies it (head_rows.py). Each layer's tensors stay in the safetensors files, read
+block at a time as each forward applies it (streamed_head.py). Each layer's tensors stay in the safetensors files, read
 when the layer is asked for (tensor_files.py: positioned reads, nothing mapped): no copy of the whole model is ever
 in RAM, and what the page cache keeps of the files the kernel may drop (a memory cgroup counts the page cache, but
 reclaims it before it kills). Layer k is read into its own modules by
@@ -89,18 +89,18 @@ device's (`--max-memory`, else its free memory), and the host only needs room to
 
 **Memory between layers** (allocator.py): each pass frees its layer's activations, trimmed after a pass's turn
 when the process is over its allowance; every later thread (the reader's) allocates from the main arena. A waiting
-pass's own (its greenlet's saved stack) the budget counts as the 16 MiB a thread held (streamed.PASS_OVERHEAD).
+pass's own (its greenlet's saved stack) the budget counts as the 16 MiB a thread held (streamed_load.PASS_OVERHEAD).
 
 **Known costs** (the next steps): the load-time checks run their forwards one after another, each streaming every
 layer (4 reads of the weights at load: the probes by the model's own forward run ahead as one group, probes.prefetch;
 one more per forward of the tree's probe at the first chunk that shares); an untied head is read once per pass, not
-once per group, through the page cache and not in the background (head_rows.py). The read takes little CPU: one
+once per group, through the page cache and not in the background (streamed_head.py). The read takes little CPU: one
 O_DIRECT read a layer into a buffer kept for the run (tensor_files.py), loaded by its own plan (weight_store.py).
 
 A `--policy` with weights of its own is held in memory beside the streamed reference where it fits, else streams
 too, with a LayerMajor of its own (the two run one after the other, each chunk; precompute/budget.py decides).
 LoRA and DoRA adapters (`--model`'s, `--policy`'s) hook the layers' Linears as in memory, their tensors resident
-(streamed.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
+(streamed_load.py: the budget counts them); a DoRA layer's norm reads its base weight once, at load.
 
 Not streamed yet, each refused in one line: `--compile on`, `--dtype float64`, `--trust-remote-code`, a quantized
 checkpoint (its tensors mean something only through transformers' quantizer), an adapter's modules_to_save inside a

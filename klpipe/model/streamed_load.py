@@ -1,5 +1,5 @@
 """A streamed reference built and sized: its model on the meta device, its decoder layers left in their files
-(weight_store.py) and run layer-major (streaming.py), and what it holds, for the budget (precompute/budget.py).
+(weight_store.py) and run layer-major (layer_major.py), and what it holds, for the budget (precompute/budget.py).
 
 Nothing here reads a weight before it is asked for: `measure` builds the model from its config alone, so the
 budget is decided before anything loads; `reference` loads it streamed and checks it as one in memory is checked.
@@ -13,7 +13,7 @@ import torch
 
 from klpipe.errors import ModelError
 from klpipe.model import architecture
-from klpipe.model.streaming import LayerMajor
+from klpipe.model.layer_major import LayerMajor
 from klpipe.model.weight_store import WeightStore
 
 
@@ -64,7 +64,7 @@ FIXED_ACTIVATIONS = 64 << 20
 
 # What each pass of a group holds beyond its activations while it waits: measured 11 to 14 MiB per pass on 2 CPU cores
 # (hidden 256, MLP 8,192, 512 tokens) when each pass ran in a thread of its own (its stack, OpenMP team and BLAS
-# packing buffers). A pass is now a greenlet on the caller's thread (streaming.py), holding its saved stack alone:
+# packing buffers). A pass is now a greenlet on the caller's thread (layer_major.py), holding its saved stack alone:
 # the allowance stays, on the safe side.
 PASS_OVERHEAD = 16 << 20
 
@@ -108,7 +108,7 @@ class Measure:
 def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
     config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
-    from klpipe.model import head_rows
+    from klpipe.model import streamed_head
     from klpipe.model.table_rows import streamable, ties
     from klpipe.model.weight_store import decoder_layers
 
@@ -123,8 +123,8 @@ def measure(spec, tokens: int) -> Measure | None:
         return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
-    head = head_rows.streamable(model, layers)  # left in its file, read a block at a time as it is applied
-    if head is not None and not head_rows.stored_as_is(head, checkpoint_keys(spec)):
+    head = streamed_head.streamable(model, layers)  # left in its file, read a block at a time as it is applied
+    if head is not None and not streamed_head.stored_as_is(head, checkpoint_keys(spec)):
         head = None  # resident, as the store will keep it (or, where the files are not here yet, on the safe side)
     in_files = in_layers | {id(t) for t in tables} | ({id(model.get_submodule(head).weight)} if head else set())
     # A tied head is the input embeddings' weight once loaded; built on meta it is a tensor of its own: not counted.
@@ -142,8 +142,8 @@ def measure(spec, tokens: int) -> Measure | None:
     intermediate = widest_mlp(config, layers)
     # A table's rows a pass reads stand in for it during its forward: one row a token at most, at the run's dtype.
     rows = tokens * sum(t.shape[1] * t.element_size() for t in tables)
-    if head is not None:  # a block as read and as cast, each at most BLOCK_BYTES (head_rows.py), or the whole head
-        rows += 2 * min(head_rows.BLOCK_BYTES, model.get_submodule(head).weight.numel() * 4)
+    if head is not None:  # a block as read and as cast, each at most BLOCK_BYTES (streamed_head.py), or the whole head
+        rows += 2 * min(streamed_head.BLOCK_BYTES, model.get_submodule(head).weight.numel() * 4)
     return Measure(weights, resident, largest,
                    activation_bytes(hidden, intermediate, per_layer, tokens, element) + rows,
                    element * (4 * hidden + per_layer))

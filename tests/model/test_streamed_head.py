@@ -1,13 +1,13 @@
-"""An untied LM head left in its file by a streamed model (klpipe/model/head_rows.py): read a block of rows at a time,
-for klpipe's chunked head and for the model's own forward, at the numbers of the head loaded whole by transformers;
-which heads are left so is decided by the model's own modules."""
+"""An untied LM head left in its file by a streamed model (klpipe/model/streamed_head.py): read a block of rows at a
+time, for klpipe's chunked head and for the model's own forward, at the numbers of the head loaded whole by
+transformers; which heads are left so is decided by the model's own modules."""
 
 import numpy as np
 import pytest
 import torch
 
 from klpipe.errors import ModelError
-from klpipe.model import ModelSpec, ReferenceModel, head_rows, streamed
+from klpipe.model import ModelSpec, ReferenceModel, streamed_head, streamed_load
 from klpipe.model.architecture import decoder_body
 from klpipe.model.head import HeadBlocks
 from klpipe.model.table_rows import Resting
@@ -99,13 +99,13 @@ def test_a_target_outside_the_vocabulary_is_refused_as_the_head_in_memory_refuse
 
 
 def built(path):
-    model = streamed._build(ModelSpec(str(path), dtype="float32", device="cpu"))[0]
+    model = streamed_load._build(ModelSpec(str(path), dtype="float32", device="cpu"))[0]
     return model, decoder_layers(decoder_body(model))[1]
 
 
 def test_only_an_untied_plain_linear_head_is_left_in_its_file():
-    assert head_rows.streamable(*built(TINY_LLAMA)) == "lm_head"
-    assert head_rows.streamable(*built(TINY_GEMMA_MM)) is None  # tied to the input embeddings
+    assert streamed_head.streamable(*built(TINY_LLAMA)) == "lm_head"
+    assert streamed_head.streamable(*built(TINY_GEMMA_MM)) is None  # tied to the input embeddings
 
     class Scaled(torch.nn.Linear):  # a head whose forward does more than its weight (Dory's learned logit scale)
         def forward(self, hidden):
@@ -114,7 +114,7 @@ def test_only_an_untied_plain_linear_head_is_left_in_its_file():
     model, layers = built(TINY_LLAMA)
     head = model.lm_head
     model.lm_head = Scaled(head.in_features, head.out_features, bias=False, device="meta")
-    assert head_rows.streamable(model, layers) is None
+    assert streamed_head.streamable(model, layers) is None
 
 
 def test_a_head_stored_under_another_name_stays_resident_as_the_budget_counts_it(tmp_path):
@@ -124,20 +124,20 @@ def test_a_head_stored_under_another_name_stays_resident_as_the_budget_counts_it
 
     path = matrix.save_tiny("inkling2_loop_text", tmp_path / "inkling")
     spec = ModelSpec(str(path), dtype="float32", device="cpu")
-    sizes = streamed.measure(spec, 64)
+    sizes = streamed_load.measure(spec, 64)
     model = ReferenceModel.load(spec, streamed=True)
     head = model.model.get_output_embeddings().weight
     assert model.streamer.store.head is None and not isinstance(head, Resting) and not head.is_meta
     assert sizes.resident == model.streamer.store.sizes.resident >= head.numel() * head.element_size()
     # The tiny Llama's, stored as lm_head.weight, is left in its file by both: what stays is the final norm and RoPE's
     # frequencies.
-    keys = streamed.checkpoint_keys(ModelSpec(str(TINY_LLAMA)))
-    assert "lm_head.weight" in keys and head_rows.stored_as_is("lm_head", keys)
+    keys = streamed_load.checkpoint_keys(ModelSpec(str(TINY_LLAMA)))
+    assert "lm_head.weight" in keys and streamed_head.stored_as_is("lm_head", keys)
     spec = ModelSpec(str(TINY_LLAMA), dtype="float32", device="cpu")
     whole = ReferenceModel.load(spec).model
     kept = whole.model.norm.weight.nbytes + sum(b.nbytes for b in whole.model.rotary_emb.buffers())
     store = ReferenceModel.load(spec, streamed=True).streamer.store
-    assert streamed.measure(spec, 64).resident == kept == store.sizes.resident
+    assert streamed_load.measure(spec, 64).resident == kept == store.sizes.resident
 
 
 def test_a_hub_names_head_is_budgeted_from_the_local_cache_with_no_request(tmp_path, monkeypatch):
@@ -157,8 +157,8 @@ def test_a_hub_names_head_is_budgeted_from_the_local_cache_with_no_request(tmp_p
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a request would fail
     code = """if True:
         import json, sys
-        from klpipe.model import ModelSpec, streamed
-        print(json.dumps([vars(streamed.measure(ModelSpec(name, dtype="float32", device="cpu"), 64))
+        from klpipe.model import ModelSpec, streamed_load
+        print(json.dumps([vars(streamed_load.measure(ModelSpec(name, dtype="float32", device="cpu"), 64))
                           for name in sys.argv[1:]]))"""
 
     def measured() -> list[dict]:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klpipe.precompute.batching import padding_efficiency, plan_batches
+from klpipe.precompute.length_batches import padding_efficiency, plan_batches
 
 
 @given(st.lists(st.integers(0, 300), min_size=0, max_size=60), st.integers(1, 2000))
