@@ -1,13 +1,13 @@
-"""What the exact KL costs: `precompute --policy` with `--full-kl` (the default) against `--no-full-kl`.
+"""What the exact KL costs: `precompute --policy` with `--full-kl` against `--no-full-kl`.
 
 With --policy, both models run every response position; --full-kl keeps their final hidden states and applies the two
 heads together, vocabulary block by block (klpipe/model/joint_head.py): the same two head matmuls, plus the sums over
 the logits the heads already make. Two model pairs, a perturbed copy of the reference as the policy:
 
     llama   the benchmarks' Llama (8 layers x 256, vocabulary 8,192: contenders.build_model)
-    e2b     a Gemma 4 of E2B's text width (hidden 1,536, vocabulary 262,144, final-logit softcap: bench_width.config),
-            5 layers, none KV-shared: the head's share of the work larger than the full model's (35 layers), so the
-            ratio is on the high side
+    e2b     bench_width.py's Gemma 4 of E2B's text width (hidden 1,536, vocabulary 262,144, final-logit softcap), 10
+            layers, the last 5 KV-shared: the head's share of the work larger than the full model's (35 layers), so
+            the ratio is on the high side
 
 Each contender runs in its own process, on the rows and on a one-row file (its start-up); steady = whole - start-up,
 each the fastest of --repeat rounds; peak RSS is the process's own (wait4). The fp32 matmul peak is measured in the
@@ -55,7 +55,7 @@ def build_pair(name: str) -> tuple[Path, Path]:
             from transformers import Gemma4ForCausalLM
 
             torch.manual_seed(0)
-            Gemma4ForCausalLM(bench_width.config(layers=5, kv_shared=0)).save_pretrained(reference)
+            Gemma4ForCausalLM(bench_width.config()).save_pretrained(reference)
             AutoTokenizer.from_pretrained(ROOT / "sample_data" / "tiny-gemma4").save_pretrained(reference)
     if not (policy / "config.json").exists():
         model = AutoModelForCausalLM.from_pretrained(reference)
