@@ -1,5 +1,6 @@
-"""examples/submit.sh under a real Slurm: a one-node cluster on 127.0.0.1 (cluster.py), real klpipe,
-the tiny sample model. `make test-slurm` runs this directory; `make test` does not collect it.
+"""examples/submit.sh and examples/score-nightly.sbatch under a real Slurm: a one-node cluster on
+127.0.0.1 (cluster.py), real klpipe, the tiny sample model. `make test-slurm` runs this directory; `make test`
+does not collect it.
 
 Each test submits examples/submit.sh from a fresh directory as a user would, then waits for Slurm to
 run the precompute array and the score job queued behind it. The examples ask for a GPU node
@@ -28,7 +29,8 @@ import pyarrow.parquet as pq
 
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
-from tests.helpers import ROLLOUTS, TINY_LLAMA
+from tests.fault_runner import Runner
+from tests.helpers import ROLLOUTS, TINY_LLAMA, two_days
 from tests.slurm.cluster import Cluster
 from tests.test_examples import (
     CHUNK_ROWS,
@@ -36,6 +38,8 @@ from tests.test_examples import (
     VENV_BIN,
     concatenated_parts,
     controller_state,
+    night_args,
+    night_holding_the_state,
     one_torch_thread,
     without_metadata,
 )
@@ -273,3 +277,50 @@ def test_a_failed_task_means_the_score_job_never_runs(slurm, tmp_path):
                             "--format=JobID,JobName,State,ExitCode,NNodes").stdout.splitlines()
     assert f"{tasks[1]['JobId']}|klpipe-precompute|FAILED|2:0|1" in completions, completions
     assert f"{score_job}|klpipe-score|CANCELLED|0:0|0" in completions, completions
+
+
+def test_a_nightly_score_job_that_finds_the_state_held_is_requeued_by_slurm_and_continues_it(slurm, tmp_path):
+    """examples/score-nightly.sbatch submitted while last night's klpipe score still holds the controller state,
+    with a wait of 1 s: klpipe exits 75 having written nothing, the script asks Slurm to requeue the job, and Slurm
+    runs it again; once last night's run has saved the state, the rerun continues from it. The two nights end as
+    they would have one after the other."""
+    night1, night2 = two_days(tmp_path, names=("night1", "night2"))
+    serial = tmp_path / "serial"
+    runs = Runner(tmp_path / "runs")
+    try:
+        for night in (night1, night2):
+            assert runs.run(night_args(night, serial)).returncode == 0
+        overlap = tmp_path / "overlap"
+        (overlap / "logs").mkdir(parents=True)
+        holder = night_holding_the_state(runs, night1, overlap)
+        env = job_env(slurm, overlap, DAY="night2", CACHE=night2, SCORE_DIR=overlap / "scored" / "night2",
+                      KL_STATE=overlap / "kl_state.json", WAIT=1)
+        submitted = subprocess.run(["sbatch", "--parsable", *SITE_OPTIONS[:2], str(EXAMPLES / "score-nightly.sbatch")],
+                                   cwd=overlap, env=env, capture_output=True, text=True, timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        job = submitted.stdout.strip()
+        log = overlap / "logs" / f"klpipe-score-nightly-{job}.out"
+        deadline = time.monotonic() + 120
+        while "requeueing job" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.2)
+        assert not (overlap / "scored" / "night2").exists()  # the refused night wrote nothing
+        holder.go()
+        assert holder.wait().returncode == 0
+        wait_until_done(slurm, job)
+    finally:
+        runs.close()
+    [record] = job_records(slurm, job)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), record
+    assert int(record["Restarts"]) >= 1, record
+    text = log.read_text()
+    assert_lines_in_order(text, [
+        r"klpipe-score-nightly: night2 on \S+, restart 0",
+        r".*still holds this state after 1 s \(--wait-for-state\); nothing was written: rerun later.*",
+        rf"klpipe-score-nightly: klpipe exited 75 \(the state is busy\); requeueing job {job}",
+        r"klpipe-score-nightly: night2 on \S+, restart [1-9]\d*",
+    ])
+    for night in ("night1", "night2"):
+        got = pq.read_table(overlap / "scored" / night / "scored.parquet")
+        assert got.equals(pq.read_table(serial / "scored" / night / "scored.parquet"), check_metadata=True), night
+    assert (overlap / "kl_state.json").read_bytes() == (serial / "kl_state.json").read_bytes()
