@@ -198,7 +198,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     # torch's allocator has reserved (nothing, for a fresh process: its CUDA context is outside the free memory).
     gpu = device != "cpu"
     limit = device_budget(config.max_memory, device) if gpu else find(config.max_memory)
-    sizes = streamed_load.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
+    sizes = streamed_load.measure(models.spec, max_tokens)  # None: a model built by its own code loads in memory
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
     policy = streamed_load.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
     footprint = runtime.device_reserved_bytes(device) if gpu else process_memory.resident()
@@ -209,8 +209,8 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     adapters = streamed_load.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
     weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
-    # On a GPU the weights alone decide whether they stream, as before streaming ran there: a pass's activations are
-    # for --max-tokens-per-batch to fit, and their estimate, on the safe side, would stream models that ran in memory.
+    # On a GPU the weights alone decide whether they stream: a pass's activations are for --max-tokens-per-batch to
+    # fit, and their estimate, on the safe side, would stream models that run in memory.
     fit = 0 if gpu else sizes.activations
     if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside,
                    fit):

@@ -322,7 +322,7 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
             needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
             return tokenized, pairs, needed, scorer.plan_ahead(pairs, needed)
 
-        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk, as before
+        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk
             tokenized, scored = item
             work.write_chunk(tokenized, scored.ref_logprobs, scored.policy_logprobs, scored.extra)
             response_tokens = tokenized.scored_tokens()
