@@ -2,9 +2,9 @@
 
 Before the table's own forward, the distinct ids of its input are read (tensor_files.read_rows), cast as
 transformers' loader casts the whole table, and stand in as the table, the ids renumbered into it: the module's own
-forward then gives `table[ids]` bit for bit. After the forward the rows are freed, and between forwards the table
-holds a `Resting` weight (its shape, dtype and device for the model's code, an error for anything that would read
-its values). docs/precompute.md, "How a streamed model runs" (embedding tables), says which tables qualify and why.
+forward then gives `table[ids]` bit for bit. After the forward the meta weight is put back and the rows are freed;
+the input embeddings, whose device and dtype a model's code reads outside their forward, hold a `Resting` weight
+instead (their shape, dtype and device, and an error for anything that would read their values). docs/precompute.md, "How a streamed model runs" (embedding tables), says which tables qualify and why.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class TableRows:
                  resting: bool = False, device="cpu"):
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
-        if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)
+        if resting:  # the input embeddings, read for their device and dtype outside a forward (Llama 4 moves its ids there)
             self.meta = Resting.like(module.weight, dtype, device, path)
             module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
