@@ -20,7 +20,7 @@ BLOCK_BYTES = 32 << 20
 
 
 def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | None:
-    """The path of `model`'s head if a streamed run leaves it in its file (see the docstring), else None; read off the
+    """The path of `model`'s head if a streamed run leaves it in its file (docs/precompute.md), else None; read off the
     model as built (meta), before any weight is."""
     head = model.get_output_embeddings()
     if type(head).forward is not torch.nn.Linear.forward or any(m is head for m in layers.modules()):
@@ -36,7 +36,7 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | Non
 
 
 def stored_as_is(path: str, keys) -> bool:
-    """Whether the checkpoint's tensor names `keys` hold the head at `path` under its own name (see the docstring)."""
+    """Whether the checkpoint's tensor names `keys` hold the head at `path` under its own name (docs/precompute.md)."""
     return f"{path}.weight" in keys
 
 

@@ -4,7 +4,8 @@ Before the table's own forward, the distinct ids of its input are read (tensor_f
 transformers' loader casts the whole table, and stand in as the table, the ids renumbered into it: the module's own
 forward then gives `table[ids]` bit for bit. After the forward the meta weight is put back and the rows are freed;
 the input embeddings, whose device and dtype a model's code reads outside their forward, hold a `Resting` weight
-instead (their shape, dtype and device, and an error for anything that would read their values). docs/precompute.md, "How a streamed model runs" (embedding tables), says which tables qualify and why.
+instead (their shape, dtype and device, and an error for anything that would read their values).
+docs/precompute.md, "How a streamed model runs" (embedding tables), says which tables qualify and why.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from klpipe.errors import ModelError
 
 
 def _gathers(module: torch.nn.Module) -> bool:
-    """Whether `module`'s forward is an embedding lookup of its first argument, maybe scaled (see the docstring)."""
+    """Whether `module`'s forward is an embedding lookup of its first argument, maybe scaled (docs/precompute.md)."""
     forward = type(module).forward
     return isinstance(module, torch.nn.Embedding) and module.max_norm is None and (
         forward is torch.nn.Embedding.forward or type(module).__name__.endswith("ScaledWordEmbedding"))
 
 
 def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str, torch.nn.Embedding]:
-    """path -> module: the tables of `model` a streamed run leaves in their files (see the docstring); read off the
+    """path -> module: the tables of `model` a streamed run leaves in their files (docs/precompute.md); read off the
     model as built (meta), before any weight is."""
     inside = {id(m) for m in layers.modules()}
     head = model.get_output_embeddings()
@@ -98,7 +99,7 @@ class TableRows:
                  resting: bool = False, device="cpu"):
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
-        if resting:  # the input embeddings, read for their device and dtype outside a forward (Llama 4 moves its ids there)
+        if resting:  # the input embeddings: a model's code reads their device and dtype outside a forward
             self.meta = Resting.like(module.weight, dtype, device, path)
             module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
