@@ -123,7 +123,7 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
 
 def pass_layout(reference) -> str:
     """"right" where the model skips layers for positions nobody needs (every row must end at the last position),
-    "left" otherwise (each node feeds exactly its own tokens): see the module's docstring."""
+    "left" otherwise (each node feeds exactly its own tokens): docs/precompute.md, point 3."""
     return "right" if reference.prefill_skips_layers and not reference.keeps_state else "left"
 
 
