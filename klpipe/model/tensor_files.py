@@ -86,7 +86,8 @@ class TensorFiles:
 
     def read_together(self, names: Iterable[str], buffers: Buffers) -> dict[str, torch.Tensor]:
         """The tensors `names`, read now into one of `buffers`'s buffers: in one direct read where they lie
-        together, else one by one through the page cache, side by side (each where a map of the file puts it: _place)."""
+        together, else one by one through the page cache, side by side (each where a map of the file puts it:
+        _place)."""
         entries = {name: self.entries[name] for name in names}
         together = self._read_direct(entries, buffers) if entries else None
         if together is not None:
@@ -181,7 +182,8 @@ def _open_direct(path: Path) -> int | None:
 
 class Buffers:
     """Up to `count` buffers kept to read layers into, each taken again only once nothing else references it;
-    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches them)."""
+    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches
+    them)."""
 
     def __init__(self, count: int = 2, pinned: bool = False):
         self.count = count

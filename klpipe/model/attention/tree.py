@@ -27,7 +27,8 @@ from klpipe.plan import Pass, Tree, Wanted, by_tokens
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
-    """log p(response tokens) of every row of `tree`, each node computed once, per row (float32; fp64 models: float64)."""
+    """log p(response tokens) of every row of `tree`, each node computed once, per row (float32; fp64 models:
+    float64)."""
     if reference.packed:
         try:
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
