@@ -1,7 +1,7 @@
 """Command line: a thin layer that maps options onto typed configs and calls one library function.
 
 Each command lives in its own module. None of them imports torch at module level, so
-`klpipe score` starts fast and works where torch is not installed.
+`klpipe score` starts fast and works where torch is not installed. docs/development.md maps the modules.
 """
 
 # The order the commands register in is the order `klpipe --help` and docs/cli.md list them: the pipeline's.

@@ -3,10 +3,9 @@
 A streamed model lives near its memory budget (layer_major.py), so what the process holds must be what it
 computes. glibc's malloc keeps two kinds of memory the tensors have let go of:
 
-    arenas      each thread that allocates gets an arena of its own (up to 8 per core); when a layer-major
-                group ran each pass in a thread of its own, each pass's freed activations stayed in its arena
-                (measured: +200 MiB of RSS on a 2.5 GiB Llama streamed over 8 passes of 512 tokens); the passes
-                are greenlets on one thread now, and the layer reader is the one other thread
+    arenas      each thread that allocates gets an arena of its own (up to 8 per core), and what it frees stays
+                there (passes in threads of their own: +200 MiB of RSS on a 2.5 GiB Llama streamed over 8 passes
+                of 512 tokens); a group's passes are greenlets on one thread, the layer reader the one other
     retention   freed blocks inside an arena are kept for reuse, and the threshold above which a block is
                 mapped on its own (and unmapped when freed) rises to the largest block freed, so a freed
                 layer's 16 MiB matrices stay held (another 180 MiB there)

@@ -1,27 +1,12 @@
 """torch.compile of the decoder layers' norms and MLPs: fewer passes over activations.
 
-Eager, an RMSNorm reads and writes its activations five times (square, mean, rsqrt, scale, weight) and a gated MLP's
-activation three (act(gate), × up, the cast); at Gemma 4 E2B's hidden 1536 those passes move about as many bytes
-per token as the GEMMs take time on a GPU. Inductor fuses each into one pass. What is compiled, per decoder layer,
-is what holds no control flow of klpipe's and no host-side ints:
-
-    compiled   the layer's own norms (input, post-attention, pre/post-feedforward, per-layer-input), its MLP
-               (gate/up/down and the activation between them), and the body's own norms (the final one)
-    left eager the attention (klpipe's packed and cascade functions: Python loops over rows and host-side lengths,
-               and transformers' sdpa), the norms inside it (q/k/v norms) and RoPE's application to q and k,
-               mixture-of-experts blocks (routing is data-dependent), the embeddings, and the head (head.py is
-               already one fused pass over vocabulary blocks)
-    not at all the RoPE module: it computes cos and sin once per forward and layer kind, a few bytes per token, and
-               compiled it took 9 graphs on tiny Gemma 4 (one per layer kind × batch of 1 or more × position rows)
-
-Each module is compiled by its class's code (one compiled graph serves every layer's instance, `dynamic=True`, so a
-batch of another length does not recompile; dynamo still specialises a length of 1, compiled once more), with
-inductor emulating eager's casts (`emulate_precision_casts`: a bf16 model rounds where its eager forward rounds).
-
-The compiled modules are held to the model's own forward at load (`check`, probes.py's rule): a probe that
-disagrees, or a module that fails to compile, runs eager, with one log line, and a module that fails later (a
-shape never seen) runs eager from then on, noted too: never a wrong logprob. The model's own forward, which the
-probes compare with, always runs eager (`Compiled.eager`).
+Per decoder layer, what holds no control flow of klpipe's and no host-side ints is compiled (its norms, its dense
+MLP, and the body's final norm), each class once (`dynamic=True`), with inductor emulating eager's casts; the
+attention, mixture-of-experts blocks, the embeddings and the head stay eager, and the RoPE module is not touched.
+The compiled modules are held to the model's own forward at load (`check`): a module that disagrees or fails to
+compile, at load or later, runs eager with one log line, never a wrong logprob. The model's own forward, which the
+probes compare with, always runs eager (`Compiled.eager`). docs/precompute.md, "Compiled norms and MLPs", says why
+each part is compiled or left eager.
 """
 
 from __future__ import annotations

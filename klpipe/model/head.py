@@ -17,7 +17,7 @@ into pinned memory on CUDA): no `.item()`, `.tolist()` or shape that depends on 
 LMHead applies the head's weight and the logit transforms klpipe knows (scale, softcap) itself;
 ModelHead runs the model's own forward after the body, for a model whose forward does more. The
 load-time check (probes.py) keeps LMHead only where it reproduces the model's own logits.
-`blocked_logprobs` is the earlier row-blocked head (whole rows of logits, then logsumexp), kept for
+`blocked_logprobs` is a row-blocked head (whole rows of logits, then logsumexp), for
 ModelHead, which can only make whole rows, and measured against the fused head in
 benchmarks/bench_head.py.
 """

@@ -183,7 +183,7 @@ def tokenizer_fingerprint(tokenizer, chat_template: bool = False, chat_options: 
     payload += json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
     if chat_template:
         payload += json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True)
-        if chat_options and any(chat_options.values()):  # none given: the fingerprint earlier caches have
+        if chat_options and any(chat_options.values()):  # none given: the fingerprint of a cache made without them
             payload += json.dumps(chat_options, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 

@@ -1,29 +1,10 @@
 """An untied LM head of a streamed model left in its file: read in blocks of vocabulary rows as it is applied.
 
-Llama 3.1 70B's head is 128,256 x 8,192: 2 GiB in bf16, Qwen2.5 32B's 1.5 GiB, kept for the run it is the largest
-thing a streamed model holds but its layers. A forward applies it once, after the last layer, to the positions whose
-logits it wants, so it can be read as it is applied, a block of rows (vocabulary entries) at a time, and no block
-need outlive its matmul:
-
-    the model's own forward   the head module's forward (nn.Linear's own, nothing else) runs block by block:
-                              the (n, V) logits are the blocks' logits side by side, as the model's head makes them
-                              (the load-time probes, the oracle, ModelHead and a row the model computes alone)
-    klpipe's chunked head     head.LMHead reads the blocks in vocabulary order, each block's columns in the fused
-                              head's own vocabulary blocks: the same online log-sum-exp, in the same order, as the head
-                              in memory; a target's logit is read off the block that holds its row
-
-A pass reads the head once, on its own, whatever the group (layer_major.py groups passes at decoder layers only):
-a pass of T tokens computes 2·V·H·T FLOPs on the head while it reads V·H·b bytes, the same ratio as a decoder layer,
-so the read costs about what a layer's would if the pass holds few response tokens. Between forwards the weight is a
-`Resting` stand-in (table_rows.py): its shape, dtype and device for the model's code, an error for anything that would
-read its values.
-
-Which heads: the model's output embeddings, an `nn.Linear` whose class forward is nn.Linear's own (a head that does
-more, Dory's learned logit scale, stays resident), not tied to the input embeddings (a tied head is their table,
-which each forward gathers from by rows), stored in the checkpoint under its own name (`lm_head.weight`), which the
-loader then only renames. The budget decides before anything loads, from the checkpoint's header alone, so a head
-stored under another name (Inkling 2's `unembed`, converted at load) stays resident, as the budget counted it. Its
-bias, if any, stays resident (V numbers).
+A forward applies the head once, after the last layer, so no block of rows need outlive its matmul: the model's own
+forward (nn.Linear's) gets the blocks' logits side by side, klpipe's chunked head (head.LMHead) reads the blocks in
+vocabulary order, each in the fused head's own blocks, so both compute as the head in memory does. Between forwards
+the weight is a `Resting` stand-in (table_rows.py). docs/precompute.md, "How a streamed model runs" (the untied head),
+says which heads stream and what the read costs.
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ BLOCK_BYTES = 32 << 20
 
 
 def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | None:
-    """The path of `model`'s head if a streamed run leaves it in its file (see the docstring), else None; read off the
+    """The path of `model`'s head if a streamed run leaves it in its file (docs/precompute.md), else None; read off the
     model as built (meta), before any weight is."""
     head = model.get_output_embeddings()
     if type(head).forward is not torch.nn.Linear.forward or any(m is head for m in layers.modules()):
@@ -55,7 +36,7 @@ def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | Non
 
 
 def stored_as_is(path: str, keys) -> bool:
-    """Whether the checkpoint's tensor names `keys` hold the head at `path` under its own name (see the docstring)."""
+    """Whether the checkpoint's tensor names `keys` hold the head at `path` under its own name (docs/precompute.md)."""
     return f"{path}.weight" in keys
 
 

@@ -62,10 +62,9 @@ def load(spec):
 FIXED_ACTIVATIONS = 64 << 20
 
 
-# What each pass of a group holds beyond its activations while it waits: measured 11 to 14 MiB per pass on 2 CPU cores
-# (hidden 256, MLP 8,192, 512 tokens) when each pass ran in a thread of its own (its stack, OpenMP team and BLAS
-# packing buffers). A pass is now a greenlet on the caller's thread (layer_major.py), holding its saved stack alone:
-# the allowance stays, on the safe side.
+# What each pass of a group holds beyond its activations while it waits: its greenlet's saved stack (layer_major.py),
+# allowed what a pass in a thread of its own holds, on the safe side (its stack, OpenMP team and BLAS packing buffers:
+# 11 to 14 MiB measured on 2 CPU cores, hidden 256, MLP 8,192, 512 tokens).
 PASS_OVERHEAD = 16 << 20
 
 
@@ -107,7 +106,7 @@ class Measure:
 
 def measure(spec, tokens: int) -> Measure | None:
     """`spec`'s sizes for the budget, without reading a weight (the model is built on the meta device from its
-    config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads as before."""
+    config); None for a model that cannot be built so (its own code, --trust-remote-code): it loads in memory."""
     from klpipe.model import streamed_head
     from klpipe.model.table_rows import streamable, ties
     from klpipe.model.weight_store import decoder_layers
@@ -119,7 +118,7 @@ def measure(spec, tokens: int) -> Measure | None:
         _, layers = decoder_layers(architecture.decoder_body(model))
     except (KeyError, ModelError):  # a class AutoModelForCausalLM does not map, a body without a list of layers
         return None
-    if quantized(model.config):  # its sizes are the quantizer's: it loads as before
+    if quantized(model.config):  # its sizes are the quantizer's: it loads in memory
         return None
     in_layers = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     tables = [module.weight for module in streamable(model, layers).values()]  # left in their files, rows read
@@ -166,7 +165,7 @@ def checkpoint_keys(spec) -> set[str]:
         try:  # the cache alone: no request, whatever HF_HUB_OFFLINE says
             directory = Path(snapshot_download(spec.name, revision=spec.revision, local_files_only=True,
                                                allow_patterns=["*.json", "model*.safetensors"]))
-        except Exception:  # noqa: BLE001 - not cached (or not whole): counted as before, on the safe side
+        except Exception:  # noqa: BLE001 - not cached (or not whole): counted resident, on the safe side
             return set()
     try:
         files = TensorFiles(weight_files(directory))

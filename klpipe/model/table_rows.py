@@ -1,27 +1,11 @@
 """An embedding table of a streamed model left in its file: each forward reads only the rows its ids name.
 
-Gemma 4 E2B looks up, besides its token embeddings, a per-layer embedding for every token (`embed_tokens_per_layer`,
-262,144 x 35 x 256): 2.3B of its 4.6B parameters, 4.7 GB in bf16, of which a pass of 4,096 tokens reads at most 4,096
-rows (73 MB). A streamed model (layer_major.py) keeps such a table in its safetensors file: before the table's own
-forward, the distinct ids of its input are read (tensor_files.read_rows: one positioned read per run of consecutive
-ids), cast as transformers' loader casts the whole table, and stand in as the table; the ids are renumbered into it.
-The module's own forward then runs as in memory (its scale, Gemma's `embed_scale`, included), over the rows it would
-have gathered: `table[ids]` equals `rows[inverse]`, bit for bit, where `rows = table[unique(ids)]`. After the forward
-the meta weight is put back, and the rows are freed.
-
-Which tables: an `nn.Embedding` outside the decoder layers whose weight nothing else shares (a tied head reads every
-row), of a class whose forward is `nn.Embedding`'s own or Gemma's scaled one (`super().forward(ids) * scale`): a
-subclass that computes its ids inside its forward (OPT's learned positions) would be handed the wrong ones. Its
-checkpoint tensor must be one the loader only renames (no conversion), else the run is refused in one line.
-
-The model's input embeddings qualify too where the head does not share them (Llama 3.1 8B's are 1 GB in bf16, 70B's
-2.1 GB). A model's own code reads their weight's device and dtype outside their forward (Llama 4 moves its ids to
-the weight's device; klpipe's input device is read off it), so between forwards they hold a `Resting` weight rather
-than a meta one: the table's shape, dtype and device, one element of memory, and an error for anything that would
-read its values. Whatever reads the table outside its forward fails loudly; it never computes on a stand-in.
-
-A streamed group's passes take turns only at decoder layers (layer_major.py), so a table stands in for one forward
-at a time.
+Before the table's own forward, the distinct ids of its input are read (tensor_files.read_rows), cast as
+transformers' loader casts the whole table, and stand in as the table, the ids renumbered into it: the module's own
+forward then gives `table[ids]` bit for bit. After the forward the meta weight is put back and the rows are freed;
+the input embeddings, whose device and dtype a model's code reads outside their forward, hold a `Resting` weight
+instead (their shape, dtype and device, and an error for anything that would read their values).
+docs/precompute.md, "How a streamed model runs" (embedding tables), says which tables qualify and why.
 """
 
 from __future__ import annotations
@@ -32,14 +16,14 @@ from klpipe.errors import ModelError
 
 
 def _gathers(module: torch.nn.Module) -> bool:
-    """Whether `module`'s forward is an embedding lookup of its first argument, maybe scaled (see the docstring)."""
+    """Whether `module`'s forward is an embedding lookup of its first argument, maybe scaled (docs/precompute.md)."""
     forward = type(module).forward
     return isinstance(module, torch.nn.Embedding) and module.max_norm is None and (
         forward is torch.nn.Embedding.forward or type(module).__name__.endswith("ScaledWordEmbedding"))
 
 
 def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str, torch.nn.Embedding]:
-    """path -> module: the tables of `model` a streamed run leaves in their files (see the docstring); read off the
+    """path -> module: the tables of `model` a streamed run leaves in their files (docs/precompute.md); read off the
     model as built (meta), before any weight is."""
     inside = {id(m) for m in layers.modules()}
     head = model.get_output_embeddings()
@@ -115,7 +99,7 @@ class TableRows:
                  resting: bool = False, device="cpu"):
         self.files, self.key, self.path, self.dtype = files, key, path, dtype
         self.meta = module.weight
-        if resting:  # the input embeddings, read for their device and dtype outside a forward (see the docstring)
+        if resting:  # the input embeddings: a model's code reads their device and dtype outside a forward
             self.meta = Resting.like(module.weight, dtype, device, path)
             module._parameters["weight"] = self.meta
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads

@@ -1,39 +1,9 @@
 """Tensors read from safetensors files with positioned reads into memory the process owns; a decoder layer's in one
 read past the page cache, into a buffer kept for the run.
 
-The streamed model (weight_store.py) reads each decoder layer once per group of rows. Mapping the files
-(`safe_open`) would leave every page read mapped into the process until the kernel reclaims it: its resident set
-then counts the whole model (a 2.5 GiB model streamed under a 900 MiB budget reported a peak of 3.4 GiB), and
-each 4 KiB page costs a fault. A positioned read (`os.preadv`) of a tensor's byte range straight into the tensor's
-own buffer costs one copy, lets the kernel read ahead, and leaves nothing mapped: what the process holds is what
-it computes with.
-
-The format (safetensors' own: an 8-byte little-endian header length, a JSON header of each tensor's dtype, shape
-and byte range, then the bytes) is checked as it is read: every range inside the file and the size its dtype and
-shape say, nothing else run or trusted from the file.
-
-**Buffers read into again** (`Buffers`). A layer read into fresh memory each time is faulted in page by page and
-zeroed by the kernel first: a 2.5 GiB Llama streamed in 3 groups in a cgroup, its load-time checks included, took
-7.8M page faults (2.7M read into kept buffers). So a decoder layer's tensors are read, side by side, into one of
-two buffers kept for the run (the one that computes, the one read behind it: the budget's two layers), each faulted
-in once. A buffer is read into again only when nothing but the pool holds its memory (torch's count of the
-references to its storage): a layer's weights are never overwritten while any tensor, the model's or another's,
-still sees them. Where none is free, the layer gets memory of its own, as before: slower, never wrong.
-
-**Where a tensor lies.** Every tensor read lies at its file offset modulo 64, as a memory map of the file puts it,
-which is where from_pretrained's tensors lie: a product of a matrix with one position's vector rounds differently
-with the matrix elsewhere (Gemma 4's KV-shared layers run over the last position alone), and a streamed run is held
-to the bits of the run in memory (`_place`).
-
-**Past the page cache** (O_DIRECT). A model streamed because it does not fit is read again for every group, and
-its pages, read through the page cache, are put into the cache only to be reclaimed before the next group (in a
-memory cgroup, which counts the cache against its limit, by the process itself, in its own time). Reading the
-2.5 GiB model cold took 6.3 s, 6.2 s of it system time; with O_DIRECT, 2.0 s, 0.12 s of it system time (this
-machine's disk), and on CPU a run's reads take their CPU from its compute. So a layer whose tensors lie together in
-one file is read in one direct read of the block-aligned span around them, into a kept buffer aligned to the
-block, each tensor a view at its own offset. Where the file system refuses O_DIRECT (tmpfs), where the layer's
-tensors are scattered, or where a tensor's offset does not suit its dtype, the read goes through the page cache
-as before.
+The streamed model (weight_store.py) reads each decoder layer once per group of rows; nothing is mapped, the format
+is checked as it is read, and a tensor lies at its file offset modulo 64 as in a memory map, so that a streamed run
+keeps the in-memory run's bits. docs/precompute.md, "How a streamed model runs", says why each is so.
 """
 
 from __future__ import annotations
@@ -116,7 +86,8 @@ class TensorFiles:
 
     def read_together(self, names: Iterable[str], buffers: Buffers) -> dict[str, torch.Tensor]:
         """The tensors `names`, read now into one of `buffers`'s buffers: in one direct read where they lie
-        together, else one by one through the page cache, side by side (each where a map of the file puts it: _place)."""
+        together, else one by one through the page cache, side by side (each where a map of the file puts it:
+        _place)."""
         entries = {name: self.entries[name] for name in names}
         together = self._read_direct(entries, buffers) if entries else None
         if together is not None:
@@ -211,7 +182,8 @@ def _open_direct(path: Path) -> int | None:
 
 class Buffers:
     """Up to `count` buffers kept to read layers into, each taken again only once nothing else references it;
-    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches them)."""
+    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches
+    them)."""
 
     def __init__(self, count: int = 2, pinned: bool = False):
         self.count = count

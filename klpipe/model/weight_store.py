@@ -1,27 +1,16 @@
 """A model whose decoder layers' weights stay in their safetensors files, one layer materialised at a time.
 
-The model is built as transformers' `from_pretrained` builds it, on the meta device (its init contexts: the dtype,
-no weights initialised, no tying yet), and loaded by transformers' own `convert_and_load_state_dict_in_model`, the
-function `from_pretrained` loads every checkpoint with: the same key renamings (a multimodal checkpoint's text part,
-legacy names), the same conversions (MoE experts stored one by one, fused into one 3-D tensor at load), the same
-dtype plan (`_keep_in_fp32_modules`). What differs is only which keys it is handed, and when:
+The model is built on the meta device and loaded by transformers' own loader, as `from_pretrained` loads it (the same
+key renamings, conversions and dtype plan); what differs is only which keys it is handed, and when:
 
-    at load      every key outside the decoder layers (the final norm, a tied head's embeddings): resident for
-                 the run; then the non-persistent buffers (RoPE's frequencies) made and initialised, and the tied
-                 weights tied, as from_pretrained finishes a model
-    per forward  the rows a forward needs of an embedding table it only gathers from (the input embeddings where
-                 the head does not share them, Gemma's per-layer embeddings: table_rows.py), read from the files,
-                 cast as the loader casts the table; an untied head, a block of rows at a time as it is applied
-                 (streamed_head.py)
-    per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py: a positioned
-                 read into memory the process owns, nothing mapped), converted into the layer's parameters;
-                 `release(k)` puts the meta parameters back, so the layer's tensors are freed
+    at load      every key outside the decoder layers: resident for the run
+    per forward  the rows a forward needs of an embedding table it only gathers from (table_rows.py); an untied
+                 head, a block of rows at a time as it is applied (streamed_head.py)
+    per layer    layer k's keys, read from the files when the layer is asked for (tensor_files.py), converted into
+                 the layer's parameters; `release(k)` puts the meta parameters back, so its tensors are freed
 
-Which checkpoint key belongs to which layer is decided by the same renaming, once, at load, and a checkpoint that
-does not fit its class (keys missing or unexpected, by from_pretrained's own rules) is refused then, before any
-tensor is read. Only the files from_pretrained reads are opened (the index's shards, else model.safetensors).
 Nothing else of the model changes: its modules, its forward and its attention are transformers' own (layer_major.py
-runs them).
+runs them). docs/precompute.md, "How a streamed model runs", says more.
 """
 
 from __future__ import annotations

@@ -2,27 +2,17 @@
 
 No torch: the budget is read from the command line or the machine, the model's sizes come from the model package.
 
-    budget      --max-memory SIZE (KLPIPE_MAX_MEMORY), else the process's own memory cgroup (v1
-                memory.limit_in_bytes, v2 memory.max, the lowest along its path: Slurm's cgroup plugin, a
-                container), else what the machine has available (MemAvailable) plus what this process holds;
-                on a GPU, the device's: --max-memory, else its free memory (the host then only stages the layers:
-                two pinned buffers of the largest, refused in one line where it cannot)
-    in memory   footprint + growth + weights + activations <= budget (on a GPU the weights alone, as before
-                streaming ran there: a pass's activations are --max-tokens-per-batch's to fit)
-    streamed    footprint + growth + resident + 2 x the largest layer + activations <= budget (two layers: the
-                one that computes and the one read behind it); below that the run is refused before anything loads
+    budget      --max-memory, else the process's memory cgroup (the lowest limit along its path), else MemAvailable
+                plus what this process holds; on a GPU, the device's (--max-memory, else its free memory)
+    in memory   footprint + growth + weights + activations <= budget (on a GPU the weights alone: a pass's
+                activations are --max-tokens-per-batch's to fit)
+    streamed    footprint + growth + resident + 2 x the largest layer + activations <= budget (the layer that
+                computes and the one read behind it); below that the run is refused before anything loads
 
-`footprint` is the process as it stands before the weights load (the interpreter, torch, transformers, the
-tokenizer: its resident set now), `growth` what it will add whatever the model (GROWTH). `activations` is an
-estimate, on the safe side, of one forward pass of `--max-tokens-per-batch` tokens (model/streamed_load.py's `measure`).
-
-What a run has left over goes, up to half of it, to the prefix tree's cache (at most `--max-cache-mib`; none with
-`--prefix-sharing off`): in memory, what the weights and one pass leave; streamed, what stays loaded, two layers
-and one pass leave, and the rest to the fed tokens a layer-major group holds while its passes wait between layers
-(per token the residual stream and its kin, per pass its thread's own buffers; a tree's passes also every layer's
-keys and values: model/attention/tree.py). What a group leaves of that keeps decoder layers loaded from one group to
-the next, the first layers first: a model a little over the budget reads only the layers that do not fit, once a
-group.
+`footprint` is the process's resident set before the weights load, `growth` what it will add whatever the model
+(GROWTH), `activations` an estimate, on the safe side, of one pass of `--max-tokens-per-batch` tokens
+(model/streamed_load.py's `measure`). What is left over goes, up to half, to the prefix tree's cache, and streamed,
+the rest to the tokens a layer-major group holds. docs/precompute.md, "Weights larger than memory", says more.
 """
 
 from __future__ import annotations
@@ -208,7 +198,7 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     # torch's allocator has reserved (nothing, for a fresh process: its CUDA context is outside the free memory).
     gpu = device != "cpu"
     limit = device_budget(config.max_memory, device) if gpu else find(config.max_memory)
-    sizes = streamed_load.measure(models.spec, max_tokens)  # None: a model built by its own code loads as before
+    sizes = streamed_load.measure(models.spec, max_tokens)  # None: a model built by its own code loads in memory
     # A --policy with weights of its own is held beside the reference: in memory where it fits, else streamed too.
     policy = streamed_load.measure(models.policy_spec, max_tokens) if models.policy_spec is not None else None
     footprint = runtime.device_reserved_bytes(device) if gpu else process_memory.resident()
@@ -219,8 +209,8 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     adapters = streamed_load.adapter_bytes(tuple(models.adapters)) if models.adapters else 0
     sizes.weights, sizes.resident = sizes.weights + adapters, sizes.resident + adapters
     weights = f"weights{' and adapters' if adapters else ''} ({fmt(sizes.weights)})"  # what the lines below count
-    # On a GPU the weights alone decide whether they stream, as before streaming ran there: a pass's activations are
-    # for --max-tokens-per-batch to fit, and their estimate, on the safe side, would stream models that ran in memory.
+    # On a GPU the weights alone decide whether they stream: a pass's activations are for --max-tokens-per-batch to
+    # fit, and their estimate, on the safe side, would stream models that run in memory.
     fit = 0 if gpu else sizes.activations
     if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside,
                    fit):

@@ -1,41 +1,10 @@
 """TRL's conversational rollouts: prompt and completion messages rendered with the chat template.
 
-In TRL's prompt-completion format `prompt` is a list of {"role", "content"} messages and
-`completion` a list holding the assistant's message. TRL (`data_utils.apply_chat_template`) renders
-the prompt with the generation prompt added (continuing the last message instead when the prompt
-ends with an assistant turn), renders prompt + completion, and calls the completion what the
-second adds after the first; its trainers then tokenize the rendered text with
-`add_special_tokens=False`, because a template writes its own BOS (a second one would be a token
-the policy never saw). klpipe renders the same way and splits at the token level:
-
-    prompt_ids   = tokens(render(prompt, generation prompt))
-    response_ids = tokens(render(prompt + completion))[len(prompt_ids):]
-
-so `prompt_ids + response_ids` is exactly `tokenizer.apply_chat_template(prompt + completion)`.
-A template that renders the prompt differently once a completion follows, or a tokenizer that
-merges tokens across the boundary, has no such split: that row is an error, never a guess.
-
-Tool use is carried as messages, as in TRL's datasets: an assistant message with `tool_calls`, a
-`tool` message with the result, the next assistant message, all inside the completion. Their
-tokens are split the same way, at every message boundary, into a mask (klpipe/mask.py): an
-assistant's tokens (what its message renders to, from the end of its turn's header to the end of
-its turn) are 1; what the template writes for a tool's result, and around it up to the next
-assistant turn (the turn markers, the next turn's generation prompt), is 0. The tool schemas reach
-the template as `tools=`, from a per-row column or one list for every row (`--tools`), with the
-trainer's `chat_template_kwargs`; a template that renders no trace of the tools it is given is an
-error, since the policy saw them and the reference would not.
-
-A completion that holds tool messages is what a trainer's tool loop built, and it is rebuilt the way
-that loop builds it (TRL 1.16's `GRPOTrainer._tool_call_loop`), never by rendering the conversation
-whole: each assistant turn is the tokens after the generation prompt up to and including the first
-stop token (the tokenizer's EOS and every id of the model's `generation_config.eos_token_id`), mask
-1; what the trainer appends after it, up to and including the next generation prompt, is the tool
-block TRL's `_get_tool_suffix_ids` renders from a stand-in conversation (trimmed at the EOS), mask 0;
-nothing follows the last turn's stop token. A row this cannot rebuild (a turn that renders no stop
-token, a template that is not prefix-preserving) is refused, never guessed. With `--rollout-format verl` every
-conversational row is refused: verl's messages do not determine its ids (klpipe/precompute/verl_loop.py).
-
-No torch here: only the tokenizer (and jinja2, through transformers) is used.
+A row is rendered as TRL renders it and split at the token level, so that `prompt_ids + response_ids` is exactly
+`tokenizer.apply_chat_template(prompt + completion)`; a completion holding tool messages is rebuilt the way TRL's
+tool loop built it, turn by turn, with its mask. A row with no exact split is refused, never guessed.
+docs/formats.md says how ("TRL conversational" and "Agent trajectories"). No torch here: only the tokenizer (and
+jinja2, through transformers).
 """
 
 from __future__ import annotations

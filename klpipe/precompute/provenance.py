@@ -159,7 +159,7 @@ def chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
     if rollouts.mode != CHAT:
         return None
     options = {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
-    if config.rollout_format != "trl":  # the default adds nothing, so caches made before the option still match
+    if config.rollout_format != "trl":  # the default adds nothing, so a cache made without the option matches
         options["rollout_format"] = config.rollout_format
     return options
 

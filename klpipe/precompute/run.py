@@ -322,7 +322,7 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
             needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
             return tokenized, pairs, needed, scorer.plan_ahead(pairs, needed)
 
-        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk, as before
+        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk
             tokenized, scored = item
             work.write_chunk(tokenized, scored.ref_logprobs, scored.policy_logprobs, scored.extra)
             response_tokens = tokenized.scored_tokens()
@@ -337,7 +337,7 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
         # Reading, tokenizing and planning the next chunks overlap with the model's work on this one, and
         # so does writing the last one (write behind). On an error or a stop, closing the stream stops the
         # reader now, not when the stream is collected; then the writer finishes the chunk handed to it
-        # (finished work, as the chunk written before a stop always was) and ends before the error goes on.
+        # (finished work, kept as every chunk written before a stop is) and ends before the error goes on.
         # depth=0: the model runs at most one chunk ahead of the disk, so a slow disk holds one chunk back.
         # Read-ahead depth 1: reading, tokenizing and planning a chunk takes far less than scoring one, so one
         # chunk ahead keeps the model fed. At most three chunks are held (read ahead, scored, written), and a
@@ -353,12 +353,12 @@ def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, 
                 for line in _compile_failures(model) + (_compile_failures(own) if own is not None else []):
                     log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager now
                 # The last chunk written first, then the check: a stop asked for during that write leaves this
-                # chunk unwritten, as it did when each write was followed by a check on this thread.
+                # chunk unwritten, as a stop between two chunks does.
                 writer.wait_for_room()
                 check()
                 writer.submit((tokenized, scored))
         # Here the last chunk is written (the block waits for it: the merge reads every chunk). A stop asked
-        # for while it was written stops the run before the merge, as it did when the write was not behind.
+        # for while it was written stops the run before the merge, as one asked for between chunks does.
         stop.check()
     finally:
         progress.close()

@@ -149,7 +149,7 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
             mask = mask[:end].astype(np.int8)
         # OpenRLHF's later layout has action_mask over the whole sequence less its first token, 0 over the prompt:
         # the masked run before the first action is context the policy never sampled, so it joins the prompt (the
-        # same tokens fed, the same logprobs; the summary no longer counts the prompt as a tool's tokens).
+        # same tokens fed, the same logprobs, and the summary does not count the prompt as a tool's tokens).
         lead = int(np.argmax(mask)) if kind == OPENRLHF and mask.any() else 0
         prompts.append(prompt_region[start:].tolist() + response_region[:lead].tolist())
         responses.append(response_region[lead:end].tolist())

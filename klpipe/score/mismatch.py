@@ -5,23 +5,11 @@ own forward of the same tokens. On a token the policy sampled (mask 1):
 
     ℓ_t = log π_trainer(y_t) − log π_sampler(y_t),    r_t = exp(ℓ_t)
 
-Every figure here counts mask-1 tokens whose sampler logprob is usable (finite, not a placeholder,
-in a row whose sampler list covers the response; diagnosis.py names the others), never padding.
-Token-weighted figures average over those tokens; row-weighted ones average per-row values over rows
-that hold at least one of them. verl's names and definitions (`rollout_corr_helper.py`):
-
-    rollout_corr/kl            token-weighted   mean −ℓ
-    rollout_corr/k3_kl         token-weighted   mean e^ℓ − 1 − ℓ
-    rollout_corr/chi2_token    token-weighted   mean r² − 1
-    rollout_corr/training_ppl  row-weighted     mean exp(−mean_t log π_trainer)
-    rollout_corr/rollout_ppl   row-weighted     mean exp(−mean_t log π_sampler)
-    rollout_corr/log_ppl_diff  row-weighted     mean −mean_t ℓ
-    rollout_corr/ppl_ratio     row-weighted     mean exp(−mean_t ℓ)   (training ppl / rollout ppl per row)
-    rollout_corr/chi2_seq      row-weighted     mean exp(2·clip(Σ_t ℓ, ±20)) − 1
-
-Quantiles come from a histogram of ℓ with 100 log-spaced bins per decade of |ℓ| (1e-9 to 1e3, one
-bin for |ℓ| < 1e-9, sign kept): a quantile is its bin's centre, within 0.6% of the exact order
-statistic, so memory stays bounded however many tokens a run holds. Pure numpy: no loop over rows.
+Every figure counts mask-1 tokens whose sampler logprob is usable (diagnosis.py names the others), never padding;
+token-weighted figures average over those tokens, row-weighted ones per-row values over the rows holding one. The
+figures are verl's (`rollout_corr_helper.py`), by its names and definitions, and quantiles of ℓ come from a
+log-spaced histogram, so memory stays bounded however many tokens a run holds. Pure numpy: no loop over rows.
+docs/score.md, "Sampler against trainer", tables every figure and the histogram's bins.
 """
 
 from __future__ import annotations

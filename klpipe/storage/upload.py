@@ -1,29 +1,11 @@
 """Putting finished files on a store: each object appears whole, or not at all.
 
-pyarrow cannot abort an upload. Closing an S3 output stream, which `with` does after an exception
-and the C++ destructor does too, completes the multipart upload with the parts sent so far: an
-error or a Ctrl-C in the middle of a write would put a truncated object under the final name, over
-a good one. So klpipe writes every output to a local file first (the work directory, or
-$TMPDIR), and only a complete file is uploaded, by a child process that closes the stream only
-after every byte is written and counted. On any error, or a signal, the child exits without
-closing (`os._exit`), and an upload that is never completed never becomes an object; the parent
-kills the child (SIGKILL) when it is interrupted itself. (A parent that exits at once, on a second
-SIGTERM, leaves the child to finish: what it sends is a whole file.) A kill -9 of either leaves at most an
-incomplete multipart upload: invisible, and removed by a bucket lifecycle rule
-(AbortIncompleteMultipartUpload) where the bucket has one.
-
-On an object store (S3, GCS, Azure), where an object is visible only once its upload completes,
-the child writes the final key directly. There is no temporary key and no server-side copy, whose
-single request S3 limits to 5 GB. Other filesystems (HDFS, fsspec's) show a file while it is being
-written: there the child writes `.<name>.<random>.tmp` beside it and renames it into place.
-
-Size: pyarrow's S3 writer sends 10 MiB parts, and S3 takes at most 10,000 parts per upload, so
-one object is at most 10,000 × 10 MiB (97.6 GiB). A larger file is refused before its upload
-starts (its chunks stay in the work directory): shard the run into smaller parts.
-
-Memory: pyarrow sends parts from background threads without waiting for them, so the child
-flushes (waits for the parts in flight) every FLUSH_BYTES: it holds at most that much, whatever
-the file's size and the network's speed. A part that fails fails the flush, and then the child.
+pyarrow cannot abort an upload: closing an S3 output stream, which `with` and the C++ destructor both do after an
+exception, completes the multipart upload with the parts sent so far. So only a complete local file is uploaded, by
+a child process that closes the stream only after every byte is written and counted, and exits without closing
+(`os._exit`) on any error or signal; the parent kills the child when it is interrupted itself. A file over what
+S3's 10,000 parts of pyarrow's 10 MiB hold is refused before its upload starts. docs/operations.md ("An output
+appears whole, or not at all") says the rest: object stores against other filesystems, kill -9, memory.
 """
 
 from __future__ import annotations

@@ -1,35 +1,19 @@
 """Attention over a shared prefix without copying it into every row: cascade attention for the prefix tree.
 
-A tree pass (tree.py) runs several nodes side by side, each continuing its ancestors' keys and values.
-Gathering every row's context into slots of its own and attending through a 4D mask costs a copy of
-the context per row and per layer, and a masked kernel that computes the whole rectangle, pads
-included: on CPU that ran attention at a third of the rate rows run whole get (benchmarks/profile_tree.py).
+A tree pass (tree.py) runs several nodes side by side, each continuing its ancestors' keys and values. A row's
+attention is split by where its keys lie, and the parts are merged exactly by their log-sum-exp (Hydragen; FlashInfer's
+cascade attention):
 
-Here a row's attention is split by where its keys lie, and the parts are merged exactly by their
-log-sum-exp (Hydragen, Juravsky et al. 2024; FlashInfer's cascade attention):
+    own      each row's queries over the pass's own keys, causal (in the right layout a row too short to fill the
+             pass runs alone)
+    context  the row's path, in parts (context_parts.py), each one unmasked product over the kept keys and values
+             read where they lie (window_cascade.context, piece A)
 
-    own      each row's queries over the pass's own keys, causal: in the left layout a node's real
-             tokens come first in its slots, so the causal kernel needs no mask (pads come after them);
-             in the right layout a row too short to fill the pass (pads before it) runs alone
-    context  the row's path, in parts (context_parts.context_parts): the nodes that adjacent runs of rows all
-             open with (an agent pass's system prompt), then each run of rows with one parent and one
-             context length over the rest of its path, up to its context's end. Each part is one unmasked
-             product of its rows' queries, stacked (and all query heads of a KV head) along the queries, over
-             the kept keys and values read where they lie (window_cascade.context, piece A)
-
-A sliding-window layer splits the same way within its window (window_cascade.py), and a packed pass (tree.py:
-nodes end to end, no pad) runs both kinds there too. A KV-shared layer (Gemma 4) attends through the layer whose
-keys it reuses (`_owner`); where the model keeps only the last position, its one query is the last slot's.
-
-Every part is one call of lse_attention.attend (attention that returns its log-sum-exp): torch's CPU flash
-kernel on CPU, its CUDA flash or memory-efficient kernel on a GPU where a probe against plain torch passed for
-that kind of call, plain torch otherwise. Only the pieces this module knows are exact take that way: full
-attention or the window the cache knows (no chunk), no softcap, sinks or position bias, one head size. Any
-other call in a tree pass gets the context gathered as before and transformers' own sdpa with its mask (a
-packed pass runs again as a batch for it); every call outside a tree pass is transformers' sdpa untouched.
-
-The attention function is registered with transformers (`AttentionInterface.register`) under NAME,
-with sdpa's mask (none in a packed pass), and a model is switched to it only where it runs sdpa, on any device.
+Every part is one call of lse_attention.attend. A call this cannot take exactly gets the context gathered and
+transformers' own sdpa with its mask; every call outside a tree pass is transformers' sdpa untouched. The function
+is registered with transformers (`AttentionInterface.register`) under NAME, with sdpa's mask (none in a packed
+pass), and a model is switched to it only where it runs sdpa. docs/precompute.md, "Prefix sharing" (point 6), says
+why and how.
 """
 
 from __future__ import annotations

@@ -103,8 +103,8 @@ def fed_tokens(tree: Tree, step: Pass) -> int:
 
 def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, run_pass, check_stop) -> bool:
     """Run `passes` layer-major in groups (run_pass(step, owners) runs one, its state kept layer by layer); False
-    where a layer reused keys freed here (the caller runs the tree again in waves, `reference.tree_layered` now
-    False)."""
+    where a layer reused keys freed here (`reference.tree_layered` set False: the caller runs the tree again in
+    waves)."""
     streamer = reference.streamer
     limit, budgeted = group_limit(reference)
     shared = owners(reference)

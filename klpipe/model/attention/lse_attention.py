@@ -8,28 +8,13 @@ is softmax(q·kᵀ·scale) @ v and logsumexp(q·kᵀ·scale) over the keys each 
 the keys j <= i (top-left: query i of s sees key j, as torch's SDPA and CPU flash kernel mean it, whatever s and t).
 `attend_shared` is the unmasked product of many rows over one set of keys (h, t, d), such as a node's kept keys
 read where they lie. Grouped-query attention never expands the keys: an unmasked product folds the query heads of
-a KV head (and the rows sharing the keys) into the query axis, (r, H, s, d) -> (1, h, g·r·s, d), a plain multi-head
-call; a causal one passes the fewer key heads to a kernel that takes them, and repeats them only for one that does
-not (the cascade's causal calls are a pass's own keys, or at most a window's last keys).
+a KV head (and the rows sharing the keys) into the query axis, (r, H, s, d) -> (1, h, g·r·s, d).
 
-Backends, tried in order for the call's device, the first that takes the call and has passed its probe runs it:
-
-    cpu_flash   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: any head size, fp32/bf16/fp16
-    cuda_flash  torch.ops.aten._scaled_dot_product_flash_attention: fp16/bf16, head size <= 256. Its causal
-                mask is aligned bottom-right when s != t, so a causal call reaches it square only (`_square`)
-    efficient   torch.ops.aten._scaled_dot_product_efficient_attention (memory-efficient, CUDA): fp32 too, and
-                head size 512 (Gemma 4's full layers); its lse is padded along the queries, sliced here
-    math        plain torch, scores in fp32, blocked over queries: every device and dtype; the fallback, and the
-                reference every probe is held to
-
-The probe: before a kernel first runs a kind of call (device, dtype, head sizes, causal square or not, grouped
-heads or not), it runs once on small random inputs of that kind, laid out as the cascade lays them (a transposed
-query, keys sliced from a longer buffer), and is compared with `math` within a bound derived from the dtype's
-rounding (`_bound`). A kernel that raises or disagrees is never used for that kind again (`REJECTED` says why),
-and the call goes to the next backend, `math` last: an assumption about a kernel that does not hold (an alignment,
-a layout, an lse in another base or padded otherwise) costs speed, never a wrong logprob. A kernel that raises on a
-real call later is rejected the same way and the call runs on the next one. `CALLS` counts the backend each call
-took, as cascade.CALLS counts the cascade's calls; tests and benchmarks/bench_gpu.py read both.
+Backends, tried in order for the call's device (cpu_flash, cuda_flash, efficient, then math: plain torch, every
+device and dtype, the reference every probe is held to); the first that takes the call and has passed its probe for
+that kind of call runs it. A kernel that raises or disagrees is never used for that kind again (`REJECTED` says
+why): a wrong assumption about a kernel costs speed, never a wrong logprob. `CALLS` counts the backend each call
+took. docs/precompute.md, "Prefix sharing", says what each backend takes and how the probe is bounded.
 """
 
 from __future__ import annotations

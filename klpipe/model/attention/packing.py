@@ -1,31 +1,16 @@
 """Rows run whole, packed: one sequence per batch with no pads and no mask, and an attention that computes only the
 pairs each query needs.
 
-Padded rows cost twice over: every pad is fed through every layer, and once a batch has pads (or a row passes a
-sliding window) transformers builds a dense B × T × T mask and the kernel computes the whole rectangle: a 4k-token
-row on a 512-token sliding layer does 8× the pairs its window needs. Here a batch's rows are laid end to end,
-
     input_ids     [ row 0 ........ | row 1 ..... | row 2 ............ ]   (1, N), N = the rows' tokens
     position_ids  [ 0 1 2 ...      | 0 1 2 ...   | 0 1 2 ...          ]   restarting per row, as in a lone row
 
-and this module's attention function (registered with transformers under NAME, its mask function building no mask
-while rows are packed) runs each row's segment on its own:
-
-    full layer      one causal SDPA call per row: the kernel skips the keys after each query
-    sliding layer   the row's first `window` queries causal; the rest in blocks of `window // 16` queries, each
-                    over the `block + window - 1` keys its queries see, as one batched SDPA call with a band mask:
-                                    (block - 1) / window more pairs than needed, 6% at a 512-token window
-
-Grouped-query attention never repeats keys: SDPA's `enable_gqa` for the causal calls, and for the masked ones each
-KV head's query heads stacked along the queries (`_grouped`). Every kernel here ships with torch and runs on
-CPU and CUDA alike, any head size (Gemma 4's 512 included); no compilation.
-
-Packing is exact only where each row's logits depend on its own tokens and positions alone: a model whose forward
-reads the batch's length, keeps a recurrent or convolution state, masks in a way it does not pass to its attention
-function, or attends through code of its own would read across rows. So the load-time check (packing_check.py, after
-the oracle is taken) packs the probe beside other rows and holds it to the model's own forward, long enough to cross
-the model's window; a model that fails keeps its rows padded, and an attention call this module cannot compute
-exactly raises NotPacked, after which its rows run padded for good.
+This module's attention function (registered with transformers under NAME, its mask function building no mask while
+rows are packed) runs each row's segment on its own: one causal SDPA call per row on a full layer; on a sliding layer
+the first `window` queries causal, the rest in blocks of `window // 16` queries, each over the `block + window - 1`
+keys its queries see, one batched call with a band mask ((block - 1) / window more pairs than needed, 6% at a
+512-token window). Grouped-query attention never repeats keys (SDPA's `enable_gqa`; `_grouped` for the masked calls).
+An attention call this module cannot compute exactly raises NotPacked, after which the model's rows run padded.
+docs/precompute.md, "Packed rows", says why and when packing is exact (packing_check.py checks it at load).
 """
 
 from __future__ import annotations

@@ -8,22 +8,9 @@ A pass runs several nodes side by side in one of two layouts (`pass_layout`):
     right (Gemma 4):      [ pads | context, from the cache | pads | fed tokens ]
                           └──────────── C ───────────────┘ └─────── T ───────┘
 
-The context is a node's path from the root, as the state that earlier passes computed; the fed
-tokens are the node's own. On the left, each node feeds exactly its own tokens, straight after its
-context, and shorter nodes end in pads that no earlier position sees (every layer is causal). A
-recurrent layer's state is taken at the end of the pass, so a node that others continue must be as
-long as its pass's longest (the planner's `exact_ends`); pads never enter a state. On the right,
-every row ends at the last position, so that a model that skips layers for positions nobody needs
-(Gemma 4's KV-shared layers) skips them for every row alike: a node shorter than the pass's longest
-feeds the end of its context again instead of pads, and only a row with too little context to fill T
-has pads before its fed tokens. That layout is for attention-only models: re-fed tokens would advance a
-recurrent state twice. In both, real tokens are contiguous in the cache's slots, so a sliding window
-or an attention chunk measured in slots, as transformers measures them, is the window in tokens. Pads
-carry position 0 and an attention mask of 0, so no position id ever exceeds a row's real ones (a
-dynamic or long RoPE picks its frequencies from the largest position in the batch).
-
 Each node's own state is kept (keys and values cut to its real tokens) while any of its descendants
-is still to run; `Pass.release` says when it goes.
+is still to run; `Pass.release` says when it goes. docs/precompute.md, "Prefix sharing" (points 3 and 7), says
+why each layout is as it is.
 """
 
 from __future__ import annotations
@@ -40,7 +27,8 @@ from klpipe.plan import Pass, Tree, Wanted, by_tokens
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
                check_stop=lambda: None) -> list[np.ndarray]:
-    """log p(response tokens) of every row of `tree`, each node computed once, per row (float32; fp64 models: float64)."""
+    """log p(response tokens) of every row of `tree`, each node computed once, per row (float32; fp64 models:
+    float64)."""
     if reference.packed:
         try:
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
@@ -136,7 +124,7 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
 
 def pass_layout(reference) -> str:
     """"right" where the model skips layers for positions nobody needs (every row must end at the last position),
-    "left" otherwise (each node feeds exactly its own tokens): see the module's docstring."""
+    "left" otherwise (each node feeds exactly its own tokens): docs/precompute.md, point 3."""
     return "right" if reference.prefill_skips_layers and not reference.keeps_state else "left"
 
 
