@@ -119,9 +119,8 @@ def check_base(option: str, path: str, base: str, base_fingerprint: str | None, 
     if recorded_path.is_dir() and base_path.is_dir():
         if recorded_path.resolve() == base_path.resolve() or fingerprint_of(str(recorded_path)) == base_fingerprint:
             return
-    elif not recorded_path.is_absolute() and not base_path.is_dir() and recorded.lower() == base.lower():
-        return
-    elif base_path.is_dir() and recorded.rstrip("/").split("/")[-1].lower() == base_path.resolve().name.lower():
+    elif ((not recorded_path.is_absolute() and not base_path.is_dir() and recorded.lower() == base.lower())
+          or (base_path.is_dir() and recorded.rstrip("/").split("/")[-1].lower() == base_path.resolve().name.lower())):
         return
     raise ModelError(f"{option} {path}: an adapter trained on {recorded} (its {CONFIG_FILE}), not on {base}; pass "
                      f"its base as --model, or set base_model_name_or_path to {base} if that is a copy of it")

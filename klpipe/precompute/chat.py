@@ -341,7 +341,8 @@ class ChatRenderer:
         previous = None
         for message in prompt + completion:
             if message["role"] == TOOL_ROLE and not (previous is not None and (
-                    previous["role"] == TOOL_ROLE or (previous["role"] == CONTINUED_ROLE and previous.get("tool_calls")))):
+                    previous["role"] == TOOL_ROLE
+                    or (previous["role"] == CONTINUED_ROLE and previous.get("tool_calls")))):
                 raise ChatError(row, "a tool message answers no tool call: it must follow an assistant message with "
                                      "tool_calls, or another tool message")
             previous = message
@@ -390,7 +391,7 @@ class ChatRenderer:
 
 def _parting(prompt: str, whole: str) -> str:
     """Where a rendered prompt and the rendering with more messages part, for a person: what each has there."""
-    same = len(os.path.commonprefix([prompt, whole]))
+    same = len(os.path.commonprefix([prompt, whole]))  # noqa: RUF071 - two rendered strings, not paths
     start = max(0, same - 12)  # a little of what the two share
     return (f"its generation prompt ends with {prompt[start:][-40:]!r} where the rendered turn has "
             f"{whole[start: same + 28]!r}")

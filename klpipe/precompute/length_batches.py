@@ -76,7 +76,8 @@ def padding_efficiency(lengths: Sequence[int], batches: list[np.ndarray]) -> tup
 
 
 def pack_batches(lengths: Sequence[int], max_tokens: int) -> list[np.ndarray]:
-    """Group row indices so each batch's rows, laid end to end without pads (model/attention/packing.py), fit `max_tokens`.
+    """Group row indices so each batch's rows, laid end to end without pads (model/attention/packing.py), fit
+    `max_tokens`.
 
     Rows are taken longest first, as plan_batches takes them, and a batch closes when the next row would pass
     the budget; a row longer than the budget runs alone."""

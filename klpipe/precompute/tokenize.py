@@ -192,9 +192,10 @@ class ChunkTokenizer:
     def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
         tools = self.names(cache.TOOLS)
         try:
-            return self.chat.render(chunk.table.column(self.names(cache.PROMPT)).to_pylist(),
-                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist(),
-                                    chunk.table.column(tools).to_pylist() if tools in chunk.table.column_names else None)
+            table = chunk.table
+            return self.chat.render(table.column(self.names(cache.PROMPT)).to_pylist(),
+                                    table.column(self.names(cache.RESPONSE)).to_pylist(),
+                                    table.column(tools).to_pylist() if tools in table.column_names else None)
         except ChatError as exc:
             self._fail(chunk, exc.row, str(exc))
 
@@ -247,7 +248,8 @@ class ChunkTokenizer:
                 row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
                 self._fail(
                     chunk, row,
-                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary (0..{self.vocab_size - 1})",
+                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1})",
                 )
         if self.max_positions:
             total = prompt_len + t.response_lengths()

@@ -36,7 +36,8 @@ DERIVED = (cache.PROMPT_IDS, cache.RESPONSE_IDS, cache.MASK, cache.POLICY_LOGPRO
            cache.REWARD)
 LOGPROBS_TYPE = pa.list_(pa.float32())
 SAVE_IDS = ("save the batch instead, which klpipe reads as it is: batch.save_to_disk(PATH), or its keys (prompts, "
-            "responses, attention_mask, response_mask, rollout_log_probs) as parquet (docs/formats.md: Agent trajectories)")
+            "responses, attention_mask, response_mask, rollout_log_probs) as parquet "
+            "(docs/formats.md: Agent trajectories)")
 
 
 def detect(schema: pa.Schema) -> str | None:
