@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
@@ -116,7 +117,7 @@ def fingerprint_of(path) -> dict:
     return fingerprint(path)
 
 
-def _check_local_output(ray, output: Location, nodes: list[dict]) -> None:
+def _check_local_output(ray, output: Path, nodes: list[dict]) -> None:
     """On a cluster of several nodes a local output must be one every node sees; refused before any shard's
     task, and without leaving behind a directory this check made."""
     made = not output.exists()
