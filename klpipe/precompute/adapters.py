@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeGuard
 
 from klpipe.errors import ModelError
 
@@ -34,7 +35,7 @@ MODEL_CONFIG = "config.json"  # what every model folder holds
 CAUSAL_TASKS = (None, "CAUSAL_LM")
 
 
-def is_adapter(name: str | None) -> bool:
+def is_adapter(name: str | None) -> TypeGuard[str]:
     """Whether `name` is a local PEFT adapter folder (hub adapters: download the folder first)."""
     return name is not None and (Path(name).expanduser() / CONFIG_FILE).is_file()
 

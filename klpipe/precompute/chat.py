@@ -121,11 +121,15 @@ class ChatRenderer:
             layout.append((len(texts), spans))
             texts.extend(row_texts)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # [prompt, whole, ...]
-        prompt_lists, response_lists, masks = [], [], []
+        prompt_lists: list[list[int]] = []
+        response_lists: list[list[int]] = []
+        masks: list[np.ndarray] = []
         for row, (first, spans) in enumerate(layout):
             if row in looped:
-                for lists, value in zip((prompt_lists, response_lists, masks), looped[row], strict=True):
-                    lists.append(value)
+                row_prompt, row_response, row_mask = looped[row]
+                prompt_lists.append(row_prompt)
+                response_lists.append(row_response)
+                masks.append(row_mask)
                 continue
             prompt_ids, whole_ids = ids[first], ids[first + 1]
             for boundary in ids[first: first + 2 + 2 * len(spans)]:
@@ -284,7 +288,7 @@ class ChatRenderer:
         if not isinstance(name, str):
             raise ChatError(row, "a tool message has no name; TRL's tool loop names each result after its tool, and "
                                  "renders the results after a stand-in call of that name")
-        stand_in = [{"role": "user", "content": "dummy"},
+        stand_in: list[dict] = [{"role": "user", "content": "dummy"},
                     {"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}]
         prefix = self._ids(self._apply(stand_in, None))
@@ -314,7 +318,7 @@ class ChatRenderer:
     def _passes_trl_prefix_check(self) -> bool:
         """TRL 1.16's `is_chat_template_prefix_preserving`: the one probe by which GRPOTrainer decides to keep the
         tokenizer's template (True) or swap in its training template (False)."""
-        stand_in = [{"role": "user", "content": "dummy"},
+        stand_in: list[dict] = [{"role": "user", "content": "dummy"},
                     {"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": "dummy", "arguments": {}}}]}]
         try:

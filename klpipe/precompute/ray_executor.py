@@ -78,6 +78,7 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
     # The driver reads the inputs' metadata only: bad inputs fail here, in seconds, before any task starts.
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))
     ray = ray_cluster.import_ray()
+    assert ray_config.address is not None  # RayConfig refuses a run without one
     ray_cluster.connect(ray, ray_config.address)
     started = time.perf_counter()
     try:

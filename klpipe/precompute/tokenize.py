@@ -8,6 +8,7 @@ vocabulary and context before any forward pass, and a bad row is named by file a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -98,6 +99,7 @@ class ChunkTokenizer:
         derived = None  # conversational rows: the mask their roles give
         pads = 0
         if self.rollouts.mode == BATCH:  # the attended tokens of a trainer's padded batch, as prompt_ids & co.
+            assert self.rollouts.batch is not None  # open_rollouts names the batch's kind with mode BATCH
             table, pads = trainer_batches.unpad(table, self.rollouts.batch, lambda i: self._row_name(chunk, i))
         if self.rollouts.mode in (TOKEN_IDS, BATCH):
             prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS), table)
@@ -261,7 +263,7 @@ class ChunkTokenizer:
                     f"{int(total[row])} tokens (prompt + response) exceed the model's context of {self.max_positions}",
                 )
 
-    def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
+    def _fail(self, chunk: Chunk, row: int, problem: str) -> NoReturn:
         raise InputError(f"{self._row_name(chunk, row)}: {problem}")
 
     def _row_name(self, chunk: Chunk, row: int) -> str:
