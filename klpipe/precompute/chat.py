@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -72,24 +74,35 @@ def is_messages_type(kind: pa.DataType) -> bool:
     return is_list_type(kind) and pa.types.is_struct(kind.value_type) and kind.value_type.get_field_index("role") >= 0
 
 
+@dataclass(frozen=True)
+class ChatRendering:
+    """How the trainer rendered its conversations: what a conversational row's tokens depend on beside its messages."""
+
+    tools: list | None = None  # one list of tool schemas for every row (--tools), or None
+    template_kwargs: dict | None = None  # TRL's chat_template_kwargs
+    stop_ids: Iterable[int] = ()  # the model's generation_config.eos_token_id (the tokenizer's EOS is added)
+    template_given: bool = False  # --chat-template: the template is the trainer's, as the user says
+    rollout_format: str = "trl"  # whose tool loop built the rows: trl, or verl (refused)
+
+
 class ChatRenderer:
     """Renders conversational rows into (prompt_ids, response_ids, mask) with the tokenizer's chat template."""
 
-    def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
-                 template_kwargs: dict | None = None, tools_column: str = "tools", stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl"):
+    def __init__(self, tokenizer, prompt_column: str, response_column: str, tools_column: str = "tools",
+                 rendering: ChatRendering | None = None):
+        rendering = rendering if rendering is not None else ChatRendering()
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
         self.tools_column = tools_column
-        self.tools = tools  # one list of tool schemas for every row (--tools), or None
-        self.template_kwargs = dict(template_kwargs or {})  # TRL's chat_template_kwargs
+        self.tools = rendering.tools
+        self.template_kwargs = dict(rendering.template_kwargs or {})
         self._renders_tools: dict[str, bool] = {}  # tools as JSON -> whether the template shows them
         # The tokens that end a sampled turn: the tokenizer's EOS and the model's generation_config.eos_token_id.
-        self.stop_ids = frozenset(int(i) for i in stop_ids) | (
+        self.stop_ids = frozenset(int(i) for i in rendering.stop_ids) | (
             {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set())
-        self.template_given = template_given  # --chat-template: the template is the trainer's, as the user says
-        self.rollout_format = rollout_format  # whose tool loop built the rows: trl, or verl (refused)
+        self.template_given = rendering.template_given
+        self.rollout_format = rendering.rollout_format
 
     @property
     def has_template(self) -> bool:

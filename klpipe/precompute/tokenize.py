@@ -23,7 +23,7 @@ from klpipe.arrow import (
 from klpipe.errors import InputError
 from klpipe.mask import read_mask
 from klpipe.precompute import trainer_batches
-from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer, ChatRendering
 from klpipe.precompute.rollouts import BATCH, CHAT, TOKEN_IDS, Chunk, Rollouts
 from klpipe.rows import row_name
 
@@ -76,15 +76,12 @@ class ChunkTokenizer:
     """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
 
     def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None,
-                 tools: list | None = None, template_kwargs: dict | None = None, stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl", end_ids=()):
+                 chat: ChatRendering | None = None, end_ids=()):
         self.rollouts = rollouts
         self.names = rollouts.columns.name  # role -> the user's column
         self.tokenizer = tokenizer  # only used in text and chat modes
-        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE), tools=tools,
-                                 template_kwargs=template_kwargs, tools_column=self.names(cache.TOOLS),
-                                 stop_ids=stop_ids, template_given=template_given,
-                                 rollout_format=rollout_format)
+        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE),
+                                 self.names(cache.TOOLS), chat)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         # Where ids come as they are, a pad at the prompt's left or after the response's end is refused (or, masked
