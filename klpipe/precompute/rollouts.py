@@ -153,7 +153,7 @@ def _open_file(path: Location, groups: bool = False) -> RolloutFile:
 
 def _is_pickle(path: Location) -> bool:
     try:
-        with path.open_input_file() if is_remote(path) else open(path, "rb") as file:
+        with (path.open_input_file() if is_remote(path) else open(path, "rb")) as file:
             return file.read(2) in PICKLE_MAGIC
     except (OSError, pa.ArrowException):
         return False  # the parquet reader says why
