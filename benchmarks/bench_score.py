@@ -160,6 +160,16 @@ def run_bare_streamed(cache: Path, out: Path) -> None:
             writer.write_batch(batch)
 
 
+def print_gaps(ours_path: Path, theirs_path: Path) -> None:
+    """The largest difference between klpipe's scored columns and the original controller's."""
+    columns = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
+    ours = pq.read_table(ours_path, columns=columns)
+    theirs = pq.read_table(theirs_path, columns=columns)
+    gaps = {c: float(np.max(np.abs(ours.column(c).to_numpy() - theirs.column(c).to_numpy()))) for c in columns}
+    print("klpipe vs the original controller's output, max |difference|: "
+          + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -207,12 +217,7 @@ def main() -> None:
     best = {name: min(values) for name, values in runs.items()}
 
     if not args.skip_original:
-        columns = ["kl", "kl_coeff", "kl_penalty", "adjusted_reward"]
-        ours = pq.read_table(outputs["klpipe score (library call)"], columns=columns)
-        theirs = pq.read_table(outputs["original Python loop"], columns=columns)
-        gaps = {c: float(np.max(np.abs(ours.column(c).to_numpy() - theirs.column(c).to_numpy()))) for c in columns}
-        print("klpipe vs the original controller's output, max |difference|: "
-              + ", ".join(f"{c} {g:.1e}" for c, g in gaps.items()))
+        print_gaps(outputs["klpipe score (library call)"], outputs["original Python loop"])
 
     library = best["klpipe score (library call)"]
     bare = best["bare pyarrow: read_table + write_table"]

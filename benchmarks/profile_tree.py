@@ -57,12 +57,9 @@ def timed(part: str):
 def instrument() -> None:
     """Timers around the parts (see the module's docstring); each counts the FLOPs it computes."""
     import torch
-    import transformers.masking_utils as masking
-    from transformers.integrations import sdpa_attention
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from klpipe.model import head
-    from klpipe.model.attention import cascade, context_cache
+    from klpipe.model.attention import context_cache
 
     linear_forward = torch.nn.Linear.forward
 
@@ -72,6 +69,39 @@ def instrument() -> None:
             return linear_forward(self, x)
 
     torch.nn.Linear.forward = linear
+    instrument_attention()
+    gather = context_cache._gather_context
+
+    def gather_context(*args, **kwargs):
+        with timed("gather"):
+            return gather(*args, **kwargs)
+
+    context_cache._gather_context = gather_context
+    whole = context_cache.ContextLayer.whole
+
+    def context_whole(self, *args, **kwargs):
+        with timed("cat"):
+            return whole(self, *args, **kwargs)
+
+    context_cache.ContextLayer.whole = context_whole
+    logprobs = head.LMHead.logprobs
+
+    def head_logprobs(self, selected, *args, **kwargs):
+        with timed("head"):
+            WORK["head"] += 2.0 * selected.shape[0] * selected.shape[1] * self.vocab_size
+            return logprobs(self, selected, *args, **kwargs)
+
+    head.LMHead.logprobs = head_logprobs
+
+
+def instrument_attention() -> None:
+    """Timers around attention: transformers' sdpa, the cascade and its flash calls, and the masks."""
+    import transformers.masking_utils as masking
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from klpipe.model.attention import cascade
+
     sdpa = sdpa_attention.sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -115,28 +145,6 @@ def instrument() -> None:
 
         if hasattr(llama, name):
             setattr(llama, name, mask)
-    gather = context_cache._gather_context
-
-    def gather_context(*args, **kwargs):
-        with timed("gather"):
-            return gather(*args, **kwargs)
-
-    context_cache._gather_context = gather_context
-    whole = context_cache.ContextLayer.whole
-
-    def context_whole(self, *args, **kwargs):
-        with timed("cat"):
-            return whole(self, *args, **kwargs)
-
-    context_cache.ContextLayer.whole = context_whole
-    logprobs = head.LMHead.logprobs
-
-    def head_logprobs(self, selected, *args, **kwargs):
-        with timed("head"):
-            WORK["head"] += 2.0 * selected.shape[0] * selected.shape[1] * self.vocab_size
-            return logprobs(self, selected, *args, **kwargs)
-
-    head.LMHead.logprobs = head_logprobs
 
 
 PARTS = ("linear", "attention", "gather", "cat", "mask", "head")

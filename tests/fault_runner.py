@@ -166,7 +166,14 @@ class _Injector:
 
 
 def _install(inj: _Injector) -> None:
-    fault = inj.fault
+    _install_precompute(inj)
+    _install_model(inj)
+    _install_files(inj)
+    _install_score(inj)
+    _install_write_text(inj)
+
+
+def _install_precompute(inj: _Injector) -> None:
     rollouts = klpipe.precompute.rollouts
     tokenize = klpipe.precompute.tokenize
     workdir = klpipe.precompute.workdir
@@ -231,6 +238,8 @@ def _install(inj: _Injector) -> None:
 
     tokenize.ChunkTokenizer.__call__ = tokenize_chunk
 
+
+def _install_model(inj: _Injector) -> None:
     original_load = klpipe.model.reference.ReferenceModel.load.__func__
 
     def load(cls, spec, **options):
@@ -247,6 +256,9 @@ def _install(inj: _Injector) -> None:
 
     klpipe.model.reference.ReferenceModel.load = classmethod(load)
 
+
+def _install_files(inj: _Injector) -> None:
+    fault = inj.fault
     original_write_table = pq.write_table
     inside_write_table = threading.local()  # pq.write_table runs a ParquetWriter: not a merge
 
@@ -285,6 +297,8 @@ def _install(inj: _Injector) -> None:
 
     os.replace = replace
 
+
+def _install_score(inj: _Injector) -> None:
     original_score_batch = klpipe.score.run._score_batch
 
     def score_batch(*args, **kwargs):
@@ -303,6 +317,9 @@ def _install(inj: _Injector) -> None:
 
     klpipe.score.report.plot = plot
 
+
+def _install_write_text(inj: _Injector) -> None:
+    fault = inj.fault
     original_write_text = Path.write_text
 
     def write_text(self, data, *args, **kwargs):

@@ -35,8 +35,9 @@ from klpipe.cache import (
 )
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
+from klpipe.rows import RowLocator
 from klpipe.score.config import ScoreConfig
-from klpipe.score.exact import ExactRun, exact_source, read_exact
+from klpipe.score.exact import ExactRun, ExactTokens, exact_source, read_exact
 from klpipe.score.input import check_batch, check_finite, open_caches, read_batches
 from klpipe.score.kl import row_kl, row_reduce
 from klpipe.score.sampler import SamplerRun, group_keys
@@ -151,11 +152,8 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         check_finite(estimate, logprobs, rows, settings["estimator"], names)
         if exact is not None and exact_tokens is not None:
             exact.measure(exact_tokens)
-            counts = np.diff(exact_tokens.offsets)
-            for key, values in exact_means.items():
-                sums = row_reduce(np.add, getattr(exact_tokens, key).astype(np.float64), exact_tokens.offsets,
-                                  empty=np.nan)
-                values.append(sums / np.maximum(counts, 1))
+            for key, means in _exact_row_means(exact_tokens, tuple(exact_means)).items():
+                exact_means[key].append(means)
         if sampler is not None:
             keys = group_keys(batch, [names.name(PROMPT_IDS), names.name(PROMPT)])
             measured = sampler.measure(logprobs, rows.name, keys)[0]
@@ -172,12 +170,8 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         if has_steps:
             parts["steps"].append(batch.column(names.name(STEP)))
         if source.scored:
-            for key, name in (("kl", KL), ("kl_coeff", KL_COEFF), ("penalty", KL_PENALTY),
-                              ("adjusted", ADJUSTED_REWARD)):
-                column = batch.column(name)
-                if column.null_count:
-                    raise InputError(f"{rows.name(_first_null(column))}: {name} is null")
-                parts[key].append(numpy_view(column.cast(pa.float64())))
+            for key, values in _scored_columns(batch, rows).items():
+                parts[key].append(values)
         else:
             parts["kl"].append(estimate.kl)
 
@@ -208,6 +202,28 @@ def read_figures(source: Source, batch_tokens: int) -> RowFigures:
         policy_entropy=exact_joined("policy_entropy") if source.exact else None,
         exact=None if exact is None else exact.section(names.name(POLICY_LOGPROBS)),
     )  # fmt: skip
+
+
+def _exact_row_means(exact_tokens: ExactTokens, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Each row's mean of the exact figures `keys` (kl, policy_entropy) over its scored tokens; NaN without one."""
+    counts = np.diff(exact_tokens.offsets)
+    means: dict[str, np.ndarray] = {}
+    for key in keys:
+        sums = row_reduce(np.add, getattr(exact_tokens, key).astype(np.float64), exact_tokens.offsets, empty=np.nan)
+        means[key] = sums / np.maximum(counts, 1)
+    return means
+
+
+def _scored_columns(batch: pa.RecordBatch, rows: RowLocator) -> dict[str, np.ndarray]:
+    """A scored file's own kl, kl_coeff, kl_penalty and adjusted_reward (float64), by RowFigures' names; a null is
+    refused."""
+    columns: dict[str, np.ndarray] = {}
+    for key, name in (("kl", KL), ("kl_coeff", KL_COEFF), ("penalty", KL_PENALTY), ("adjusted", ADJUSTED_REWARD)):
+        column = batch.column(name)
+        if column.null_count:
+            raise InputError(f"{rows.name(_first_null(column))}: {name} is null")
+        columns[key] = numpy_view(column.cast(pa.float64()))
+    return columns
 
 
 def _first_null(column: pa.Array) -> int:

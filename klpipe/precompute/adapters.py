@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeGuard
 
 from klpipe.errors import ModelError
 
@@ -34,7 +35,7 @@ MODEL_CONFIG = "config.json"  # what every model folder holds
 CAUSAL_TASKS = (None, "CAUSAL_LM")
 
 
-def is_adapter(name: str | None) -> bool:
+def is_adapter(name: str | None) -> TypeGuard[str]:
     """Whether `name` is a local PEFT adapter folder (hub adapters: download the folder first)."""
     return name is not None and (Path(name).expanduser() / CONFIG_FILE).is_file()
 
@@ -119,9 +120,8 @@ def check_base(option: str, path: str, base: str, base_fingerprint: str | None, 
     if recorded_path.is_dir() and base_path.is_dir():
         if recorded_path.resolve() == base_path.resolve() or fingerprint_of(str(recorded_path)) == base_fingerprint:
             return
-    elif not recorded_path.is_absolute() and not base_path.is_dir() and recorded.lower() == base.lower():
-        return
-    elif base_path.is_dir() and recorded.rstrip("/").split("/")[-1].lower() == base_path.resolve().name.lower():
+    elif ((not recorded_path.is_absolute() and not base_path.is_dir() and recorded.lower() == base.lower())
+          or (base_path.is_dir() and recorded.rstrip("/").split("/")[-1].lower() == base_path.resolve().name.lower())):
         return
     raise ModelError(f"{option} {path}: an adapter trained on {recorded} (its {CONFIG_FILE}), not on {base}; pass "
                      f"its base as --model, or set base_model_name_or_path to {base} if that is a copy of it")

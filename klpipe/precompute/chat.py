@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -41,24 +43,35 @@ def is_messages_type(kind: pa.DataType) -> bool:
     return is_list_type(kind) and pa.types.is_struct(kind.value_type) and kind.value_type.get_field_index("role") >= 0
 
 
+@dataclass(frozen=True)
+class ChatRendering:
+    """How the trainer rendered its conversations: what a conversational row's tokens depend on beside its messages."""
+
+    tools: list | None = None  # one list of tool schemas for every row (--tools), or None
+    template_kwargs: dict | None = None  # TRL's chat_template_kwargs
+    stop_ids: Iterable[int] = ()  # the model's generation_config.eos_token_id (the tokenizer's EOS is added)
+    template_given: bool = False  # --chat-template: the template is the trainer's, as the user says
+    rollout_format: str = "trl"  # whose tool loop built the rows: trl, or verl (refused)
+
+
 class ChatRenderer:
     """Renders conversational rows into (prompt_ids, response_ids, mask) with the tokenizer's chat template."""
 
-    def __init__(self, tokenizer, prompt_column: str, response_column: str, tools: list | None = None,
-                 template_kwargs: dict | None = None, tools_column: str = "tools", stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl"):
+    def __init__(self, tokenizer, prompt_column: str, response_column: str, tools_column: str = "tools",
+                 rendering: ChatRendering | None = None):
+        rendering = rendering if rendering is not None else ChatRendering()
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column  # the user's column names, for messages
         self.response_column = response_column
         self.tools_column = tools_column
-        self.tools = tools  # one list of tool schemas for every row (--tools), or None
-        self.template_kwargs = dict(template_kwargs or {})  # TRL's chat_template_kwargs
+        self.tools = rendering.tools
+        self.template_kwargs = dict(rendering.template_kwargs or {})
         self._renders_tools: dict[str, bool] = {}  # tools as JSON -> whether the template shows them
         # The tokens that end a sampled turn: the tokenizer's EOS and the model's generation_config.eos_token_id.
-        self.stop_ids = frozenset(int(i) for i in stop_ids) | (
+        self.stop_ids = frozenset(int(i) for i in rendering.stop_ids) | (
             {int(tokenizer.eos_token_id)} if getattr(tokenizer, "eos_token_id", None) is not None else set())
-        self.template_given = template_given  # --chat-template: the template is the trainer's, as the user says
-        self.rollout_format = rollout_format  # whose tool loop built the rows: trl, or verl (refused)
+        self.template_given = rendering.template_given
+        self.rollout_format = rendering.rollout_format
 
     @property
     def has_template(self) -> bool:
@@ -90,11 +103,15 @@ class ChatRenderer:
             layout.append((len(texts), spans))
             texts.extend(row_texts)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # [prompt, whole, ...]
-        prompt_lists, response_lists, masks = [], [], []
+        prompt_lists: list[list[int]] = []
+        response_lists: list[list[int]] = []
+        masks: list[np.ndarray] = []
         for row, (first, spans) in enumerate(layout):
             if row in looped:
-                for lists, value in zip((prompt_lists, response_lists, masks), looped[row], strict=True):
-                    lists.append(value)
+                row_prompt, row_response, row_mask = looped[row]
+                prompt_lists.append(row_prompt)
+                response_lists.append(row_response)
+                masks.append(row_mask)
                 continue
             prompt_ids, whole_ids = ids[first], ids[first + 1]
             for boundary in ids[first: first + 2 + 2 * len(spans)]:
@@ -253,7 +270,7 @@ class ChatRenderer:
         if not isinstance(name, str):
             raise ChatError(row, "a tool message has no name; TRL's tool loop names each result after its tool, and "
                                  "renders the results after a stand-in call of that name")
-        stand_in = [{"role": "user", "content": "dummy"},
+        stand_in: list[dict] = [{"role": "user", "content": "dummy"},
                     {"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}]
         prefix = self._ids(self._apply(stand_in, None))
@@ -283,7 +300,7 @@ class ChatRenderer:
     def _passes_trl_prefix_check(self) -> bool:
         """TRL 1.16's `is_chat_template_prefix_preserving`: the one probe by which GRPOTrainer decides to keep the
         tokenizer's template (True) or swap in its training template (False)."""
-        stand_in = [{"role": "user", "content": "dummy"},
+        stand_in: list[dict] = [{"role": "user", "content": "dummy"},
                     {"role": "assistant", "content": "",
                      "tool_calls": [{"type": "function", "function": {"name": "dummy", "arguments": {}}}]}]
         try:
@@ -310,7 +327,8 @@ class ChatRenderer:
         previous = None
         for message in prompt + completion:
             if message["role"] == TOOL_ROLE and not (previous is not None and (
-                    previous["role"] == TOOL_ROLE or (previous["role"] == CONTINUED_ROLE and previous.get("tool_calls")))):
+                    previous["role"] == TOOL_ROLE
+                    or (previous["role"] == CONTINUED_ROLE and previous.get("tool_calls")))):
                 raise ChatError(row, "a tool message answers no tool call: it must follow an assistant message with "
                                      "tool_calls, or another tool message")
             previous = message
@@ -359,7 +377,7 @@ class ChatRenderer:
 
 def _parting(prompt: str, whole: str) -> str:
     """Where a rendered prompt and the rendering with more messages part, for a person: what each has there."""
-    same = len(os.path.commonprefix([prompt, whole]))
+    same = len(os.path.commonprefix([prompt, whole]))  # noqa: RUF071 - two rendered strings, not paths
     start = max(0, same - 12)  # a little of what the two share
     return (f"its generation prompt ends with {prompt[start:][-40:]!r} where the rendered turn has "
             f"{whole[start: same + 28]!r}")

@@ -23,15 +23,15 @@ def plan_batches(lengths: Sequence[int], max_tokens: int, batch_cost: int | None
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be positive")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = len(lengths)
+    sizes = np.asarray(lengths, dtype=np.int64)
+    n = len(sizes)
     if n == 0:
         return []
     if batch_cost is None:
         batch_cost = max_tokens // 16
     # Stable sort, so equal lengths keep input order and the plan is deterministic.
-    order = np.argsort(-lengths, kind="stable")
-    padded_len = np.maximum(lengths[order], 1)  # (n,) descending: a batch's first row is its longest
+    order = np.argsort(-sizes, kind="stable")
+    padded_len = np.maximum(sizes[order], 1)  # (n,) descending: a batch's first row is its longest
 
     def last_batch(j: int) -> np.ndarray:  # the cost of sorted rows [start, j) as one batch, every start
         rows = j - np.arange(j)
@@ -54,7 +54,7 @@ def cheapest_cut(order: np.ndarray, last_batch: Callable[[int], np.ndarray]) -> 
         cost = best[:j] + last_batch(j)
         cut[j] = int(np.argmin(cost))
         best[j] = cost[cut[j]]
-    batches = []
+    batches: list[np.ndarray] = []
     j = n
     while j > 0:
         batches.append(order[cut[j]:j])
@@ -69,22 +69,25 @@ def within_budget(cost: np.ndarray, memory: np.ndarray, rows: np.ndarray, max_to
 
 def padding_efficiency(lengths: Sequence[int], batches: list[np.ndarray]) -> tuple[int, int]:
     """(real tokens, padded tokens) that `batches` (row indices into `lengths`) would process."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    real = int(sum(int(lengths[b].sum()) for b in batches))
-    padded = int(sum(len(b) * int(lengths[b].max()) for b in batches if len(b)))
+    sizes = np.asarray(lengths, dtype=np.int64)
+    real = int(sum(int(sizes[b].sum()) for b in batches))
+    padded = int(sum(len(b) * int(sizes[b].max()) for b in batches if len(b)))
     return real, padded
 
 
 def pack_batches(lengths: Sequence[int], max_tokens: int) -> list[np.ndarray]:
-    """Group row indices so each batch's rows, laid end to end without pads (model/attention/packing.py), fit `max_tokens`.
+    """Group row indices so each batch's rows, laid end to end without pads (model/attention/packing.py), fit
+    `max_tokens`.
 
     Rows are taken longest first, as plan_batches takes them, and a batch closes when the next row would pass
     the budget; a row longer than the budget runs alone."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")
-    batches, current, total = [], [], 0
+    sizes = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-sizes, kind="stable")
+    batches: list[np.ndarray] = []
+    current: list[int] = []
+    total = 0
     for index in order.tolist():
-        length = max(int(lengths[index]), 1)
+        length = max(int(sizes[index]), 1)
         if current and total + length > max_tokens:
             batches.append(np.array(current, dtype=np.int64))
             current, total = [], 0

@@ -77,13 +77,20 @@ def build_tree(sequences: list[np.ndarray]) -> Tree:
         if end[top] < shared:
             # The previous node goes deeper than the shared part: split it where they part.
             middle = len(parent)
-            parent.append(top), start.append(end[top]), end.append(shared), rep.append(rep[popped])
+            assert popped is not None  # the previous sequence's node ends past `shared`, so it was popped
+            parent.append(top)
+            start.append(end[top])
+            end.append(shared)
+            rep.append(rep[popped])
             parent[popped], start[popped] = middle, shared
             stack.append(middle)
             top = middle
         if length > shared:
             leaf = len(parent)
-            parent.append(top), start.append(shared), end.append(length), rep.append(row)
+            parent.append(top)
+            start.append(shared)
+            end.append(length)
+            rep.append(row)
             stack.append(leaf)
             end_node[row] = leaf
         else:  # the same sequence as the previous one (a prefix would have sorted before it)
@@ -164,7 +171,10 @@ def split_prefixes(tree: Tree, lowest: np.ndarray, min_prefix: int = MIN_SKIPPED
     for node in range(1, tree.num_nodes):
         cut = int(lowest[node]) + 1  # the first needed position stays the new node's last
         if cut - start[node] > min_prefix and cut < end[node]:
-            parent.append(parent[node]), start.append(start[node]), end.append(cut), rep.append(rep[node])
+            parent.append(parent[node])
+            start.append(start[node])
+            end.append(cut)
+            rep.append(rep[node])
             parent[node], start[node] = len(parent) - 1, cut  # children and rows stay with the second half
     return Tree(tree.sequences, np.array(parent), np.array(start), np.array(end), np.array(rep), tree.end_node)
 
@@ -202,8 +212,8 @@ def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_to
     passes: list[Pass] = []
     continued = np.array([bool(k) for k in kids], dtype=bool)
 
-    def run_level(nodes: list[int]) -> None:
-        nodes = np.asarray(nodes, dtype=np.int64)
+    def run_level(level: list[int]) -> None:
+        nodes = np.asarray(level, dtype=np.int64)
         groups = [nodes[only_last[nodes]], nodes[~only_last[nodes]]] if split_by_need else [nodes]
         if exact_ends:
             groups = [part for group in groups for part in _by_exact_end(group, length, continued)]
@@ -219,7 +229,8 @@ def plan_passes(tree: Tree, only_last: np.ndarray, max_tokens: int, max_cache_to
             level = [child for node in level for child in kids[node]]
 
     def schedule(roots: list[int], budget: int) -> None:
-        wave, held = [], 0
+        wave: list[int] = []
+        held = 0
         for root in roots:
             if inner[root] > budget:  # too big for the cache as a whole
                 if wave:

@@ -62,6 +62,7 @@ def provenance(config: PrecomputeConfig, models, model_config, tokenizer: str, r
     device, _ = reference.resolve_device(spec.device)
     dtype = reference.resolve_dtype(spec.dtype, device)  # refuses float16 on CPU
     shard = config.shard
+    assert config.model is not None  # PrecomputeConfig resolves it (an adapter --policy's recorded base)
     return cache.Provenance(
         model=config.model,
         revision=revision(models, model_config),
@@ -158,7 +159,7 @@ def chat_options(config: PrecomputeConfig, rollouts) -> dict | None:
     """What else decides a conversational row's tokens: the --tools list and the template's options."""
     if rollouts.mode != CHAT:
         return None
-    options = {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
+    options: dict[str, object] = {"tools": config.tools, "chat_template_kwargs": config.chat_template_kwargs}
     if config.rollout_format != "trl":  # the default adds nothing, so a cache made without the option matches
         options["rollout_format"] = config.rollout_format
     return options

@@ -10,9 +10,9 @@ import logging
 import os
 import secrets
 import time
+from pathlib import Path
 
 from klpipe.errors import InputError, first_line
-from klpipe.storage.store import Location
 
 INSTALL = 'pip install "klpipe[ray]"'
 # `--ray local` starts a cluster of this machine alone. klpipe passes only configs and summaries through
@@ -71,7 +71,7 @@ def on_this_node(ray):
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def refuse_unseen_output(ray, output: Location, nodes: list[dict]) -> None:
+def refuse_unseen_output(ray, output: Path, nodes: list[dict]) -> None:
     """A local output must be on storage every node sees (a shared filesystem): each node reads a probe file the
     driver writes, in a task of no CPU on that node, before any shard's task is submitted."""
     token = secrets.token_hex(8)

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from klpipe import cache, sharding
 from klpipe.columns import ColumnMap
@@ -77,6 +78,7 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
     # The driver reads the inputs' metadata only: bad inputs fail here, in seconds, before any task starts.
     rollouts = open_rollouts(config.inputs, ColumnMap(config.columns))
     ray = ray_cluster.import_ray()
+    assert ray_config.address is not None  # RayConfig refuses a run without one
     ray_cluster.connect(ray, ray_config.address)
     started = time.perf_counter()
     try:
@@ -101,7 +103,7 @@ def run_on_ray(config: PrecomputeConfig, ray_config: RayConfig, log=print) -> Ra
             f"{gpus_per_shard:g} GPU and {ray_config.cpus_per_shard:g} CPU"
             + (f"; {len(complete)} already complete" if complete else ""))
         done_rows = sum(_span(s.rows(total, config.chunk_rows)) for s in shards if s.index in complete)
-        summaries = _run_tasks(ray, config, ray_config, todo, gpus_per_shard, total, done_rows, result, log)
+        summaries = _run_tasks(ray, config, ray_config, _ShardPlan(todo, gpus_per_shard, total, done_rows), result, log)
         _sum(result.summary, summaries)
         result.summary.seconds = time.perf_counter() - started
         sharding.shard_parts(output)  # every part there, of one run: what `klpipe score DIR` will check
@@ -116,7 +118,7 @@ def fingerprint_of(path) -> dict:
     return fingerprint(path)
 
 
-def _check_local_output(ray, output: Location, nodes: list[dict]) -> None:
+def _check_local_output(ray, output: Path, nodes: list[dict]) -> None:
     """On a cluster of several nodes a local output must be one every node sees; refused before any shard's
     task, and without leaving behind a directory this check made."""
     made = not output.exists()
@@ -158,11 +160,22 @@ def _complete(shard: Shard, output: Location, config: PrecomputeConfig, inputs: 
         and made.policy_model == config.policy)
 
 
-def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, todo: list[Shard], gpus_per_shard: float,
-               total: int, done_rows: int, result: RaySummary, log) -> list[PrecomputeSummary]:
+@dataclass(frozen=True)
+class _ShardPlan:
+    """The shards a run sends to Ray's tasks, and what each task is given."""
+
+    todo: list[Shard]  # the shards not already complete
+    gpus_per_shard: float
+    total: int  # rows in all the inputs
+    done_rows: int  # rows of the shards already complete
+
+
+def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, plan: _ShardPlan, result: RaySummary,
+               log) -> list[PrecomputeSummary]:
+    todo, total = plan.todo, plan.total
     board = ray.remote(num_cpus=0)(Board).options(scheduling_strategy=ray_cluster.on_this_node(ray)).remote()
     task = ray.remote(shard_task).options(
-        name="klpipe-shard", num_cpus=ray_config.cpus_per_shard, num_gpus=gpus_per_shard,
+        name="klpipe-shard", num_cpus=ray_config.cpus_per_shard, num_gpus=plan.gpus_per_shard,
         max_retries=ray_config.max_retries, retry_exceptions=False)
     # The driver shows the run's progress; a shard's own progress lines would only repeat it.
     # Each task runs in the driver's directory, where the config's relative paths lead (ray_task.in_directory).
@@ -170,7 +183,7 @@ def _run_tasks(ray, config: PrecomputeConfig, ray_config: RayConfig, todo: list[
     pending = {task.remote(dataclasses.replace(config, shard=shard, progress="none"), board, directory): shard
                for shard in todo}
     summaries, failures, nodes = [], {}, set()
-    progress = Progress(config.progress, total_rows=total, initial_rows=done_rows, log=log,
+    progress = Progress(config.progress, total_rows=total, initial_rows=plan.done_rows, log=log,
                         interval=config.log_interval)
     seen = {"rows": 0, "tokens": 0}
     stop = _StopOnSignal()

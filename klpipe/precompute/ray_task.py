@@ -48,6 +48,7 @@ def shard_task(config: PrecomputeConfig, board, directory: str) -> tuple[Precomp
 
     from klpipe.precompute.run import precompute
 
+    assert config.shard is not None  # the driver gives each task's config its shard
     index = config.shard.index
     node = f"{ray.util.get_node_ip_address()} ({ray.get_runtime_context().get_node_id()[:8]})"
     # Not waited on: a task blocked in ray.get lends its CPU back to Ray, which may start another shard on it.

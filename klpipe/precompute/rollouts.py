@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,7 +85,7 @@ class Chunk:
     file_row: np.ndarray  # (rows,) the row's index inside that file
 
 
-def open_rollouts(paths: list[str | Path | Location], columns: ColumnMap | None = None,
+def open_rollouts(paths: Sequence[str | Location], columns: ColumnMap | None = None,
                   writes: tuple[str, ...] = (cache.REF_LOGPROBS,), rollout_format: str | None = None) -> Rollouts:
     """Find the input files, check that they agree on a schema, and pick the mode from its columns.
 
@@ -153,8 +153,7 @@ def _open_file(path: Location, groups: bool = False) -> RolloutFile:
 
 def _is_pickle(path: Location) -> bool:
     try:
-        opened = path.open_input_file() if is_remote(path) else open(path, "rb")
-        with opened as file:
+        with (path.open_input_file() if is_remote(path) else open(path, "rb")) as file:
             return file.read(2) in PICKLE_MAGIC
     except (OSError, pa.ArrowException):
         return False  # the parquet reader says why
@@ -196,7 +195,7 @@ def _datasets_table(path: Location) -> pa.Table:
             ds = datasets.Dataset.from_json(str(local), keep_in_memory=False)
     except InputError:
         raise
-    except Exception as exc:  # datasets wraps parse errors in several exception types
+    except Exception as exc:  # noqa: BLE001 - datasets wraps parse errors in several exception types
         bad_line = None if local.is_dir() else _first_bad_line(local)
         if bad_line is not None:
             raise InputError(f"{path}: {bad_line}") from None
@@ -231,7 +230,7 @@ def _first_bad_line(path: Path) -> str | None:
     return None
 
 
-def _detect_mode(path: Path, schema: pa.Schema, columns: ColumnMap) -> str:
+def _detect_mode(path: Location, schema: pa.Schema, columns: ColumnMap) -> str:
     names = set(schema.names)
     prompt_ids, response_ids = columns.name(cache.PROMPT_IDS), columns.name(cache.RESPONSE_IDS)
     prompt, response = columns.name(cache.PROMPT), columns.name(cache.RESPONSE)
@@ -336,7 +335,7 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                 first = lo
                 table = _dataproto_table(info.path) if info.kind == DATAPROTO else _datasets_table(info.path)
                 batches = table.slice(lo, hi - lo).to_batches(max_chunksize=batch_rows)
-            position = first
+            position = lo if first is None else first  # None: no row group reaches [lo, hi), no batch to read
             for batch in batches:
                 begin, end = max(lo - position, 0), min(hi - position, batch.num_rows)
                 if end > begin:
@@ -345,4 +344,5 @@ def _iter_file_rows(info: RolloutFile, lo: int, hi: int, batch_rows: int) -> Ite
                 if position >= hi:
                     break
     except (OSError, pa.ArrowException) as exc:
-        raise store_failure(info.path, exc) or InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})") from None
+        raise (store_failure(info.path, exc)
+               or InputError(f"{info.path}: corrupt or unreadable ({first_line(exc)})")) from None

@@ -27,6 +27,7 @@ from klpipe.atropos.reader import ATROPOS
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.precompute import budget, provenance, startup
+from klpipe.precompute.chat import ChatRendering
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats
 from klpipe.precompute.models import resolve as resolve_models
@@ -147,12 +148,10 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
 
     vocab_size, max_positions = reference.vocab_and_context(model_config)
     stop_ids = reference.stop_token_ids(spec)  # the generation config's EOS ids: a turn ends on any, and so may a row
-    tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, tools=config.tools,
-                              template_kwargs=config.chat_template_kwargs,
-                              stop_ids=stop_ids if rollouts.mode == CHAT else (),
-                              end_ids=stop_ids,
-                              template_given=config.chat_template is not None,
-                              rollout_format=config.rollout_format)
+    chat = ChatRendering(tools=config.tools, template_kwargs=config.chat_template_kwargs,
+                         stop_ids=stop_ids if rollouts.mode == CHAT else (),
+                         template_given=config.chat_template is not None, rollout_format=config.rollout_format)
+    tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, chat=chat, end_ids=stop_ids)
     work = WorkDir(output, recorded, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:

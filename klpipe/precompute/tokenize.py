@@ -8,6 +8,7 @@ vocabulary and context before any forward pass, and a bad row is named by file a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -22,7 +23,7 @@ from klpipe.arrow import (
 from klpipe.errors import InputError
 from klpipe.mask import read_mask
 from klpipe.precompute import trainer_batches
-from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer, ChatRendering
 from klpipe.precompute.rollouts import BATCH, CHAT, TOKEN_IDS, Chunk, Rollouts
 from klpipe.rows import row_name
 
@@ -75,15 +76,12 @@ class ChunkTokenizer:
     """Turns a chunk into flat token-id arrays and checks every row against the model's limits."""
 
     def __init__(self, rollouts: Rollouts, tokenizer, vocab_size: int, max_positions: int | None,
-                 tools: list | None = None, template_kwargs: dict | None = None, stop_ids=(),
-                 template_given: bool = False, rollout_format: str = "trl", end_ids=()):
+                 chat: ChatRendering | None = None, end_ids=()):
         self.rollouts = rollouts
         self.names = rollouts.columns.name  # role -> the user's column
         self.tokenizer = tokenizer  # only used in text and chat modes
-        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE), tools=tools,
-                                 template_kwargs=template_kwargs, tools_column=self.names(cache.TOOLS),
-                                 stop_ids=stop_ids, template_given=template_given,
-                                 rollout_format=rollout_format)
+        self.chat = ChatRenderer(tokenizer, self.names(cache.PROMPT), self.names(cache.RESPONSE),
+                                 self.names(cache.TOOLS), chat)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         # Where ids come as they are, a pad at the prompt's left or after the response's end is refused (or, masked
@@ -98,6 +96,7 @@ class ChunkTokenizer:
         derived = None  # conversational rows: the mask their roles give
         pads = 0
         if self.rollouts.mode == BATCH:  # the attended tokens of a trainer's padded batch, as prompt_ids & co.
+            assert self.rollouts.batch is not None  # open_rollouts names the batch's kind with mode BATCH
             table, pads = trainer_batches.unpad(table, self.rollouts.batch, lambda i: self._row_name(chunk, i))
         if self.rollouts.mode in (TOKEN_IDS, BATCH):
             prompt, prompt_off = self._flat_ids(chunk, names(cache.PROMPT_IDS), table)
@@ -192,9 +191,10 @@ class ChunkTokenizer:
     def _render_chat(self, chunk: Chunk) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
         tools = self.names(cache.TOOLS)
         try:
-            return self.chat.render(chunk.table.column(self.names(cache.PROMPT)).to_pylist(),
-                                    chunk.table.column(self.names(cache.RESPONSE)).to_pylist(),
-                                    chunk.table.column(tools).to_pylist() if tools in chunk.table.column_names else None)
+            table = chunk.table
+            return self.chat.render(table.column(self.names(cache.PROMPT)).to_pylist(),
+                                    table.column(self.names(cache.RESPONSE)).to_pylist(),
+                                    table.column(tools).to_pylist() if tools in table.column_names else None)
         except ChatError as exc:
             self._fail(chunk, exc.row, str(exc))
 
@@ -247,7 +247,8 @@ class ChunkTokenizer:
                 row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
                 self._fail(
                     chunk, row,
-                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary (0..{self.vocab_size - 1})",
+                    f"token id {int(flat[bad[0]])} in {column} is outside the model's vocabulary "
+                    f"(0..{self.vocab_size - 1})",
                 )
         if self.max_positions:
             total = prompt_len + t.response_lengths()
@@ -259,7 +260,7 @@ class ChunkTokenizer:
                     f"{int(total[row])} tokens (prompt + response) exceed the model's context of {self.max_positions}",
                 )
 
-    def _fail(self, chunk: Chunk, row: int, problem: str) -> None:
+    def _fail(self, chunk: Chunk, row: int, problem: str) -> NoReturn:
         raise InputError(f"{self._row_name(chunk, row)}: {problem}")
 
     def _row_name(self, chunk: Chunk, row: int) -> str:

@@ -36,7 +36,8 @@ DERIVED = (cache.PROMPT_IDS, cache.RESPONSE_IDS, cache.MASK, cache.POLICY_LOGPRO
            cache.REWARD)
 LOGPROBS_TYPE = pa.list_(pa.float32())
 SAVE_IDS = ("save the batch instead, which klpipe reads as it is: batch.save_to_disk(PATH), or its keys (prompts, "
-            "responses, attention_mask, response_mask, rollout_log_probs) as parquet (docs/formats.md: Agent trajectories)")
+            "responses, attention_mask, response_mask, rollout_log_probs) as parquet "
+            "(docs/formats.md: Agent trajectories)")
 
 
 def detect(schema: pa.Schema) -> str | None:
@@ -117,36 +118,8 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
                                  f"{len(sequence)} and action_mask {actions}; OpenRLHF's attention_mask covers "
                                  "sequences and action_mask its last num_actions positions")
             prompt_region, response_region = sequence[:len(sequence) - actions], sequence[len(sequence) - actions:]
-        width = len(prompt_region) + len(response_region)
-        if len(attention) != width:
-            raise InputError(f"{row_name(i)}: attention_mask has {len(attention)} values but prompts and responses "
-                             f"{width} tokens; verl's attention_mask covers both")
-        if ((attention != 0) & (attention != 1)).any():
-            raise InputError(f"{row_name(i)}: attention_mask holds a value other than 0 and 1")
-        prompt_attention, response_attention = attention[:len(prompt_region)], attention[len(prompt_region):]
-        start = len(prompt_attention) - int(prompt_attention.sum())
-        if not prompt_attention[start:].all():
-            raise InputError(f"{row_name(i)}: attention_mask has a 0 inside the prompt (a pad between its tokens); "
-                             "klpipe reads a prompt padded on the left only")
-        end = int(response_attention.sum())
-        if not response_attention[:end].all():
-            raise InputError(f"{row_name(i)}: attention_mask has a 0 inside the response (a pad between its tokens); "
-                             "klpipe reads a response padded on the right only")
-        if start == len(prompt_region):
-            raise InputError(f"{row_name(i)}: the prompt has no attended token")
-        if given is None:  # verl without response_mask: its compute_response_mask is the response's attention
-            mask = np.ones(end, dtype=np.int8)
-        else:
-            mask = np.asarray(given, dtype=np.int64)
-            if len(mask) != len(response_region):
-                raise InputError(f"{row_name(i)}: {mask_name} has {len(mask)} values but the padded response "
-                                 f"{len(response_region)}")
-            if ((mask != 0) & (mask != 1)).any():
-                raise InputError(f"{row_name(i)}: {mask_name} holds a value other than 0 and 1")
-            if mask[end:].any():
-                raise InputError(f"{row_name(i)}: {mask_name} is 1 at a pad (response position "
-                                 f"{end + int(np.flatnonzero(mask[end:])[0])}, after the last attended token)")
-            mask = mask[:end].astype(np.int8)
+        start, end = _attended(attention, len(prompt_region), len(response_region), row_name, i)
+        mask = _response_mask(given, mask_name, len(response_region), end, row_name, i)
         # OpenRLHF's later layout has action_mask over the whole sequence less its first token, 0 over the prompt:
         # the masked run before the first action is context the policy never sampled, so it joins the prompt (the
         # same tokens fed, the same logprobs, and the summary does not count the prompt as a tool's tokens).
@@ -173,6 +146,47 @@ def unpad(table: pa.Table, kind: str, row_name: Callable[[int], str]) -> tuple[p
     for name, column in added.items():
         table = table.append_column(name, column)
     return table, pads
+
+
+def _attended(attention: np.ndarray, prompt_width: int, response_width: int, row_name: Callable[[int], str],
+              i: int) -> tuple[int, int]:
+    """(start, end): row i's first attended prompt position and its response's attended length, its attention
+    mask checked to pad the prompt on the left only and the response on the right only."""
+    width = prompt_width + response_width
+    if len(attention) != width:
+        raise InputError(f"{row_name(i)}: attention_mask has {len(attention)} values but prompts and responses "
+                         f"{width} tokens; verl's attention_mask covers both")
+    if ((attention != 0) & (attention != 1)).any():
+        raise InputError(f"{row_name(i)}: attention_mask holds a value other than 0 and 1")
+    prompt_attention, response_attention = attention[:prompt_width], attention[prompt_width:]
+    start = len(prompt_attention) - int(prompt_attention.sum())
+    if not prompt_attention[start:].all():
+        raise InputError(f"{row_name(i)}: attention_mask has a 0 inside the prompt (a pad between its tokens); "
+                         "klpipe reads a prompt padded on the left only")
+    end = int(response_attention.sum())
+    if not response_attention[:end].all():
+        raise InputError(f"{row_name(i)}: attention_mask has a 0 inside the response (a pad between its tokens); "
+                         "klpipe reads a response padded on the right only")
+    if start == prompt_width:
+        raise InputError(f"{row_name(i)}: the prompt has no attended token")
+    return start, end
+
+
+def _response_mask(given: list | None, mask_name: str, response_width: int, end: int,
+                   row_name: Callable[[int], str], i: int) -> np.ndarray:
+    """Row i's mask over its `end` attended response tokens (int8), from the batch's `mask_name`, checked."""
+    if given is None:  # verl without response_mask: its compute_response_mask is the response's attention
+        return np.ones(end, dtype=np.int8)
+    mask = np.asarray(given, dtype=np.int64)
+    if len(mask) != response_width:
+        raise InputError(f"{row_name(i)}: {mask_name} has {len(mask)} values but the padded response "
+                         f"{response_width}")
+    if ((mask != 0) & (mask != 1)).any():
+        raise InputError(f"{row_name(i)}: {mask_name} holds a value other than 0 and 1")
+    if mask[end:].any():
+        raise InputError(f"{row_name(i)}: {mask_name} is 1 at a pad (response position "
+                         f"{end + int(np.flatnonzero(mask[end:])[0])}, after the last attended token)")
+    return mask[:end].astype(np.int8)
 
 
 def _cut(values: list, first: int, end: int, source: str, name: str) -> list:

@@ -11,8 +11,9 @@ span cut out, plus the calls it parsed, re-serialised (`json.loads` then the tem
   row with no tool call in its messages may have sampled one;
 - the last turn when the response reached `response_length` or a turn limit (the loop stops before appending it),
   and the tool block that overflowed it (the tool messages are kept, their tokens are not).
-Rows whose messages show none of these cannot be told from rows that had them (tests/precompute/test_verl_tool_loop.py runs
-pairs of verl rows with equal messages and different ids), so klpipe refuses every such row instead of guessing;
+Rows whose messages show none of these cannot be told from rows that had them
+(tests/precompute/test_verl_tool_loop.py runs pairs of verl rows with equal messages and different ids), so klpipe
+refuses every such row instead of guessing;
 verl's ids (its `responses`, `response_mask`) are exact.
 """
 

@@ -90,6 +90,7 @@ class WorkDir:
                 else:
                     schema = schema.append(pa.field(name, TOKEN_ID_TYPE))
         if rollouts.mode == BATCH:  # the batch's attended tokens, mask, logprobs and reward (trainer_batches.py)
+            assert rollouts.batch is not None  # open_rollouts names the batch's kind with mode BATCH
             derived = trainer_batches.derived_fields(rollouts.batch, schema)
             if self.provenance.policy_model is not None and cache.POLICY_LOGPROBS in [f.name for f in derived]:
                 raise InputError(f"{rollouts.files[0].path}: the batch carries the policy's logprobs; --policy "
@@ -198,6 +199,7 @@ class WorkDir:
             elif self.policy_logprobs in table.column_names:  # --overwrite-policy-logprobs
                 table = table.drop_columns([self.policy_logprobs])
         if tokenized.derived_mask:
+            assert tokenized.mask is not None  # a derived mask is a mask
             table = table.append_column(self.mask_column,
                                         list_array(tokenized.response_offsets, tokenized.mask.astype(np.int8)))
         table = table.append_column(self.ref_logprobs, column)
@@ -205,8 +207,11 @@ class WorkDir:
             table = table.append_column(self.policy_logprobs, _logprobs_column(policy_logprobs, tokenized.mask))
         for name in self.extra_columns:
             values = (extra or {})[name]  # a missing column is a klpipe bug: never a chunk without it
-            column = (_topk_column(values, tokenized.mask, self.provenance.ref_topk) if name in _TOPK
-                      else _logprobs_column(values, tokenized.mask))
+            if name in _TOPK:
+                assert self.provenance.ref_topk is not None  # the top-k's columns are extra only with --ref-topk
+                column = _topk_column(values, tokenized.mask, self.provenance.ref_topk)
+            else:
+                column = _logprobs_column(values, tokenized.mask)
             table = table.append_column(name, column)
         table = table.cast(self.output_schema)
         path = self.path / CHUNK_PATTERN.format(tokenized.chunk.index)

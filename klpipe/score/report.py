@@ -87,9 +87,20 @@ def step_entry(label: object, kls: np.ndarray, rewards: np.ndarray, kl_coeff: fl
     return entry
 
 
-def build_report(*, inputs: Sequence[Location], output: Location, settings: dict[str, Any], controller: KLController,
-                 kl_coeff_before: float, batch_count: int, steps: list[dict[str, Any]], totals: RunTotals,
-                 extreme_nats: float, warnings: list[str], seconds: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RunFacts:
+    """What a report says of the run itself, beside its figures."""
+
+    inputs: Sequence[Location]
+    output: Location
+    settings: dict[str, Any]  # the report's `config`
+    extreme_nats: float  # the threshold of an extreme row
+    warnings: list[str]
+    seconds: float  # the run's own time
+
+
+def build_report(run: RunFacts, controller: KLController, kl_coeff_before: float, batch_count: int,
+                 steps: list[dict[str, Any]], totals: RunTotals) -> dict[str, Any]:
     """The report JSON: the run's settings, summary, per-step entries, histogram and warnings."""
     kls = totals.all_kls()
     rows = totals.rows
@@ -106,15 +117,16 @@ def build_report(*, inputs: Sequence[Location], output: Location, settings: dict
         }
     )
     return {
-        "inputs": [str(p) for p in inputs],
-        "output": str(output),
-        "config": settings,
+        "inputs": [str(p) for p in run.inputs],
+        "output": str(run.output),
+        "config": run.settings,
         "summary": summary,
         "steps": steps,
         "histogram": histogram(kls),
-        "extreme_rows": {"threshold_nats": extreme_nats, "count": totals.extreme_count, "named": totals.extreme_rows},
-        "warnings": list(warnings),
-        "seconds": round(seconds, 3),
+        "extreme_rows": {"threshold_nats": run.extreme_nats, "count": totals.extreme_count,
+                         "named": totals.extreme_rows},
+        "warnings": list(run.warnings),
+        "seconds": round(run.seconds, 3),
     }
 
 

@@ -142,6 +142,20 @@ class _Caches:
     source: dict[str, Any]  # a sampler's logprobs, or a model's that precompute --policy ran (input.policy_source)
 
 
+@dataclass(frozen=True)
+class _Scoring:
+    """What every record batch of a run is scored with, and where its figures go."""
+
+    config: ScoreConfig
+    steps: ControllerSteps  # hands each row its coefficient; holds the report's per-step entries
+    totals: report.RunTotals  # the whole run's, added to batch by batch
+    replaced: list[str]  # the input's scored columns, which the run's own replace
+    names: ColumnMap  # role -> the caches' column names
+    kl_from: str  # whose logprobs the KL reads: "trainer" or "sampler" (_kl_from)
+    sampler: sampler_section.SamplerRun | None = None  # with a sampler column: the mismatch section
+    exact: exact_section.ExactRun | None = None  # with the exact KL's columns: its section
+
+
 def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings: list[str], started: float,
            log: Callable[[str], object]) -> ScoreResult:
     """The run, from the state `held` read to the next state: the controller continues it, row batch by row batch."""
@@ -168,7 +182,6 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
     out_schema = _output_schema(schema, config, replaced, has_sampler)
 
     has_steps = names.name(STEP) in schema.names
-    metrics_wanted = config.tensorboard is not None or config.metrics_jsonl is not None
     sampler = sampler_section.SamplerRun(config.estimator, has_steps) if has_sampler else None
     exact = exact_section.ExactRun(has_steps) if has_exact else None
     batches = ControllerSteps(
@@ -176,10 +189,11 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
         has_steps=has_steps,
         previous_last_step=(previous_run or {}).get("last_step"),
         warnings=warnings,
-        keep_rows=metrics_wanted,
+        keep_rows=_wants_metrics(config),
         sections={key: part for key, part in (("mismatch", sampler), ("exact", exact)) if part is not None},
     )
-    totals = report.RunTotals()
+    scoring = _Scoring(config, batches, report.RunTotals(), replaced, names, kl_from, sampler, exact)
+    totals = scoring.totals
     # The output, report, plot and metrics appear together, once all are written: a run that fails
     # on any of them (a full disk, say) leaves none. The state, the next run's starting point, is
     # written after them, so it only ever moves on from a run whose outputs are all in place.
@@ -188,45 +202,16 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
         with outputs.file(output) as tmp, closing(progress):
             def score_batch(batch: pa.RecordBatch, rows: RowLocator) -> list[pa.Array]:
                 tokens = totals.tokens
-                columns = _score_batch(batch, rows, config, batches, totals, replaced, names, sampler,
-                                       kl_from == "sampler", exact)
+                columns = _score_batch(batch, rows, scoring)
                 progress.update(batch.num_rows, totals.tokens - tokens)
                 return columns
 
             write = _write_groups if config.writes_groups else _write_parquet
             write(tmp, files, config, score_batch, names, out_schema)
         batches.finish()
-        if totals.extreme_count:
-            warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
-                                                        source["computed"]))
-        settings = _settings(config)
-        settings["kl_from"] = kl_from
-        settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
-        run_report = report.build_report(
-            inputs=files, output=output, settings=settings, controller=controller,
-            kl_coeff_before=batches.kl_coeff_before, batch_count=batches.batch_count, steps=batches.steps,
-            totals=totals, extreme_nats=config.extreme_nats, warnings=warnings,
-            seconds=time.perf_counter() - started - held.waited,  # the run's own time, not the wait for the state
-        )  # fmt: skip
-        run_report["policy_logprobs"] = source
-        run_report["mismatch"] = None if sampler is None else sampler.section(
-            names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), kl_from,
-            source.get("model") if source["computed"] else None)
-        run_report["exact"] = None if exact is None else exact.section(names.name(POLICY_LOGPROBS))
-        if config.plot is not None:
-            trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
-            with outputs.file(config.plot) as tmp:
-                report.plot(tmp, trajectory, run_report)
-        if config.report is not None:
-            with outputs.file(config.report) as tmp:
-                tmp.write_text(json.dumps(run_report, indent=2, sort_keys=True) + "\n")
-        if metrics_wanted:
-            # A crash between these files and the state reruns the same continuation, whose event
-            # file has the same name and replaces this one.
-            from klpipe.score import metrics  # tensorboardX is imported only when asked for
-
-            integer_steps = has_steps and pa.types.is_integer(schema.field(names.name(STEP)).type)
-            metrics.write_run(outputs, config, batches, totals, batches_before, integer_steps)
+        # The run's own time, not the wait for the state.
+        run_report = _report(scoring, caches, warnings, seconds=time.perf_counter() - started - held.waited)
+        _write_extras(outputs, scoring, run_report, batches_before, schema)
         held.check()  # a state on a store that another run saved meanwhile: nothing is written
         outputs.commit()
     posted = None
@@ -245,6 +230,47 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
     return ScoreResult(output=output, report=run_report, warnings=warnings, posted=posted)
 
 
+def _report(scoring: _Scoring, caches: _Caches, warnings: list[str], seconds: float) -> dict[str, Any]:
+    """The report JSON of a run whose rows are all scored: build_report's, with the policy's and the sections'."""
+    config, batches, totals, names, source = scoring.config, scoring.steps, scoring.totals, scoring.names, caches.source
+    if totals.extreme_count:
+        warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
+                                                    source["computed"]))
+    settings = _settings(config)
+    settings["kl_from"] = scoring.kl_from
+    settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
+    run = report.RunFacts(inputs=caches.files, output=caches.output, settings=settings,
+                          extreme_nats=config.extreme_nats, warnings=warnings, seconds=seconds)
+    run_report = report.build_report(run, batches.controller, batches.kl_coeff_before, batches.batch_count,
+                                     batches.steps, totals)
+    run_report["policy_logprobs"] = source
+    run_report["mismatch"] = None if scoring.sampler is None else scoring.sampler.section(
+        names.name(SAMPLER_LOGPROBS), names.name(POLICY_LOGPROBS), scoring.kl_from,
+        source.get("model") if source["computed"] else None)
+    run_report["exact"] = None if scoring.exact is None else scoring.exact.section(names.name(POLICY_LOGPROBS))
+    return run_report
+
+
+def _write_extras(outputs: OutputGroup, scoring: _Scoring, run_report: dict[str, Any], batches_before: int,
+                  schema: pa.Schema) -> None:
+    """The plot, the report and the metrics asked for, into the outputs that appear together."""
+    config, batches, totals = scoring.config, scoring.steps, scoring.totals
+    if config.plot is not None:
+        trajectory = report.trajectory(batches.has_steps, batches.steps, totals, batches.per_row_coeffs)
+        with outputs.file(config.plot) as tmp:
+            report.plot(tmp, trajectory, run_report)
+    if config.report is not None:
+        with outputs.file(config.report) as tmp:
+            tmp.write_text(json.dumps(run_report, indent=2, sort_keys=True) + "\n")
+    if _wants_metrics(config):
+        # A crash between these files and the state reruns the same continuation, whose event
+        # file has the same name and replaces this one.
+        from klpipe.score import metrics  # tensorboardX is imported only when asked for
+
+        integer_steps = batches.has_steps and pa.types.is_integer(schema.field(scoring.names.name(STEP)).type)
+        metrics.write_run(outputs, config, batches, totals, batches_before, integer_steps)
+
+
 # -- outputs ----------------------------------------------------------------------------------------
 
 
@@ -256,6 +282,10 @@ def _outputs(config: ScoreConfig, output: Location) -> dict[str, Location | None
     """
     return {"--output": output, "--report": config.report, "--plot": config.plot, "--state": config.state,
             "--metrics-jsonl": config.metrics_jsonl, "--tensorboard": config.tensorboard}
+
+
+def _wants_metrics(config: ScoreConfig) -> bool:
+    return config.tensorboard is not None or config.metrics_jsonl is not None
 
 
 def _require_matplotlib(plot_path: Location) -> None:
@@ -342,20 +372,11 @@ def _write_groups(tmp: Path, files: list[Location], config: ScoreConfig, score_b
 # -- the stream -------------------------------------------------------------------------------------
 
 
-def _score_batch(
-    batch: pa.RecordBatch,
-    rows: RowLocator,
-    config: ScoreConfig,
-    batches: ControllerSteps,
-    totals: report.RunTotals,
-    replaced: list[str],
-    names: ColumnMap,
-    sampler: sampler_section.SamplerRun | None = None,
-    kl_from_sampler: bool = False,
-    exact: exact_section.ExactRun | None = None,
-) -> list[pa.Array]:
+def _score_batch(batch: pa.RecordBatch, rows: RowLocator, scoring: _Scoring) -> list[pa.Array]:
     """Check one record batch and return its output columns."""
-    logprobs = check_batch(batch, rows, batches.has_steps, names, kl_from_sampler)
+    config, batches, totals, names = scoring.config, scoring.steps, scoring.totals, scoring.names
+    sampler, exact = scoring.sampler, scoring.exact
+    logprobs = check_batch(batch, rows, batches.has_steps, names, scoring.kl_from == "sampler")
     exact_tokens = None
     if exact is not None:  # measured before the coefficients, which hand each step its rows
         exact_tokens = exact_section.read_exact(batch, logprobs, rows, names.name(POLICY_LOGPROBS))
@@ -393,7 +414,7 @@ def _score_batch(
         room = EXTREME_ROWS_NAMED - len(totals.extreme_rows)
         totals.extreme_rows += [rows.name(int(i)) for i in extreme[:room]]
 
-    columns = [batch.column(i) for i, f in enumerate(batch.schema) if f.name not in replaced]
+    columns = [batch.column(i) for i, f in enumerate(batch.schema) if f.name not in scoring.replaced]
     columns += [from_numpy(kl), from_numpy(coeffs), from_numpy(penalty), from_numpy(adjusted)]
     if config.per_token:
         columns.append(_per_token_column(estimate, logprobs))

@@ -6,8 +6,7 @@ on a store is a directory, and a URI pattern (`s3://bucket/day-*/*.parquet`) nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 
@@ -25,7 +24,7 @@ def is_datasets_dir(path: Location) -> bool:
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
 
-def expand_inputs(paths: list[str | Path | Location], suffixes: tuple[str, ...],
+def expand_inputs(paths: Sequence[str | Location], suffixes: tuple[str, ...],
                   skip: Callable[[Location], bool] = lambda path: False) -> tuple[list[Location], list[Location]]:
     """(files, skipped): the files named, with directories expanded to their files in sorted order.
 

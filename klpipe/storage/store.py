@@ -28,13 +28,16 @@ import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, TypeAlias, TypeGuard
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, TypeGuard
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from klpipe.errors import InputError, StoreError, first_line
 from klpipe.storage.store_errors import StoreOrInputError, missing, store_error
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from 3.13; only the type checker reads it
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")
@@ -236,7 +239,7 @@ def location(raw: str | os.PathLike[str] | StorePath) -> Location:
     return StorePath(name)
 
 
-def is_remote(path: object) -> TypeGuard[StorePath]:
+def is_remote(path: object) -> TypeIs[StorePath]:
     return isinstance(path, StorePath)
 
 

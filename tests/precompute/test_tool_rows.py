@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from klpipe.errors import InputError, ModelError, ProvenanceError
 from klpipe.model import ModelSpec, ReferenceModel
 from klpipe.precompute import PrecomputeConfig, precompute
-from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer, ChatRendering
 from klpipe.precompute.logprobs import ForwardStats, chunk_logprobs
 from klpipe.score import ScoreConfig, score
 from tests.helpers import SAMPLE, TINY_GEMMA, TINY_LLAMA, oracle_logprobs, run_cli
@@ -201,8 +201,8 @@ def test_tools_from_a_file_and_template_options_reach_the_template(tmp_path, tok
         "{{- '<start_of_turn>model\\n' -}}", "{{- '<start_of_turn>model\\n' + ('' if enable_thinking is false else "
                                               "'<think>') -}}")
     assert thinking.chat_template != tokenizer.chat_template
-    renderer = ChatRenderer(thinking, "prompt", "completion", tools=TOOLS,
-                            template_kwargs={"enable_thinking": False})
+    renderer = ChatRenderer(thinking, "prompt", "completion",
+                            rendering=ChatRendering(tools=TOOLS, template_kwargs={"enable_thinking": False}))
     prompt_lists, _, _ = renderer.render([r["prompt"] for r in rows], [r["completion"] for r in rows])
     for row, prompt_ids in zip(rows, prompt_lists, strict=True):
         expected = thinking.apply_chat_template(row["prompt"], tools=TOOLS, add_generation_prompt=True,

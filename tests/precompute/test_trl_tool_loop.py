@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer, ChatRendering
 from klpipe.precompute.rollouts import iter_chunks, open_rollouts
 from klpipe.precompute.tokenize import ChunkTokenizer
 from tests import trl_loop
@@ -76,8 +76,8 @@ def renderer(trainer, name, template_given):
     tokenizer = trainer.processing_class
     if trainer.chat_template is not None:  # what --chat-template FILE does: the template the trainer used
         tokenizer = trl_loop.build_tokenizer(name, trainer.chat_template)
-    return ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS,
-                        stop_ids=trl_loop.stop_ids(tokenizer, name), template_given=template_given)
+    return ChatRenderer(tokenizer, "prompt", "completion", rendering=ChatRendering(
+        tools=trl_loop.TOOL_SCHEMAS, stop_ids=trl_loop.stop_ids(tokenizer, name), template_given=template_given))
 
 
 # make test runs a template of each kind of outcome; make test-trl (-m trl) runs them all.
@@ -136,7 +136,7 @@ def test_trls_tool_mask_for_a_conversational_row_is_accepted_and_agrees(trainers
     tokenizer = trainer.processing_class
     chunk = next(iter_chunks(rollouts, 8))
     tokenized = ChunkTokenizer(rollouts, tokenizer, len(tokenizer), None,
-                               stop_ids=trl_loop.stop_ids(tokenizer, "qwen2_5"))(chunk)
+                               chat=ChatRendering(stop_ids=trl_loop.stop_ids(tokenizer, "qwen2_5")))(chunk)
     assert not tokenized.derived_mask  # the dump's own tool_mask was read, and agreed with the roles
     for i, loop in enumerate(loops):
         prompt_ids, response_ids = tokenized.row(i)
@@ -154,8 +154,8 @@ def test_a_template_trl_swaps_is_refused_without_the_trainers_template_and_the_l
     assert trainer.chat_template == trl_loop.training_variant("qwen3")
     loop = trl_loop.run_loop(trainer, trl_loop.TRAJECTORIES["one call"])
     tokenizer = trainer.processing_class
-    own = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS,
-                       stop_ids=trl_loop.stop_ids(tokenizer, "qwen3"))
+    own = ChatRenderer(tokenizer, "prompt", "completion", rendering=ChatRendering(
+        tools=trl_loop.TOOL_SCHEMAS, stop_ids=trl_loop.stop_ids(tokenizer, "qwen3")))
     with pytest.raises(ChatError) as excinfo:
         own.render([trl_loop.PROMPT], [loop["completion"]])
     assert str(excinfo.value).endswith(
@@ -195,8 +195,8 @@ def test_qwen3s_hub_template_holds_the_loops_ids_on_the_reasoning_trajectory_alo
             assert tokenizer.decode(ids[len(theirs):]) == "\n"
             agrees.add(trajectory)
         if trajectory == "reasoning":
-            hub = ChatRenderer(tokenizer, "prompt", "completion", tools=trl_loop.TOOL_SCHEMAS,
-                               stop_ids=trl_loop.stop_ids(tokenizer, "qwen3"))
+            hub = ChatRenderer(tokenizer, "prompt", "completion", rendering=ChatRendering(
+                tools=trl_loop.TOOL_SCHEMAS, stop_ids=trl_loop.stop_ids(tokenizer, "qwen3")))
             with pytest.raises(ChatError, match="pass the template the trainer used with --chat-template FILE"):
                 hub.render([trl_loop.PROMPT], [loop["completion"]])
             prompts, responses, masks = renderer(trainer, "qwen3", False).render([trl_loop.PROMPT],

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from klpipe.precompute.chat import ChatError, ChatRenderer
+from klpipe.precompute.chat import ChatError, ChatRenderer, ChatRendering
 from tests import trl_loop, verl_agent
 from tests.helpers import TINY_LLAMA, run_cli
 
@@ -62,7 +62,8 @@ def verl_row(tokenizer, name):
 
 def renderer(tokenizer, tools, rollout_format="verl"):
     stops = set(trl_loop.stop_ids(tokenizer, "qwen2_5")) | {tokenizer.eos_token_id}
-    return ChatRenderer(tokenizer, "prompt", "completion", tools=tools, stop_ids=stops, rollout_format=rollout_format)
+    return ChatRenderer(tokenizer, "prompt", "completion",
+                        rendering=ChatRendering(tools=tools, stop_ids=stops, rollout_format=rollout_format))
 
 
 @pytest.mark.parametrize("name", list(CASES))
