@@ -74,7 +74,8 @@ def layer_kinds(model) -> list[LayerKind]:
     config = model.config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
     kinds = []
-    for index, (kind, extra) in enumerate(zip(types, kwargs)):
+    # transformers builds `kwargs` by zipping the types with the per-layer configs: never longer than `types`.
+    for index, (kind, extra) in enumerate(zip(types, kwargs, strict=False)):
         if kind not in CONTINUATIONS:
             raise UnknownLayer(f"the prefix tree does not know how a {kind!r} cache layer (layer {index}) "
                                "continues a prefix")
