@@ -79,9 +79,9 @@ class TensorFiles:
                 fd = os.open(path, os.O_RDONLY)
                 self._fds.append(fd)
                 self.entries.update(_header(path, fd))
-                self._direct[fd] = _open_direct(path)
-                if self._direct[fd] is not None:
-                    self._fds.append(self._direct[fd])
+                direct = self._direct[fd] = _open_direct(path)
+                if direct is not None:
+                    self._fds.append(direct)
         except BaseException:
             self.close()
             raise
@@ -90,7 +90,7 @@ class TensorFiles:
         """The tensor `name`, read now into `into` (uint8, its size in bytes) or a buffer of its own."""
         entry = self.entries[name]
         buffer = _placed(entry.nbytes, entry.offset, entry.dtype.itemsize) if into is None else into  # (bytes,)
-        _read_into(entry.fd, memoryview(buffer.numpy()), entry.offset, "a tensor's end")
+        _read_into(entry.fd, buffer.numpy().data, entry.offset, "a tensor's end")
         return buffer.view(entry.dtype).reshape(entry.shape)
 
     def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
@@ -103,7 +103,7 @@ class TensorFiles:
         row_bytes = width * entry.dtype.itemsize
         # (rows x row bytes,), where the file's map would put the first row: a block of whole rows lies as the weight's
         out = _placed(len(rows) * row_bytes, entry.offset + (rows[0] if rows else 0) * row_bytes, entry.dtype.itemsize)
-        view = memoryview(out.numpy())
+        view = out.numpy().data
         start = 0
         while start < len(rows):
             end = start + 1
@@ -116,7 +116,8 @@ class TensorFiles:
 
     def read_together(self, names: Iterable[str], buffers: Buffers) -> dict[str, torch.Tensor]:
         """The tensors `names`, read now into one of `buffers`'s buffers: in one direct read where they lie
-        together, else one by one through the page cache, side by side (each where a map of the file puts it: _place)."""
+        together, else one by one through the page cache, side by side (each where a map of the file puts it:
+        _place)."""
         entries = {name: self.entries[name] for name in names}
         together = self._read_direct(entries, buffers) if entries else None
         if together is not None:
@@ -143,7 +144,7 @@ class TensorFiles:
             return None
         first = begin // BLOCK * BLOCK
         block = buffers.take(-(-end // BLOCK) * BLOCK - first, align=BLOCK)
-        view, done = memoryview(block.numpy()), 0
+        view, done = block.numpy().data, 0
         try:
             while done < end - first:  # the last block may run past the file's end: the read stops there
                 count = os.preadv(direct, [view[done:]], first + done)
@@ -211,7 +212,8 @@ def _open_direct(path: Path) -> int | None:
 
 class Buffers:
     """Up to `count` buffers kept to read layers into, each taken again only once nothing else references it;
-    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches them)."""
+    `pinned`: page-locked (a GPU's staging, copied from at full bandwidth: torch's pinned allocator, which caches
+    them)."""
 
     def __init__(self, count: int = 2, pinned: bool = False):
         self.count = count
