@@ -59,6 +59,13 @@ class LayerKind:
     window: int | None = None  # sliding: the window, in tokens
     states: int = 1  # recurrent and convolution states the layer keeps (transformers' number_of_states)
 
+    @property
+    def sliding_window(self) -> int:
+        """The window of a sliding layer, which has one."""
+        if self.window is None:
+            raise RuntimeError("klpipe bug: a sliding layer without its window")
+        return self.window
+
 
 class UnknownLayer(NotImplementedError):
     """A cache layer type the prefix tree does not know how to continue."""
