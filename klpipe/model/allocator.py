@@ -39,10 +39,9 @@ def _glibc():
     """glibc's libc, or None elsewhere."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc alone has it
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    return libc
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # glibc alone has it
 
 
 def one_arena() -> None:

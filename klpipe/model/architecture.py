@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,7 +105,8 @@ def text_only(config) -> TextOnly | None:
     if text is config or not architecture.endswith("ForConditionalGeneration"):
         return None
     full_class = getattr(transformers, architecture, None)
-    causal_class = AutoModelForCausalLM._model_mapping.get(type(text), None)
+    # One model class: transformers types the auto mappings' values as (slow, fast) pairs, as a tokenizer's are.
+    causal_class: Any = AutoModelForCausalLM._model_mapping.get(type(text), None)
     if full_class is None or causal_class is None:
         return None
     text = copy.deepcopy(text)

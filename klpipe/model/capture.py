@@ -12,13 +12,14 @@ joint head over the slots.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from klpipe.errors import ModelError
 from klpipe.model.head import HeadBlocks
-from klpipe.model.joint_head import Side, joint
+from klpipe.model.joint_head import Settings, Side, joint
 
 SLOT_LIMIT = 1 << 24  # slots travel in the runs' fp32 logprob arrays: integers exact below 2^24
 # A KL or entropy below -this is a wrong formula, not rounding (fp32 rounds these sums by a few 1e-6 at most).
@@ -59,6 +60,15 @@ class Capture:
         return hidden, tokens
 
 
+@dataclass(frozen=True)
+class Captured:
+    """One side's run of a slice: its capture, and what the run put where logprobs go (one slot per needed
+    position)."""
+
+    capture: Capture
+    slots: list[np.ndarray]
+
+
 class capturing(AbstractContextManager):
     """Within: `model`'s head is a Capture (`as` gives it); its own head again after."""
 
@@ -85,25 +95,25 @@ def hidden_bytes(model, policy, topk: int) -> int:
     return total
 
 
-def finish(ref: Side, policy: Side | None, ref_capture: Capture, ref_slots: list[np.ndarray],
-           policy_capture: Capture | None, policy_slots: list[np.ndarray] | None, responses: list[np.ndarray],
-           temperature: float, blocks: HeadBlocks, vocab: int, topk: int, wide_: bool) -> dict[str, list[np.ndarray]]:
+def finish(ref: Side, policy: Side | None, ref_run: Captured, policy_run: Captured | None,
+           responses: list[np.ndarray], settings: Settings, wide_: bool) -> dict[str, list[np.ndarray]]:
     """The joint head over both runs of a slice: per column name (ref_logprobs, policy_logprobs, cache.FULL_KL_COLUMNS,
     the top-k's), a value per response token of each row (NaN where no slot was captured: the mask's 0s).
 
-    `*_slots`: what each run put where logprobs go, one slot per needed position; checked to be a permutation of the
-    capture's slots, at the same positions on both sides, each predicting the token the row holds there."""
+    Each run's slots are checked to be a permutation of its capture's slots, at the same positions on both sides,
+    each predicting the token the row holds there."""
     from klpipe import cache
     from klpipe.model import wide
 
     # The joint head runs in the reference's slot order (its hidden states as they were captured, no copy); a
     # position's values are read back by its slot.
-    hidden, tokens = ref_capture.stacked()
-    where, slots = _positions(ref_slots, ref_capture.count, tokens, responses)
+    hidden, tokens = ref_run.capture.stacked()
+    where, slots = _positions(ref_run.slots, ref_run.capture.count, tokens, responses)
     policy_hidden = None
-    if policy_capture is not None:
-        policy_all, policy_tokens = policy_capture.stacked()
-        policy_where, policy_slots_found = _positions(policy_slots, policy_capture.count, policy_tokens, responses)
+    if policy_run is not None:
+        policy_all, policy_tokens = policy_run.capture.stacked()
+        policy_where, policy_slots_found = _positions(policy_run.slots, policy_run.capture.count, policy_tokens,
+                                                      responses)
         if not all(np.array_equal(a, b) for a, b in zip(where, policy_where, strict=True)):
             raise RuntimeError("klpipe bug: the policy's run scored other positions than the reference's")
         order = np.empty_like(slots)
@@ -111,7 +121,7 @@ def finish(ref: Side, policy: Side | None, ref_capture: Capture, ref_slots: list
         same = np.array_equal(order, np.arange(len(order)))
         policy_hidden = policy_all if same else policy_all[torch.from_numpy(order).to(policy_all.device)]
     with wide.fp64() if wide_ else nullcontext():
-        exact = joint(ref, policy, hidden, policy_hidden, tokens, temperature, blocks, vocab, topk)
+        exact = joint(ref, policy, hidden, policy_hidden, tokens, settings)
     columns = {cache.REF_LOGPROBS: exact.ref_logprobs, cache.POLICY_LOGPROBS: exact.policy_logprobs,
                cache.KL_POLICY_REF: exact.kl_policy_ref, cache.KL_REF_POLICY: exact.kl_ref_policy,
                cache.POLICY_ENTROPY: exact.policy_entropy, cache.REF_ENTROPY: exact.ref_entropy,
@@ -123,8 +133,9 @@ def finish(ref: Side, policy: Side | None, ref_capture: Capture, ref_slots: list
                 raise RuntimeError(f"klpipe bug: the joint head's {name} is {float(values.min()):.3g}, below 0")
             np.maximum(values, 0, out=values)
     out = {name: _scattered(values[slots], where, responses) for name, values in columns.items() if values is not None}
-    for name, values in out.items():
-        bad = next((i for i, (row, w) in enumerate(zip(values, where)) if not np.isfinite(row[w]).all()), None)
+    for name, rows in out.items():
+        bad = next((i for i, (row, w) in enumerate(zip(rows, where, strict=True)) if not np.isfinite(row[w]).all()),
+                   None)
         if bad is not None:
             raise ModelError(f"row {bad} of a chunk: the joint head's {name} is not finite (a logit of -inf or nan in "
                              "one model's head where the other gives the token mass)")

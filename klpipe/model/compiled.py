@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import warnings
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class Compiled:
         self.failures: list[str] = []  # one line per class that fell back to eager, not yet logged
         self.dropped: set[str] = set()  # classes running eager for good
         self.modules = modules
-        self._installed = []
+        self._installed: list[tuple[torch.nn.Module, Any]] = []  # (module, its forward before: a method or a hook's)
         quiet()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         compiler = compiler or _compile

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+from numpy._core import multiarray
 
 from klpipe.errors import InputError
 
@@ -67,10 +68,10 @@ _OUTER = {
     ("verl.protocol", "DataProto"): _DataProto,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
-    ("numpy._core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
-    ("numpy.core.multiarray", "_reconstruct"): np._core.multiarray._reconstruct,
-    ("numpy._core.multiarray", "scalar"): np._core.multiarray.scalar,  # a numpy scalar inside an object array
-    ("numpy.core.multiarray", "scalar"): np._core.multiarray.scalar,
+    ("numpy._core.multiarray", "_reconstruct"): multiarray._reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): multiarray._reconstruct,
+    ("numpy._core.multiarray", "scalar"): multiarray.scalar,  # a numpy scalar inside an object array
+    ("numpy.core.multiarray", "scalar"): multiarray.scalar,
     ("collections", "OrderedDict"): collections.OrderedDict,
 }
 _INNER = {
@@ -121,7 +122,8 @@ def read_dataproto(path: object, local: Path) -> pa.Table:
                          f"from the file); klpipe reads verl's DataProto.save_to_disk files; convert this one "
                          f"with verl: {CONVERT}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, OSError) as exc:
-        raise InputError(f"{path}: not a readable DataProto pickle ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{path}: not a readable DataProto pickle ({said})") from None
     columns = {key: _tensor_column(value) for key, value in batch.items()}
     for key, value in (non_tensors or {}).items():
         columns[key] = _non_tensor_column(value)

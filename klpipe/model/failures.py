@@ -22,8 +22,8 @@ def failing_in_one_line(model):
         yield
     except KlpipeError:
         raise  # in its own words (a streamed layer's file that cannot be read)
-    except Exception as exc:  # noqa: BLE001 - every failure of a forward, said as what it is
-        raise forward_failure(model, exc)  # its context: the failure it replaces
+    except Exception as exc:  # every failure of a forward, said as what it is
+        raise forward_failure(model, exc) from exc  # its cause: the failure it replaces
 
 
 def forward_failure(model, exc: Exception) -> Exception:

@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from klpipe.errors import ModelError
 from klpipe.model.transfer import to_host
+
+if TYPE_CHECKING:
+    from klpipe.model.streamed_head import HeadRows
 
 # Logit values in one block: 2^27 (512 MiB of fp32) on CUDA by default; on CPU 2^22 (16 MiB) where
 # that still gives 256 rows, and never more than 2^24 (64 MiB). The row-blocked head's sizes.
@@ -149,7 +153,7 @@ class LMHead:
         # The fused head everywhere by default: on CPU it measured no slower than the row-blocked one
         # (benchmarks/bench_head.py, docs/benchmarks.md); `fused=False` keeps the row-blocked head.
         self.fused = True if fused is None else fused
-        self.streamed = None  # a streamed model's head left in its file (streamed_head.HeadRows), as loaded
+        self.streamed: HeadRows | None = None  # a streamed model's head left in its file, as loaded
 
     @property
     def weight(self) -> torch.Tensor:
@@ -249,12 +253,13 @@ def fused_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor, te
             total.add_(logits.sub_(new_best[:, None]).exp_().sum(dim=1))
             best = new_best
         lse[start:start + part.shape[0]] = best + torch.log(total)
+    index: slice | torch.Tensor
     if rows is None:
-        picked, rows = hidden, slice(None)
+        picked, index = hidden, slice(None)
     else:
-        rows = rows.to(device, non_blocking=True)
-        picked = hidden[rows]  # (M, H)
-    out = view.targets(picked, targets, temperature) - lse[rows]  # (M,)
+        index = rows.to(device, non_blocking=True)
+        picked = hidden[index]  # (M, H)
+    out = view.targets(picked, targets, temperature) - lse[index]  # (M,)
     return to_host(out)
 
 
@@ -276,6 +281,7 @@ def streamed_logprobs(head: LMHead, hidden: torch.Tensor, targets: torch.Tensor,
     total = torch.zeros(n, dtype=torch.float32)  # (N,) Σ exp(z - best)
     target_logits = torch.full((targets.shape[0],), torch.nan, dtype=torch.float32)  # (M,) each set by its block
     view = head.view()
+    assert head.streamed is not None, "LMHead.logprobs streams only a head left in its file"
     for low, block in head.streamed.blocks(hidden.device, multiple=width):  # (r, H) rows low .. low + r - 1
         for sub in range(0, block.shape[0], width):
             part_weight = block[sub:sub + width]

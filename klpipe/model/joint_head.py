@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from klpipe.model.head import HeadBlocks, HeadView, LMHead, ModelHead
+
+if TYPE_CHECKING:
+    from klpipe.model.streamed_head import HeadRows
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class Side:
     file by `streamed`), or the model's own head (`own`, a ModelHead) run with `active` entered."""
 
     view: HeadView | None = None
-    streamed: object = None  # streamed_head.HeadRows where the weight stays in its file
+    streamed: HeadRows | None = None  # where the weight stays in its file
     own: ModelHead | None = None
     active: object = nullcontext  # () -> a context manager: the side's adapter on, for `own`'s forward
 
@@ -52,7 +56,14 @@ class Side:
 
     @property
     def device(self) -> torch.device:
-        return self.own.device if self.own is not None else self.view.weight.device
+        return self.own.device if self.own is not None else self.fused.weight.device
+
+    @property
+    def fused(self) -> HeadView:
+        """The view of klpipe's fused head, for a side that has no head of the model's own."""
+        if self.view is None:
+            raise RuntimeError("klpipe bug: the joint head reads the fused head of a side that runs the model's own")
+        return self.view
 
     def prepared(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states as the fused head rounds them: the weight's dtype, then fp32 on the CPU."""
@@ -62,6 +73,17 @@ class Side:
         if hidden.dtype != self.view.weight.dtype and hidden.dtype.is_floating_point:
             hidden = hidden.to(self.view.weight.dtype)
         return hidden.float() if not hidden.is_cuda and hidden.dtype != torch.float32 else hidden
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What `joint` applies both heads with: `temperature`, the vocabulary of `vocab` tokens cut into `blocks`, and the
+    reference's top `topk` (0: none)."""
+
+    temperature: float
+    blocks: HeadBlocks
+    vocab: int
+    topk: int = 0
 
 
 @dataclass
@@ -104,8 +126,19 @@ class _Running:
             weights, centred, dim=1)
         self.total[rows] = self.total[rows] * scale + weights.sum(dim=1)
         if diff is not None:
-            self.cross[rows] = self.cross[rows] * scale + sign * torch.linalg.vecdot(weights, diff, dim=1)
+            cross = self._cross()
+            cross[rows] = cross[rows] * scale + sign * torch.linalg.vecdot(weights, diff, dim=1)
         self.best[rows] = new
+
+    def _cross(self) -> torch.Tensor:
+        if self.cross is None:
+            raise RuntimeError("klpipe bug: the joint head's cross sums read on a side that keeps none")
+        return self.cross
+
+    @property
+    def cross_mean(self) -> torch.Tensor:
+        """X/S: the mean of a − b (the reference's: b − a) under this side's softmax."""
+        return self._cross() / self.total
 
     @property
     def lse(self) -> torch.Tensor:
@@ -134,19 +167,21 @@ class _TopK:
 
 
 def joint(ref: Side, policy: Side | None, ref_hidden: torch.Tensor, policy_hidden: torch.Tensor | None,
-          targets: torch.Tensor, temperature: float, blocks: HeadBlocks, vocab: int, topk: int = 0) -> Exact:
+          targets: torch.Tensor, settings: Settings) -> Exact:
     """Both heads over the hidden states of the same n positions, predicting `targets` (n,): see the docstring."""
     device = ref.device
     n = int(targets.shape[0])
     targets = targets.to(device)
     sides = [(ref, ref.prepared(ref_hidden), _Running(n, device, policy is not None))]
     if policy is not None:
+        if policy_hidden is None:
+            raise RuntimeError("klpipe bug: the joint head was given a policy without its hidden states")
         sides.append((policy, policy.prepared(policy_hidden), _Running(n, device, True)))
-    best = _TopK(n, topk, device) if topk else None
+    best = _TopK(n, settings.topk, device) if settings.topk else None
     if any(side.streamed is not None for side, _, _ in sides):
-        _vocab_major(sides, best, targets, temperature, blocks, vocab)
+        _vocab_major(sides, best, targets, settings)
     else:
-        _rows_major(sides, best, targets, temperature, blocks, vocab)
+        _rows_major(sides, best, targets, settings)
     ref_run = sides[0][2]
     ref_lse = ref_run.lse
     out = Exact(ref_logprobs=_host(ref_run.target - ref_lse))
@@ -154,8 +189,8 @@ def joint(ref: Side, policy: Side | None, ref_hidden: torch.Tensor, policy_hidde
         run = sides[1][2]
         lse = run.lse
         out.policy_logprobs = _host(run.target - lse)
-        out.kl_policy_ref = _host(run.cross / run.total - lse + ref_lse)
-        out.kl_ref_policy = _host(ref_run.cross / ref_run.total - ref_lse + lse)
+        out.kl_policy_ref = _host(run.cross_mean - lse + ref_lse)
+        out.kl_ref_policy = _host(ref_run.cross_mean - ref_lse + lse)
         out.policy_entropy = _host(run.entropy)
         out.ref_entropy = _host(ref_run.entropy)
     if best is not None:
@@ -164,9 +199,9 @@ def joint(ref: Side, policy: Side | None, ref_hidden: torch.Tensor, policy_hidde
     return out
 
 
-def _rows_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: float, blocks: HeadBlocks,
-                vocab: int) -> None:
+def _rows_major(sides, best: _TopK | None, targets: torch.Tensor, settings: Settings) -> None:
     """Rows a block at a time, each through the whole vocabulary (heads in memory, as head.fused_logprobs runs)."""
+    temperature, blocks, vocab = settings.temperature, settings.blocks, settings.vocab
     n = int(targets.shape[0])
     step = min([blocks.rows] + [side.own.rows for side, _, _ in sides if side.own is not None])
     scratch = _Scratch()
@@ -179,19 +214,19 @@ def _rows_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: f
                     whole[k] = side.own._logits(hidden[rows]).div_(temperature)  # (r, V) fp32
                 run.target[rows] = whole[k].gather(1, targets[rows, None].to(side.device))[:, 0].to(run.target.device)
             else:
-                run.target[rows] = side.view.targets(hidden[rows], targets[rows].to(side.device),
-                                                     temperature).to(run.target.device)
+                run.target[rows] = side.fused.targets(hidden[rows], targets[rows].to(side.device),
+                                                      temperature).to(run.target.device)
         for low in range(0, vocab, blocks.vocab):
             high = min(low + blocks.vocab, vocab)
-            logits = [whole[k][:, low:high].clone() if k in whole else side.view.block(hidden[rows], low, high,
-                                                                                       temperature)
+            logits = [whole[k][:, low:high].clone() if k in whole else side.fused.block(hidden[rows], low, high,
+                                                                                        temperature)
                       for k, (side, hidden, _) in enumerate(sides)]  # (r, v) fp32 each
             _add(sides, logits, rows, best, low, scratch)
 
 
-def _vocab_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: float, blocks: HeadBlocks,
-                 vocab: int) -> None:
+def _vocab_major(sides, best: _TopK | None, targets: torch.Tensor, settings: Settings) -> None:
     """Vocabulary blocks outermost, every row through each (a head read from its file, once: streamed_head.py)."""
+    temperature, blocks, vocab = settings.temperature, settings.blocks, settings.vocab
     if any(side.own is not None for side, _, _ in sides):
         raise RuntimeError("klpipe bug: a streamed head beside a model's own head in the joint head")
     n, width = int(targets.shape[0]), blocks.vocab
@@ -202,8 +237,8 @@ def _vocab_major(sides, best: _TopK | None, targets: torch.Tensor, temperature: 
         weights = [cursor.rows(low, high) for cursor in cursors]
         for start in range(0, n, blocks.rows):
             rows = slice(start, min(start + blocks.rows, n))
-            logits = [side.view.block(hidden[rows], low, high, temperature, weight)
-                      for (side, hidden, _), weight in zip(sides, weights)]
+            logits = [side.fused.block(hidden[rows], low, high, temperature, weight)
+                      for (side, hidden, _), weight in zip(sides, weights, strict=True)]
             _add(sides, logits, rows, best, low, scratch)
 
 
@@ -215,21 +250,24 @@ class _Cursor:
         targets = targets.to(side.device)
         self.side, self.targets, self.temperature, self.hidden, self.run = side, targets, temperature, hidden, run
         self.blocks = side.streamed.blocks(side.device, multiple=width) if side.streamed is not None else None
-        self.low, self.block = 0, None
+        self.low = 0
+        self.block: torch.Tensor | None = None  # the block read last from the file
         if self.blocks is None:
-            run.target[:] = side.view.targets(hidden, targets, temperature).to(run.target.device)
+            run.target[:] = side.fused.targets(hidden, targets, temperature).to(run.target.device)
 
     def rows(self, low: int, high: int) -> torch.Tensor | None:
         if self.blocks is None:
             return None  # view.block slices its own weight
-        while self.block is None or high > self.low + self.block.shape[0]:
-            self.low, self.block = next(self.blocks)
-            inside = torch.nonzero((self.targets >= self.low) & (self.targets < self.low + self.block.shape[0]))[:, 0]
+        block = self.block
+        while block is None or high > self.low + block.shape[0]:
+            self.low, block = next(self.blocks)
+            self.block = block
+            inside = torch.nonzero((self.targets >= self.low) & (self.targets < self.low + block.shape[0]))[:, 0]
             if len(inside):
-                found = self.side.view.targets(self.hidden[inside], self.targets[inside], self.temperature,
-                                               self.block[self.targets[inside] - self.low])
+                found = self.side.fused.targets(self.hidden[inside], self.targets[inside], self.temperature,
+                                                block[self.targets[inside] - self.low])
                 self.run.target[inside.to(self.run.target.device)] = found.to(self.run.target.device)
-        return self.block[low - self.low:high - self.low]
+        return block[low - self.low:high - self.low]
 
 
 def _add(sides, logits: list[torch.Tensor], rows: slice, best: _TopK | None, low: int, scratch: _Scratch) -> None:

@@ -28,11 +28,15 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from klpipe.errors import ModelError
 from klpipe.model.table_rows import Resting
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's, in the folder: never its pickled adapter_model.bin
 PREFIX = "base_model.model."  # PEFT's key prefix: the PeftModel's own path to the base model
@@ -63,7 +67,7 @@ class Adapter:
 class Adapters:
     """The adapters over one model, and which is active (None: the base alone, as `disable_adapter()`)."""
 
-    def __init__(self, model: torch.nn.Module, default: str | None = None):
+    def __init__(self, model: PreTrainedModel, default: str | None = None):
         self.model = model
         self.adapters: dict[str, Adapter] = {}
         self.active: str | None = None
@@ -140,7 +144,7 @@ class Adapters:
             self.activate(self.default)
 
 
-def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_of=None, device=None,
+def attach(model: PreTrainedModel, adapters: tuple, default: str | None, weight_of=None, device=None,
            text_only=None) -> Adapters:
     """`adapters` ((name, folder, checked config)) hooked into `model`, `default` active; LoRA on the LM head refused
     (the chunked head reads the head's weight, not its forward: the update would be lost). `weight_of`, `device`,
@@ -150,14 +154,15 @@ def attach(model: torch.nn.Module, adapters: tuple, default: str | None, weight_
         attached.add(name, path, config, weight_of, device, text_only)
     attached.activate(default)
     head = model.get_output_embeddings()
-    adapted_head = [a.path for a in attached.adapters.values() if any(model.get_submodule(p) is head for p in a.updates)]
+    adapted_head = [a.path for a in attached.adapters.values()
+                    if any(model.get_submodule(p) is head for p in a.updates)]
     if adapted_head:
         raise ModelError(f"{adapted_head[0]}: LoRA on the LM head, which klpipe does not apply (merge it with PEFT's "
                          "merge_and_unload, or train the head as modules_to_save)")
     return attached
 
 
-def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=None, device=None,
+def read(name: str, path: str, config: dict, model: PreTrainedModel, weight_of=None, device=None,
          text_only=None) -> Adapter:
     """The adapter's tensors, checked against the model: every key a Linear's update or a module's replacement of
     the shape the model's module has; anything else refused (an adapter on the embeddings, a layer the model lacks).
@@ -174,7 +179,7 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
     file = Path(path).expanduser() / WEIGHTS_FILE
     try:
         with safe_open(str(file), framework="pt") as weights:
-            tensors = {key: weights.get_tensor(key) for key in weights.keys()}
+            tensors = {key: weights.get_tensor(key) for key in weights.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: not readable as weights
         raise ModelError(f"{file}: cannot read the adapter's weights ({exc})") from None
     for key, tensor in tensors.items():
@@ -194,7 +199,7 @@ def read(name: str, path: str, config: dict, model: torch.nn.Module, weight_of=N
             # A streamed layer's (meta) or a table read row by row (Resting): the store swaps it, not the adapter. A
             # head read by blocks (streamed_head.py) applies whichever weight is in place: the adapter's, where active.
             head = modules[module_path] is model.get_output_embeddings()
-            if isinstance(current, torch.Tensor) and (current.is_meta or isinstance(current, Resting) and not head):
+            if isinstance(current, torch.Tensor) and (current.is_meta or (isinstance(current, Resting) and not head)):
                 where = ("read from its file by rows as each forward needs them" if isinstance(current, Resting)
                          else "inside a decoder layer that streams from its files")
                 raise ModelError(f"{path}: modules_to_save replaces {module_path}.{attribute}, {where}, which klpipe "

@@ -9,17 +9,23 @@ says which heads stream and what the read costs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from klpipe.model.table_rows import Resting, tied_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Bytes of the head's weight read at once: a 32 MiB block is 2,048 rows of 70B's (8,192 x bf16), 8,192 of a hidden of
 # 1,024 in fp32. Large enough that a read costs one positioned read of whole megabytes, small beside a layer.
 BLOCK_BYTES = 32 << 20
 
 
-def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str | None:
+def streamable(model: PreTrainedModel, layers: torch.nn.ModuleList) -> str | None:
     """The path of `model`'s head if a streamed run leaves it in its file (docs/precompute.md), else None; read off the
     model as built (meta), before any weight is."""
     head = model.get_output_embeddings()
@@ -52,10 +58,11 @@ class HeadRows:
         self.count = count or (lambda nbytes: None)
         self.rows = max(1, BLOCK_BYTES // (width * max(entry.dtype.itemsize, dtype.itemsize)))
         self.meta = Resting.like(module.weight, dtype, device, path)
-        module._parameters["weight"] = self.meta
-        module.forward = self.forward  # the model's own call of its head, in blocks
+        # A stand-in where torch types a Parameter, and the module's own forward replaced: both on purpose.
+        module._parameters["weight"] = self.meta  # type: ignore[assignment]
+        module.forward = self.forward  # type: ignore[method-assign,assignment]  # the model's own call, in blocks
 
-    def blocks(self, device, multiple: int = 1):
+    def blocks(self, device, multiple: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
         """(first row, block) of the whole weight, in order, each read now and cast as the loader casts the head:
         (rows, H) at the run's dtype; blocks a multiple of `multiple` rows (the fused head's vocabulary blocks)."""
         rows = max(multiple, self.rows // multiple * multiple)

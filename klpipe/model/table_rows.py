@@ -10,9 +10,14 @@ docs/precompute.md, "How a streamed model runs" (embedding tables), says which t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from klpipe.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _gathers(module: torch.nn.Module) -> bool:
@@ -22,7 +27,7 @@ def _gathers(module: torch.nn.Module) -> bool:
         forward is torch.nn.Embedding.forward or type(module).__name__.endswith("ScaledWordEmbedding"))
 
 
-def streamable(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict[str, torch.nn.Embedding]:
+def streamable(model: PreTrainedModel, layers: torch.nn.ModuleList) -> dict[str, torch.nn.Embedding]:
     """path -> module: the tables of `model` a streamed run leaves in their files (docs/precompute.md); read off the
     model as built (meta), before any weight is."""
     inside = {id(m) for m in layers.modules()}
@@ -83,10 +88,15 @@ class Resting(torch.Tensor):
     def metadata(cls) -> set:
         if cls._metadata is None:
             t = torch.Tensor
-            cls._metadata = {t.device.__get__, t.dtype.__get__, t.shape.__get__, t.ndim.__get__, t.is_meta.__get__,
-                             t.requires_grad.__get__, t.is_cuda.__get__, t.size, t.dim, t.numel, t.element_size,
-                             t.is_floating_point, t.__repr__}
+            cls._metadata = {*(_getter(name) for name in ("device", "dtype", "shape", "ndim", "is_meta",
+                                                          "requires_grad", "is_cuda")),
+                             t.size, t.dim, t.numel, t.element_size, t.is_floating_point, t.__repr__}
         return cls._metadata
+
+
+def _getter(name: str):
+    """What torch hands __torch_function__ for reading tensor attribute `name` (its descriptor's __get__)."""
+    return getattr(torch.Tensor, name).__get__
 
 
 class TableRows:
@@ -101,7 +111,7 @@ class TableRows:
         self.meta = module.weight
         if resting:  # the input embeddings: a model's code reads their device and dtype outside a forward
             self.meta = Resting.like(module.weight, dtype, device, path)
-            module._parameters["weight"] = self.meta
+            module._parameters["weight"] = self.meta  # type: ignore[assignment]  # a stand-in, on purpose
         self.count = count or (lambda nbytes: None)  # told the bytes each forward reads
         module.register_forward_pre_hook(self._before)
         module.register_forward_hook(self._after)
@@ -127,5 +137,6 @@ def dtype_of(key: str, meta: torch.Tensor, dtype_plan: dict) -> torch.dtype:
         alternation, by_group, _ = build_glob_alternation(list(dtype_plan))
         found = alternation.search(key)
         if found is not None:
+            assert found.lastgroup is not None, "every branch of the alternation is a named group"
             return dtype_plan[by_group[found.lastgroup]]
     return meta.dtype

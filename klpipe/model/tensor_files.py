@@ -49,9 +49,9 @@ class TensorFiles:
                 fd = os.open(path, os.O_RDONLY)
                 self._fds.append(fd)
                 self.entries.update(_header(path, fd))
-                self._direct[fd] = _open_direct(path)
-                if self._direct[fd] is not None:
-                    self._fds.append(self._direct[fd])
+                direct = self._direct[fd] = _open_direct(path)
+                if direct is not None:
+                    self._fds.append(direct)
         except BaseException:
             self.close()
             raise
@@ -60,7 +60,7 @@ class TensorFiles:
         """The tensor `name`, read now into `into` (uint8, its size in bytes) or a buffer of its own."""
         entry = self.entries[name]
         buffer = _placed(entry.nbytes, entry.offset, entry.dtype.itemsize) if into is None else into  # (bytes,)
-        _read_into(entry.fd, memoryview(buffer.numpy()), entry.offset, "a tensor's end")
+        _read_into(entry.fd, buffer.numpy().data, entry.offset, "a tensor's end")
         return buffer.view(entry.dtype).reshape(entry.shape)
 
     def read_rows(self, name: str, rows: list[int]) -> torch.Tensor:
@@ -73,7 +73,7 @@ class TensorFiles:
         row_bytes = width * entry.dtype.itemsize
         # (rows x row bytes,), where the file's map would put the first row: a block of whole rows lies as the weight's
         out = _placed(len(rows) * row_bytes, entry.offset + (rows[0] if rows else 0) * row_bytes, entry.dtype.itemsize)
-        view = memoryview(out.numpy())
+        view = out.numpy().data
         start = 0
         while start < len(rows):
             end = start + 1
@@ -114,7 +114,7 @@ class TensorFiles:
             return None
         first = begin // BLOCK * BLOCK
         block = buffers.take(-(-end // BLOCK) * BLOCK - first, align=BLOCK)
-        view, done = memoryview(block.numpy()), 0
+        view, done = block.numpy().data, 0
         try:
             while done < end - first:  # the last block may run past the file's end: the read stops there
                 count = os.preadv(direct, [view[done:]], first + done)

@@ -68,7 +68,6 @@ class WeightStore:
     def __init__(self, model, directory: Path, dtype: torch.dtype, key_mapping: dict | None = None,
                  skipped: frozenset = frozenset(), device: str = "cpu"):
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
         from transformers.modeling_utils import LoadStateDictConfig
 
         from klpipe.model.architecture import decoder_body, module_path
@@ -83,23 +82,52 @@ class WeightStore:
         prefix = module_path(model, body)
         self.layers_path = f"{prefix}.{name}" if prefix else name
         mapping = get_model_conversion_mapping(model, key_mapping, None)
+        # transformers hands its loader this very list too: its field's type names the two kinds, not their base.
         self.load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=model._get_dtype_plan(dtype),
-                                               weight_mapping=mapping, device_map={"": str(self.device)})
+                                               weight_mapping=mapping,  # type: ignore[arg-type]
+                                               device_map={"": str(self.device)})
         self._files = TensorFiles(weight_files(directory))  # read a tensor at a time; closed with the store
         # The layer that computes and the one read behind it; on a GPU, pinned: the staging its copies read from.
         self._buffers = Buffers(2, pinned=self.device.type == "cuda")
         entries = {key: entry for key, entry in self._files.entries.items() if key not in skipped}
-        # Each checkpoint key's part by transformers' own renaming, in the order its loader renames them (a guarded
-        # renaming applies only after its guard key).
-        meta = model.state_dict()
-        renamings = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightRenaming)]
-        converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
         self._layer_key = re.compile(re.escape(self.layers_path) + r"\.(\d+)\.")
         self.parts: dict[int | None, dict] = {None: {}}  # None: resident; k: layer k's checkpoint tensors (Entry)
         self._sources: dict[str, str] = {}  # model key -> the checkpoint key it is only a renaming of
         self._plans: dict[int, list] = {}  # layer -> how its later loads go without the loader (_plan)
-        targets = set()  # every model key some checkpoint key loads (a split's every part)
-        unexpected = set()
+        self._split(entries, mapping)
+        self._lock = threading.Lock()  # a layer loads in the background while another computes
+        # The byte count alone: a pass's table read must not wait for the layer read the other lock is held across.
+        self._counting = threading.Lock()
+        self.reads = 0  # bytes read from the checkpoint since load, tables' rows included
+        self.reads_total = 0  # the same, never reset nor left out (what a run read before its first row)
+        self._meta: list[list] = [[] for _ in self.layers]
+        tables, head = self._left_in_files(entries)
+        self._load(None)
+        self._finish({*tables, *([head[0]] if head is not None else [])})
+        self.head: streamed_head.HeadRows | None = None
+        if head is not None:
+            path, source = head
+            module = model.get_submodule(path)
+            dtype = table_rows.dtype_of(f"{path}.weight", module.weight, self.load_config.dtype_plan)
+            self.head = streamed_head.HeadRows(self._files, source, path, module, dtype, self._count, self.device)
+        inputs = model.get_input_embeddings()
+        self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
+            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs,
+            device=self.device) for path, (source, module) in tables.items()]
+        self._meta = self._released()
+        self.sizes = self._sizes()
+
+    def _split(self, entries: dict, mapping: list) -> None:
+        """Each checkpoint key's part (`parts`) by transformers' own renaming, in the order its loader renames them (a
+        guarded renaming applies only after its guard key); the keys checked against the model's (_check_keys)."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        model = self.model
+        meta = model.state_dict()
+        renamings = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [copy.deepcopy(m) for m in mapping if isinstance(m, WeightConverter)]
+        targets: set[str] = set()  # every model key some checkpoint key loads (a split's every part)
+        unexpected: set[str] = set()
         by_pattern = {source: c for c in converters for source in c.source_patterns}
         for key in sorted(entries, key=dot_natural_key):
             renamed, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
@@ -108,8 +136,10 @@ class WeightStore:
             self.parts.setdefault(self.layer_of(renamed), {})[key] = entries[key]
             if source is None:  # renamed only (no converter): the fast path may load it (_plan)
                 self._sources[renamed] = key
-            patterns = by_pattern[source].target_patterns if source is not None else [None]
-            parts = {renamed.replace(patterns[0], p) if p else renamed for p in patterns}
+                parts = {renamed}
+            else:
+                patterns = by_pattern[source].target_patterns
+                parts = {renamed.replace(patterns[0], p) if p else renamed for p in patterns}
             targets |= parts & meta.keys()
             unexpected |= parts - meta.keys()
         # A tensor several names share is loaded under any one of them; a tied one (Zamba's shared block, a tied
@@ -119,15 +149,15 @@ class WeightStore:
         tied = set(table_rows.ties(model))
         self._check_keys(unexpected, {k for k in meta if k.startswith(self.layers_path + ".")
                                       and tensors[k] not in loaded and k not in tied})
-        self._lock = threading.Lock()  # a layer loads in the background while another computes
-        # The byte count alone: a pass's table read must not wait for the layer read the other lock is held across.
-        self._counting = threading.Lock()
-        self.reads = 0  # bytes read from the checkpoint since load, tables' rows included
-        self.reads_total = 0  # the same, never reset nor left out (what a run read before its first row)
-        self._meta: list[list] = [[] for _ in self.layers]
+
+    def _left_in_files(self, entries: dict) -> tuple[dict[str, tuple[str, torch.nn.Embedding]], tuple[str, str] | None]:
+        """What stays in the files besides the layers, taken out of the resident part: (path -> (checkpoint key,
+        module) of each table a forward reads rows of, (path, checkpoint key) of the head or None)."""
+        model = self.model
         # Embedding tables outside the layers that a forward only gathers rows of (Gemma's per-layer embeddings)
         # stay in their files too: each forward reads the rows it needs (table_rows.py).
-        tables = {}
+        tables: dict[str, tuple[str, torch.nn.Embedding]] = {}
+        head_source = None
         # So does an untied LM head, read a block of rows at a time as it is applied (streamed_head.py).
         head = streamed_head.streamable(model, self.layers)
         if head is not None and not streamed_head.stored_as_is(head, entries):
@@ -135,7 +165,7 @@ class WeightStore:
         found = table_rows.streamable(model, self.layers)
         for path, module in [*found.items(), *([(head, model.get_submodule(head))] if head else [])]:
             source = self._sources.get(f"{path}.weight")
-            if source not in self.parts[None]:
+            if source is None or source not in self.parts[None]:
                 raise ModelError(f"{type(model).__name__}: {path} is converted at load, which streaming its rows "
                                  "does not run yet")
             # Read by rows, never through the loader, which would check its shape.
@@ -144,29 +174,24 @@ class WeightStore:
                 raise ModelError(f"{source} is {shape} in the checkpoint, and the model's {path} {expected}: the "
                                  "checkpoint does not match the model class")
             del self.parts[None][source]
-            tables[path] = (source, module)
-        self._load(None)
-        self._finish(tables)
-        self.head = None
-        if head is not None:
-            module = model.get_submodule(head)
-            dtype = table_rows.dtype_of(f"{head}.weight", module.weight, self.load_config.dtype_plan)
-            self.head = streamed_head.HeadRows(self._files, tables.pop(head)[0], head, module, dtype, self._count,
-                                           self.device)
-        inputs = model.get_input_embeddings()
-        self.tables = [table_rows.TableRows(self._files, source, path, module, table_rows.dtype_of(
-            f"{path}.weight", module.weight, self.load_config.dtype_plan), self._count, resting=module is inputs,
-            device=self.device) for path, (source, module) in tables.items()]
-        # What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
-        # buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish.
-        self._meta = [[(module, n, n in module._buffers, t) for module in layer.modules()
-                       for n, t in [*module._parameters.items(), *module._buffers.items()]
-                       if t is not None and t.is_meta] for layer in self.layers]
-        held = [key for meta in self._meta for key in {id(t) for _, _, _, t in meta}]
+            if path == head:
+                head_source = source
+            else:
+                tables[path] = (source, module)
+        return tables, None if head is None or head_source is None else (head, head_source)
+
+    def _released(self) -> list[list]:
+        """What each layer gets back on release, (module, name, is a buffer, meta tensor): its parameters and the
+        buffers its checkpoint holds; the non-persistent ones (Falcon-H1's mup_vector) were made by _finish."""
+        released = [[(module, n, n in module._buffers, t) for module in layer.modules()
+                     for n, t in [*module._parameters.items(), *module._buffers.items()]
+                     if t is not None and t.is_meta] for layer in self.layers]
+        held = [key for meta in released for key in {id(t) for _, _, _, t in meta}]
         # A block whose weights several depths share (Zamba's) would be freed under another depth.
         if len(held) != len(set(held)):
-            raise ModelError(f"{type(model).__name__}: decoder layers share weights, which streaming does not run yet")
-        self.sizes = self._sizes()
+            raise ModelError(f"{type(self.model).__name__}: decoder layers share weights, which streaming does not "
+                             "run yet")
+        return released
 
     def _check_keys(self, unexpected: set, missing: set) -> None:
         """The checkpoint's keys against the model's, before any tensor is read: what from_pretrained would refuse
@@ -249,14 +274,15 @@ class WeightStore:
                 module._buffers[name] = value
             else:
                 value = torch.nn.Parameter(value, requires_grad=False)
-                value._is_hf_initialized = True  # as transformers' loader marks what it loaded
+                # As transformers' loader marks what it loaded: an attribute of its own, which torch does not declare.
+                value._is_hf_initialized = True  # type: ignore[attr-defined]
                 module._parameters[name] = value
         self._count(sum(entry.nbytes for entry in entries.values()))
 
-    def _finish(self, tables: dict) -> None:
+    def _finish(self, tables: set[str]) -> None:
         """What from_pretrained does once the weights are in: the non-persistent buffers made and initialised (RoPE's
-        frequencies, computed from the config), the tied weights tied. The layers' parameters and the `tables` left
-        in their files stay on meta, where initialising them costs nothing."""
+        frequencies, computed from the config), the tied weights tied. The layers' parameters and the `tables` (their
+        paths; the head's too) left in their files stay on meta, where initialising them costs nothing."""
         model = self.model
         model._move_missing_keys_from_meta_to_device(set(), {"": str(self.device)}, None, None)
         model._initialize_missing_keys(False)
@@ -276,7 +302,8 @@ class WeightStore:
                                                              [*self.model.parameters(), *self.model.buffers()]
                                                              if not t.is_meta
                                                              and not isinstance(t, table_rows.Resting)}.values())
-        tables = sum(t.meta.numel() * t.dtype.itemsize for t in [*self.tables, *([self.head] if self.head else [])])
+        left: list[table_rows.TableRows | streamed_head.HeadRows] = [*self.tables, *([self.head] if self.head else [])]
+        tables = sum(t.meta.numel() * t.dtype.itemsize for t in left)
         return Sizes(weights=resident + sum(layers) + tables, resident=resident, layers=layers, tables=tables)
 
     def _count(self, nbytes: int) -> None:

@@ -118,22 +118,23 @@ class ChunkScorer:
 
     def _run_joint(self, plan: ChunkPlan, policy_plan: ChunkPlan | None, pairs, check_stop) -> Scored:
         """Both runs with their heads' inputs kept, then the two heads together (model/joint_head.py)."""
-        from klpipe.model import capture  # torch lives behind this import
+        from klpipe.model import capture, joint_head  # torch lives behind this import
 
         model, temperature = self.model, self.temperature
         with capture.capturing(model) as ref_capture:
-            ref_slots = run_plan(model, plan, pairs, temperature, check_stop)
-        policy_capture = policy_slots = None
+            ref_run = capture.Captured(ref_capture, run_plan(model, plan, pairs, temperature, check_stop))
+        policy_run = None
         if self.joint.exact and self.policy is model:
             with model.side(self.policy_side), capture.capturing(model) as policy_capture:
-                policy_slots = run_plan(model, plan, pairs, temperature, check_stop)
+                policy_run = capture.Captured(policy_capture, run_plan(model, plan, pairs, temperature, check_stop))
         elif self.joint.exact:
             with capture.capturing(self.own) as policy_capture:
-                policy_slots = run_plan(self.own, policy_plan, pairs, temperature, check_stop)
+                policy_run = capture.Captured(policy_capture, run_plan(self.own, policy_plan, pairs, temperature,
+                                                                       check_stop))
         wide = any(m is not None and m.result_dtype == np.float64 for m in (model, self.own))
-        columns = capture.finish(*self.sides, ref_capture, ref_slots, policy_capture, policy_slots,
-                                 [response for _, response in pairs], temperature, capture.blocks_of(model),
-                                 model.vocab_size, self.joint.topk, wide)
+        settings = joint_head.Settings(temperature, capture.blocks_of(model), model.vocab_size, self.joint.topk)
+        columns = capture.finish(*self.sides, ref_run, policy_run, [response for _, response in pairs], settings,
+                                 wide)
         scored = Scored(columns.pop(cache.REF_LOGPROBS), columns.pop(cache.POLICY_LOGPROBS, None), columns)
         if self.policy is not None and not self.joint.exact:  # the top-k alone: the policy's logprobs its own way
             scored.policy_logprobs = self._policy_logprobs(plan, policy_plan, pairs, check_stop)

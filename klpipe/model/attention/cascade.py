@@ -64,9 +64,11 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         return packing.attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cache = _PASS.get()
     layer = None
-    if cache is not None and isinstance(getattr(module, "layer_idx", None), int) and module.layer_idx < len(cache.layers):
-        layer = cache.layers[module.layer_idx]
-    if getattr(layer, "pending", False):  # this layer's update just handed over the pass's own keys only
+    index = getattr(module, "layer_idx", None)
+    if cache is not None and isinstance(index, int) and index < len(cache.layers):
+        layer = cache.layers[index]
+    # Pending: this layer's update just handed over the pass's own keys only.
+    if layer is not None and getattr(layer, "pending", False):
         layer.pending = False
         if key is not layer.new[0] or value is not layer.new[1]:
             # The model attends over something made from what its cache handed back (DeepSeek's MLA expands
@@ -249,10 +251,11 @@ class PassContexts:
             return keys[0], values[0]
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None) -> torch.Tensor:
         """(b, q, H, d) attention of query (b, H, q, d) over each row's path and its own keys (b, h, T, d); q = T, or
         q = 1 where the model keeps only the last slot (every row's last real token: the right layout)."""
-        b, heads, fed, dim = query.shape
+        _b, _heads, fed, dim = query.shape
         scale = scaling if scaling is not None else dim ** -0.5
         if self.segments is not None:
             return window_cascade.attend_packed(self, query, key, value, scale, self.window)

@@ -14,14 +14,16 @@ exactly gets them gathered.
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionLayer
+from transformers.cache_utils import CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from klpipe.model.attention import cascade
 from klpipe.model.attention.context_parts import by_parent, context_parts
@@ -51,6 +53,19 @@ class Kept:
         return sum(t.numel() * t.element_size() for pair in self.states or () for t in pair if t is not None)
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What one attention layer of a pass reads before its own keys."""
+
+    full_length: int  # slots before the fed tokens: the queries' offset
+    sliding: bool
+    # With `contexts` (cascade.PassContexts), `update` hands back the pass's own keys alone and the attention
+    # function reads the context where it lies; `gather` makes the slots for a call it cannot take.
+    contexts: cascade.PassContexts | None = None
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    held: int = 0  # context slots the mask covers
+
+
 class ContextLayer(CacheLayerMixin):
     """One layer's context (its rows' ancestors' keys and values, left-padded) plus the pass's own.
 
@@ -61,18 +76,18 @@ class ContextLayer(CacheLayerMixin):
     is_compileable = False
     supports_early_init = False
 
-    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, full_length: int, sliding: bool,
-                 cascade=None, gather=None, held: int = 0):
+    def __init__(self, context: LayerContext):
         CacheLayerMixin.__init__(self)
-        self.context_keys, self.context_values = keys, values  # (b, h, c, d), c <= full_length
-        self.full_length = full_length  # slots before the fed tokens: the queries' offset
-        self.is_sliding = sliding
-        self.held = held if keys is None else keys.shape[-2]  # context slots the mask covers
+        self.context_keys: torch.Tensor | None = None  # (b, h, c, d), c <= full_length: made by `gather`
+        self.context_values: torch.Tensor | None = None
+        self.full_length = context.full_length
+        self.is_sliding = context.sliding
+        self.held = context.held
         self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+        # What `new` was, as weak references, once a layer-major pass has freed it (`leave`): for cascade._owner.
+        self.freed: tuple[weakref.ref[torch.Tensor], ...] | None = None
         self.is_initialized = True
-        # With a cascade (cascade.PassContexts), `update` hands back the pass's own keys alone and the
-        # attention function reads the context where it lies; `gather` makes the slots for a call it cannot take.
-        self.cascade, self.gather, self.pending = cascade, gather, False
+        self.cascade, self.gather, self.pending = context.contexts, context.gather, False
 
     def lazy_initialization(self, *args, **kwargs) -> None:
         pass  # built whole in __init__
@@ -89,10 +104,10 @@ class ContextLayer(CacheLayerMixin):
         if self.gather is not None:
             self.context_keys, self.context_values = self.gather()
             self.gather = None
-        if self.context_keys is None:
+        keys, values = self.context_keys, self.context_values
+        if keys is None or values is None:  # both or neither
             return key_states, value_states
-        return (torch.cat([self.context_keys, key_states], dim=-2),
-                torch.cat([self.context_values, value_states], dim=-2))
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.held + query_length, self.full_length - self.held  # a sliding layer holds the last slots only
@@ -131,17 +146,25 @@ class StateLayer(LinearAttentionLayer):
         return LinearAttentionLayer.update_recurrent_state(self, *args, **kwargs)
 
     def states_of(self, row: int) -> tuple:
-        return tuple((self.conv_states[i][row].clone() if self.is_conv_states_initialized[i] else None,
-                      self.recurrent_states[i][row].clone() if self.is_recurrent_states_initialized[i] else None)
+        return tuple((_made(self.conv_states[i])[row].clone() if self.is_conv_states_initialized[i] else None,
+                      _made(self.recurrent_states[i])[row].clone() if self.is_recurrent_states_initialized[i] else None)
                      for i in range(self.number_of_states))
 
 
-class ContextAndStateLayer(StateLayer, ContextLayer):
+def _made(state: torch.Tensor | None) -> torch.Tensor:
+    """A state the layer holds: initialized, or zeros made for the pass (_zero_states)."""
+    if state is None:
+        raise RuntimeError("klpipe bug: a cache layer's state read before it was made")
+    return state
+
+
+# The MRO puts the recurrent path's is_compileable and is_croppable (properties) before the attention path's class
+# attributes, which is what this layer means; mypy refuses a mix of the two kinds.
+class ContextAndStateLayer(StateLayer, ContextLayer):  # type: ignore[override]
     """A layer with attention and a recurrent path side by side (Falcon-H1): both continuations at once."""
 
-    def __init__(self, keys, values, full_length: int, sliding: bool, states, number_of_states: int = 1,
-                 cascade=None, gather=None, held: int = 0):
-        ContextLayer.__init__(self, keys, values, full_length, sliding, cascade, gather, held)
+    def __init__(self, context: LayerContext, states, number_of_states: int = 1):
+        ContextLayer.__init__(self, context)
         StateLayer.__init__(self, states, number_of_states)
 
     lazy_initialization = StateLayer.lazy_initialization  # the recurrent path's (keys come whole)
@@ -151,37 +174,35 @@ class ContextCache(Cache):
     """The transformers Cache a pass reads: each layer's context gathered from the kept nodes."""
 
     def __init__(self, kinds: list[LayerKind], context: int, ancestors: list[list[int]], cached: np.ndarray,
-                 tree: Tree, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None,
+                 tree: Tree | None, kept: dict, in_place: bool = False, real: np.ndarray | None = None, segments=None,
                  template: list | None = None):
         """`in_place`: attention layers the cascade knows leave each row's context where it lies, for cascade.py's
         attention: row k continues positions 0 .. cached[k] - 1 of its path, and `real` (2, b) gives the first of
         its real slots among the fed ones and how many. `segments`: a packed pass (tree.py), the rows' own tokens end
         to end in one sequence, (starts, lengths); every attention layer then takes the cascade. `template`: in a
         layer-major pass (layered.py), per layer the states of one row (CacheCost.states): its state layers start
-        from zeros of their shape, filled from the parents' states as each layer comes (`fill`)."""
-        layers = []
+        from zeros of their shape, filled from the parents' states as each layer comes (`fill`). `tree`: None for
+        a pass without context (cache_cost's one token)."""
+        layers: list[CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer] = []
         unfilled: dict[int, list[tuple[int, int]]] = {}  # state layer -> (batch row, its parent) still to fill
-        parts = runs = None
+        parts: list[tuple[slice, list[int], int | None]] = []  # read in place only
+        runs: list[tuple[slice, list[int], int | None]] = []
         if in_place:
             runs = by_parent(ancestors, cached)
-            parts = context_parts(ancestors, cached, tree.end)
+            parts = context_parts(ancestors, cached, _known(tree).end)
         for index, kind in enumerate(kinds):
             attention, state = kind.continuation.keys_values, kind.continuation.state
-            keys = values = None
             contexts = gather = None
             held = 0
             if attention is not None:
                 # A sliding layer's queries see at most the window's last `window - 1` context slots.
-                held = context if attention == "full" else min(context, kind.window - 1)
+                held = context if attention == "full" else min(context, kind.sliding_window - 1)
                 if in_place and kind.continuation.cascade:
-                    contexts = cascade.PassContexts(parts, kept, index, tree.start, real, runs,
+                    contexts = cascade.PassContexts(parts, kept, index, _known(tree).start, real, runs,
                                                     kind.window if attention == "sliding" else None, segments)
-                    if held:
-                        gather = (lambda index=index, held=held:
-                                  _gather_context(index, held, ancestors, cached, tree, kept))
-                elif held:  # gathered when the layer runs: a layer-major pass's parents write it just before
-                    gather = (lambda index=index, held=held:
-                              _gather_context(index, held, ancestors, cached, tree, kept))
+                if held:  # gathered when the layer runs (a layer-major pass's parents write it just before), or
+                    # never where the cascade takes every call
+                    gather = functools.partial(_gather_context, index, held, ancestors, cached, _known(tree), kept)
             states = None
             if state and template is not None:
                 states = _zero_states(template[index], ancestors)
@@ -189,11 +210,10 @@ class ContextCache(Cache):
                     unfilled[index] = [(row, path[-1]) for row, path in enumerate(ancestors) if path]
             elif state:
                 states = _gather_states(index, ancestors, kept)
-            if attention is not None and state:
-                layers.append(ContextAndStateLayer(keys, values, context, attention == "sliding", states, kind.states,
-                                                   contexts, gather, held))
-            elif attention is not None:
-                layers.append(ContextLayer(keys, values, context, attention == "sliding", contexts, gather, held))
+            if attention is not None:
+                layer_context = LayerContext(context, attention == "sliding", contexts, gather, held)
+                layers.append(ContextAndStateLayer(layer_context, states, kind.states) if state
+                              else ContextLayer(layer_context))
             elif state:
                 layers.append(StateLayer(states, kind.states))
             else:
@@ -210,12 +230,13 @@ class ContextCache(Cache):
         for index in [i for i, rows in self.unfilled.items()
                       if all(self.kept[parent][i].states is not None for _, parent in rows)]:
             layer = self.layers[index]
+            assert isinstance(layer, StateLayer), "only a state layer waits to be filled"
             for row, parent in self.unfilled.pop(index):
                 for which, (conv, recurrent) in enumerate(self.kept[parent][index].states):
                     if conv is not None:
-                        layer.conv_states[which][row].copy_(conv)
+                        _made(layer.conv_states[which])[row].copy_(conv)
                     if recurrent is not None:
-                        layer.recurrent_states[which][row].copy_(recurrent)
+                        _made(layer.recurrent_states[which])[row].copy_(recurrent)
 
     def state_of(self, row: int, first: int, length: int, fed: int) -> list[Kept]:
         """Per layer, the state batch row `row` leaves after its own tokens: fed slots first .. first + length - 1
@@ -243,7 +264,7 @@ class ContextCache(Cache):
         """Between two decoder layers: every cache layer the pass has written since, kept for its nodes and freed
         of its own keys; their indices. By what was written, not by the decoder layer's index: a decoder layer may
         hold several attention layers (LongCat-Flash's two)."""
-        taken = []
+        taken: list[int] = []
         if self.owners is None:  # not layer-major: kept at `finish`
             return taken
         for index, layer in enumerate(self.layers):
@@ -272,6 +293,13 @@ class ContextCache(Cache):
             return
         self.leave()
         _check_written(self.wrote)
+
+
+def _known(tree: Tree | None) -> Tree:
+    """The tree of a pass that reads context from it."""
+    if tree is None:
+        raise RuntimeError("klpipe bug: a pass with context was given no tree")
+    return tree
 
 
 def _kept_of(layer, row: int, first: int, length: int, fed: int) -> Kept:

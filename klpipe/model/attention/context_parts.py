@@ -30,19 +30,31 @@ def context_parts(ancestors: list[list[int]], cached: np.ndarray | None = None,
         shared = 0
         if stop - start > 1:
             paths = [path for _, path, _ in runs[start:stop]]
-            least = None if cached is None else min(length for _, _, length in runs[start:stop])
-            while (all(len(path) > shared and path[shared] == paths[0][shared] for path in paths)
-                   and (cached is None or int(ends[paths[0][shared]]) <= least)):
-                shared += 1
+            limit = None
+            if cached is not None:  # every run's length is then an int (by_parent)
+                assert ends is not None, "context lengths (`cached`) come with each node's end (`ends`)"
+                limit = (ends, min(length for _, _, length in runs[start:stop] if length is not None))
+            shared = _shared_nodes(paths, limit)
             if shared:
-                end = None if cached is None else int(ends[paths[0][shared - 1]])
+                end = None if limit is None else int(limit[0][paths[0][shared - 1]])
                 parts.append((slice(runs[start][0].start, runs[stop - 1][0].stop), paths[0][:shared], end))
         tails += [(rows, path[shared:], length) for rows, path, length in runs[start:stop] if len(path) > shared]
         start = stop
     return parts + tails
 
 
-def by_parent(ancestors: list[list[int]], cached: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
+def _shared_nodes(paths: list[list[int]], limit: tuple[np.ndarray, int] | None) -> int:
+    """How many nodes every path opens with; with `limit` (each node's end, the least context length of the rows),
+    only as many as end within every row's context."""
+    shared = 0
+    while (all(len(path) > shared and path[shared] == paths[0][shared] for path in paths)
+           and (limit is None or int(limit[0][paths[0][shared]]) <= limit[1])):
+        shared += 1
+    return shared
+
+
+def by_parent(ancestors: list[list[int]],
+              cached: np.ndarray | None = None) -> list[tuple[slice, list[int], int | None]]:
     """The pass's rows with context in runs of one parent and one context length: (a slice of batch rows, their
     path from the root, the context's length; None where `cached` is not given: the whole path). Runs, not groups:
     a slice of the batch is a view, so the cascade reads and merges a run where it lies. A row whose context holds

@@ -59,6 +59,13 @@ class LayerKind:
     window: int | None = None  # sliding: the window, in tokens
     states: int = 1  # recurrent and convolution states the layer keeps (transformers' number_of_states)
 
+    @property
+    def sliding_window(self) -> int:
+        """The window of a sliding layer, which has one."""
+        if self.window is None:
+            raise RuntimeError("klpipe bug: a sliding layer without its window")
+        return self.window
+
 
 class UnknownLayer(NotImplementedError):
     """A cache layer type the prefix tree does not know how to continue."""
@@ -74,7 +81,8 @@ def layer_kinds(model) -> list[LayerKind]:
     config = model.config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(config)
     kinds = []
-    for index, (kind, extra) in enumerate(zip(types, kwargs)):
+    # transformers builds `kwargs` by zipping the types with the per-layer configs: never longer than `types`.
+    for index, (kind, extra) in enumerate(zip(types, kwargs, strict=False)):
         if kind not in CONTINUATIONS:
             raise UnknownLayer(f"the prefix tree does not know how a {kind!r} cache layer (layer {index}) "
                                "continues a prefix")

@@ -244,7 +244,7 @@ def _probe(backend: Backend, kind: tuple) -> bool:
             return True
         if kind in REJECTED:
             return False
-    name, device, dtype, dim, value_dim, causal, square, grouped = kind
+    _name, device, dtype, dim, value_dim, causal, square, grouped = kind
     heads, kv_heads = (4, 2) if grouped else (2, 2)
     # Lengths off any tile size (the efficient kernel pads its lse to 32); a non-square causal kind both ways.
     shapes = [(37, 37)] if square else [(5, 23), (23, 5)]

@@ -56,6 +56,6 @@ def check(reference, verdict):
     if found is not None and found <= reference.probe_tolerance:
         return verdict.but(packed=True, padded_why=None)
     # The record keeps the reason; the log line its figure.
-    said = f"{DISAGREE}: max |Δ logprob| = {found:.3g}" if found is not None else why
+    shown = f"{DISAGREE}: max |Δ logprob| = {found:.3g}" if found is not None else why
     return verdict.but(packed=False, padded_why=why or DISAGREE).noted(
-        f"{type(reference.model).__name__}: rows run whole go padded ({said})")
+        f"{type(reference.model).__name__}: rows run whole go padded ({shown})")

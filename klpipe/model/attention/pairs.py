@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
@@ -61,7 +62,8 @@ class PairCount:
         self.layers: dict[str, set] = {}
         self.window: dict[str, int | None] = {}
         self._hooks = []
-        self._sdpa = self._kernel = None
+        self._sdpa: Callable[..., torch.Tensor] | None = None  # the functions counted, while inside
+        self._kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __enter__(self) -> PairCount:
         for module in self.model.modules():
@@ -83,11 +85,13 @@ class PairCount:
             self._add(query, key, causal, False)
             return kernel(backend, query, key, value, causal, scale)
 
-        torch.nn.functional.scaled_dot_product_attention = counted_sdpa
+        # Counted in place while inside: torch's keywords (scale, enable_gqa) pass through **kwargs.
+        torch.nn.functional.scaled_dot_product_attention = counted_sdpa  # type: ignore[assignment]
         lse_attention.run = counted_kernel
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._sdpa is not None and self._kernel is not None, "left before entered"
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
         lse_attention.run = self._kernel
         for hook in self._hooks:

@@ -27,16 +27,28 @@ nothing reads.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from klpipe.model.attention import lse_attention, packing
+
+
+@dataclass(frozen=True)
+class _Real:
+    """A row's real slots, first .. first + count - 1; `base`: the slot of its query 0 (not 0 where the model keeps
+    only the last slot's query)."""
+
+    first: int
+    count: int
+    base: int = 0
 
 
 def attend(contexts, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            scale: float, window: int) -> torch.Tensor:
     """(b, q, H, d_v) attention of query (b, H, q, d) over each row's own real slots of key, value (b, h, T, d) and
     its context (contexts: cascade.PassContexts), within `window`; q = T, or 1 (the last slot's only)."""
-    b, heads, queries, dim = query.shape
+    b, heads, queries, _dim = query.shape
     slots = key.shape[2]
     base = slots - queries  # the slot of query 0
     seen = max(0, min(queries, window - 1 - base))  # queries that may see context: slots < window - 1
@@ -46,8 +58,8 @@ def attend(contexts, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         first, count = int(contexts.real[0, row]), int(contexts.real[1, row])
         if not count:
             continue
-        _own(query[row:row + 1], key[row:row + 1], value[row:row + 1], first, count, scale,
-             window, out[row:row + 1], lse[row:row + 1], base)
+        _own(query[row:row + 1], key[row:row + 1], value[row:row + 1], _Real(first, count, base), scale,
+             window, out[row:row + 1], lse[row:row + 1])
     if seen:
         for rows, nodes, cached in contexts.runs:
             held = min(cached, window - 1)
@@ -65,11 +77,11 @@ def attend_packed(contexts, query: torch.Tensor, key: torch.Tensor, value: torch
     out = torch.zeros((1, query.shape[1], query.shape[2], value.shape[-1]), dtype=torch.float32,
                       device=query.device)
     lse = torch.full(query.shape[:3], float("-inf"), dtype=torch.float32, device=query.device)
-    for start, length in zip(starts, lengths):
+    for start, length in zip(starts, lengths, strict=True):
         span = slice(start, start + length)
         if length:
-            _own(query[:, :, span], key[:, :, span], value[:, :, span], 0, length, scale, window,
-                 out[:, :, span], lse[:, :, span], 0)
+            _own(query[:, :, span], key[:, :, span], value[:, :, span], _Real(0, length), scale, window,
+                 out[:, :, span], lse[:, :, span])
     if window is None:
         # Every query of a part's rows sees all of its keys: their slots are one stretch of the sequence.
         for rows, nodes, stop in contexts.parts:
@@ -91,13 +103,14 @@ def attend_packed(contexts, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
-def _own(query, key, value, first: int, count: int, scale: float, window: int, out, lse,
-         base: int) -> None:
-    """One row's attention over its real slots first .. first + count - 1, written into out (1, H, q, d_v) fp32, and
-    the log-sum-exp of the queries that may see context into lse (1, H, seen)."""
+def _own(query, key, value, slots: _Real, scale: float, window: int | None, out, lse) -> None:
+    """One row's attention over its real slots, written into out (1, H, q, d_v) fp32, and the log-sum-exp of the
+    queries that may see context into lse (1, H, seen)."""
+    first, count = slots.first, slots.count
     seen = lse.shape[2]
     real = slice(first, first + count)
-    if base:  # the last slot's query alone: it sees the row's last `window` real slots
+    if slots.base:  # the last slot's query alone: it sees the row's last `window` real slots
+        assert window is not None, "only a sliding layer's pass (attend) keeps the last slot's query alone"
         if first + count != key.shape[2]:
             raise ValueError("the model kept a last position that is a pad")
         low = max(first, key.shape[2] - window)
@@ -119,7 +132,7 @@ def context(query, keys, values, scale: float, window: int | None, end: int, out
     """Merge into out (r, H, s, d_v) and lse (r, H, s) the attention of query (r, H, s, d), at slots end - s .. end - 1
     of rows continuing the same context, over that context's last keys, values (h, held, d), within `window` (None:
     full attention, every query sees every key: piece A alone). cascade.py merges a full layer's parts here too."""
-    r, heads, s, dim = query.shape
+    r, _heads, _s, _dim = query.shape
     held = keys.shape[1]
     every = held if window is None else min(window - 1 - end, held)  # A: the last keys, seen by every query
     if every > 0:
