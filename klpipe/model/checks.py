@@ -157,7 +157,7 @@ def compiled_verdict(reference, mode: str, verdict: Verdict, compiler=None) -> V
     if why_not is not None:
         return verdict.noted(f"{name}: runs eager, not compiled ({why_not})")
     started = time.perf_counter()
-    reference.compiled = compiled.Compiled(targets, compiler)
+    reference.compile_modules(targets, compiler)
     verdict = probes.check_compile(reference, reference.oracle, verdict)
     reference.compile_seconds = time.perf_counter() - started
     return verdict

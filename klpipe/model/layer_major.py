@@ -118,6 +118,7 @@ from contextlib import contextmanager
 import greenlet
 import torch
 
+from klpipe.contract import Streaming
 from klpipe.model import allocator
 from klpipe.model.weight_store import WeightStore
 
@@ -143,7 +144,9 @@ class LayerMajor:
     # `uncounted` leaves as it found it.
     STATISTICS = ("groups", "read_seconds", "waited_seconds", "group_seconds", "tokens")
 
-    def __init__(self, store: WeightStore):
+    def __init__(self, store: WeightStore, share: Streaming | None = None):
+        """`share`: what the budget gives the groups (precompute/budget.py decides it); None: no budget."""
+        share = share if share is not None else Streaming()
         self.store = store
         allocator.one_arena()  # before the reader's thread: see allocator.py
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
@@ -151,19 +154,19 @@ class LayerMajor:
         self._steps: dict = {}  # greenlet -> the _Pass it runs, in a group
         self._abandon = False
         # The process's own resident memory above which what it freed is handed back to the kernel (allocator.trim);
-        # None: always. A run sets it from its budget, less room for its widest pass (precompute/budget.py).
-        self.trim_above: int | None = None
+        # None: always. A run's budget, less room for its widest pass (precompute/budget.py).
+        self.trim_above = share.trim_above
         self.layer_reads = 0  # layers read since load
         self.groups = 0  # groups run layer-major since load
         self.read_seconds = 0.0  # spent reading layers, in the background or not
         self.waited_seconds = 0.0  # of which the forwards waited for: the read not hidden under compute
         self.group_seconds = 0.0  # groups' wall time, waits included
         self.tokens = 0  # fed tokens the groups held, as their callers said
-        # Memory the budget gives a group's waiting passes (`spare`, at `per_token` bytes a fed token; a run sets both,
-        # precompute/budget.py). What a group leaves of it keeps layers loaded from group to group (`kept`: layer ->
-        # bytes), read once rather than once a group; 0: none kept.
-        self.spare = 0
-        self.per_token = 0
+        # Memory the budget gives a group's waiting passes (`spare`, at `per_token` bytes a fed token: the run's
+        # budget). What a group leaves of it keeps layers loaded from group to group (`kept`: layer -> bytes), read once
+        # rather than once a group; 0: none kept.
+        self.spare = share.spare
+        self.per_token = share.per_token
         self.kept: dict[int, int] = {}
         self._room = 0  # what the group running now leaves for kept layers; 0 outside a group
         self._on_layer = None  # the running group's: see run

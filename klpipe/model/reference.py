@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from klpipe import plan
+from klpipe.contract import LoadOptions
 from klpipe.model import architecture, checks, compiled, loading, lora, probes, wide
 from klpipe.model.attention import cascade, packing
 from klpipe.model.head import LMHead, ModelHead
@@ -21,11 +23,19 @@ from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
 from klpipe.model.verdict import OWN, Verdict
 
+if TYPE_CHECKING:
+    from klpipe.model.attention.context_cache import CacheCost
+    from klpipe.model.attention.continuation import LayerKind
+    from klpipe.model.layer_major import LayerMajor
+
 
 class ReferenceModel:
     """A frozen causal LM that returns log p(response token | prefix) for batches of rows."""
 
-    def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None):
+    def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None,
+                 options: LoadOptions | None = None):
+        """`options`: as the loader was given them (`load`); their streaming share and cache cap are the model's."""
+        options = options if options is not None else LoadOptions()
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -68,8 +78,8 @@ class ReferenceModel:
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
-        self._layer_kinds = None
-        self._cache_cost = None
+        self._layer_kinds: list[LayerKind] | None = None
+        self._cache_cost: CacheCost | None = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
         # The layers' norms and MLPs compiled (compiled.py, --compile), where the load-time probe agrees; None: eager.
         self.compiled: compiled.Compiled | None = None
@@ -85,9 +95,9 @@ class ReferenceModel:
         self.verdict_reused = False  # whether it was remembered from an earlier run (checks.check) rather than checked
         self.recheck_why: str | None = None  # why a remembered verdict was not taken
         self.check_seconds = 0.0  # the load-time checks' time
-        self.streamer = None  # layer_major.LayerMajor where the decoder layers stream from their files; None: in memory
-        self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
-        self.stream_cache_mib: int | None = None  # the tree cache the budget leaves (precompute/budget.py); None: the option
+        self.streamer: LayerMajor | None = None  # where the decoder layers stream from their files; None: in memory
+        self.stream_tokens = options.streaming.tokens  # fed tokens a streamed layer-major group holds (None: a chunk)
+        self.stream_cache_mib = options.cache_mib  # the tree cache the budget leaves; None: the option's
 
     @property
     def head(self):
@@ -102,27 +112,24 @@ class ReferenceModel:
             wide.install(head, "logprobs")
 
     @classmethod
-    def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
-             streamed: bool = False, trim_above: int | None = None, room: tuple[int, int] = (0, 0),
-             remembered=None) -> ReferenceModel:
+    def load(cls, spec: ModelSpec, options: LoadOptions | None = None, **fields: Any) -> ReferenceModel:
         """Load `spec` safely (loading.py) and run the load-time checks (checks.py): the chunked head, padding,
         packing, each adapter's side against the model's own forward, and the layers' norms and MLPs compiled where
-        `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
+        --compile asks and the probe agrees; or the remembered verdict applied and held to a short probe.
 
-        `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
-        the one active outside `side` (the reference's, or None: the weights alone). `streamed`: the decoder layers'
-        weights stay in their files (layer_major.py), and the memory they free goes back to the kernel once the process
-        holds more than `trim_above` bytes (allocator.py; None: always); `room`: (bytes, bytes a fed token) the budget
-        gives a layer-major group's waiting passes. `remembered(model) -> Verdict | None`: an earlier run's verdict for
-        this model as loaded (storage/verdicts.py), applied and held to a short probe rather than checked again."""
-        if streamed:
+        `options` (contract.LoadOptions: the adapters, streaming and its share of the budget, the verdict remembered),
+        or its `fields` by name (a test's, a benchmark's). Streamed, the decoder layers' weights stay in their files
+        (layer_major.py), the streamer sized by `options.streaming`."""
+        options = options if options is not None else LoadOptions(**fields)
+        if options.streamed:
             from klpipe.model import streamed_load
 
-            return streamed_load.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
+            return streamed_load.reference(cls, spec, options)
         model, device, dtype, text_only = loading.load_model(spec)
-        reference = cls(model, device, dtype)
-        reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None
-        reference.run_checks(compile, remembered)
+        reference = cls(model, device, dtype, options=options)
+        reference.adapters = (lora.attach(model, options.adapters, options.default, text_only=text_only)
+                              if options.adapters else None)
+        reference.run_checks(options.compile, options.remembered)
         return reference
 
     def run_checks(self, compile: str = "off", remembered=None) -> None:
@@ -161,6 +168,10 @@ class ReferenceModel:
         """Compile the decoder layers' norms and MLPs where `mode` asks and the probe agrees (checks.compiled_verdict);
         `compiler`: compiled.Compiled's (torch.compile with klpipe's options unless a test gives one)."""
         self.apply(checks.compiled_verdict(self, mode, self.verdict, compiler))
+
+    def compile_modules(self, targets: list, compiler=None) -> None:
+        """Compile `targets` (checks.compile_targets) for the probe to hold to the model's own forward."""
+        self.compiled = compiled.Compiled(targets, compiler)
 
     def drop_compile(self) -> None:
         """Every compiled module eager again, for good."""
@@ -209,7 +220,8 @@ class ReferenceModel:
             return self.verdict.tree
         noted, before = len(self.notes), (self.packed, self.padded_why)
         problem = probe()
-        changed = {"packed": self.packed, "padded_why": self.padded_why} if (self.packed, self.padded_why) != before else {}
+        changed = ({"packed": self.packed, "padded_why": self.padded_why} if (self.packed, self.padded_why) != before
+                   else {})
         self.verdict = self.verdict.but(
             tree_probed=True, tree=problem, cascade=self.cascade if self.verdict.cascade is not None else None,
             tree_passes_packed=self.tree_passes_packed, tree_layered=self.tree_layered,
@@ -229,6 +241,16 @@ class ReferenceModel:
         if not self.cascade:
             packing.disable(self.model, self.own_attention)
         self.notes.append(f"{type(self.model).__name__}: rows run whole go padded ({why})")
+
+    def unpack_tree_passes(self) -> None:
+        """The tree's passes run as batches from now on: a call the cascade cannot take packed (tree.py). The verdict
+        holds what the tree's probe met (settle_tree), not a later chunk's."""
+        self.tree_passes_packed = False
+
+    def unlayer_tree(self) -> None:
+        """A streamed tree runs in waves from now on: a layer reused keys layered.py had freed (cascade.FreedKeys).
+        The verdict holds what the tree's probe met (settle_tree), not a later chunk's."""
+        self.tree_layered = False
 
     @property
     def attention_name(self) -> str:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from klpipe import process_memory
+from klpipe.contract import Streaming
 from klpipe.errors import InputError
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -168,7 +169,7 @@ def refuse_short_host(device: str, resident: int, largest_layer: int) -> None:
                          f"{fmt(2 * pinned_bytes(largest_layer))})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Streamed:
     """How a streamed run shares what the budget leaves after the weights' part."""
 
@@ -183,8 +184,15 @@ class Streamed:
     spare: int = 0
     per_token: int = 0
 
+    def share(self, policy: bool = False) -> Streaming:
+        """What the reference's streamer keeps to (the loader's contract.Streaming), or, `policy`, a streaming policy's:
+        it keeps no layers from group to group, and sizes its groups by fed tokens."""
+        if policy:
+            return Streaming(self.tokens, self.trim_above)
+        return Streaming(self.tokens, self.trim_above, self.spare, self.per_token)
 
-@dataclass
+
+@dataclass(frozen=True)
 class InMemory:
     """A run whose weights fit its budget, where what the budget leaves caps the prefix tree's cache below its
     --max-cache-mib."""

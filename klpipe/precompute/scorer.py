@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from klpipe import cache
+from klpipe.contract import ScoringModel
 from klpipe.errors import OutputError
 from klpipe.precompute.logprobs import ChunkPlan, ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.sharing import Sharing
@@ -50,8 +51,8 @@ class ChunkScorer:
     """Runs chunks on the reference and, where there is one, the policy: `policy` is `model` itself where it is an
     adapter over the same weights (`policy_side` names it), a model of its own, or None."""
 
-    def __init__(self, model, policy, policy_side, sharing: Sharing, policy_sharing: Sharing | None,
-                 temperature: float, max_tokens: int, joint: Joint):
+    def __init__(self, model: ScoringModel, policy: ScoringModel | None, policy_side: str | None, sharing: Sharing,
+                 policy_sharing: Sharing | None, temperature: float, max_tokens: int, joint: Joint):
         self.model, self.policy, self.policy_side = model, policy, policy_side
         self.own = policy if policy is not None and policy is not model else None  # a policy with weights of its own
         self.sharing, self.policy_sharing = sharing, policy_sharing
