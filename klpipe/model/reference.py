@@ -59,7 +59,7 @@ class ReferenceModel:
         self.prefill_skips_layers = (self.accepts_logits_to_keep
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = architecture.rope_length_limit(config)
-        self.attention_cost = attention_cost(self.body)
+        self.attention_cost = architecture.attention_cost(self.body)
         self.own_attention = getattr(config, "_attn_implementation", None)  # as transformers loaded the model
         # Whether the tree's full-attention layers attend over each row's context where it lies (cascade.py):
         # installed by use_cascade, only for a tree, and only where the load-time probe agrees.
@@ -407,16 +407,3 @@ class ReferenceModel:
         logprobs = (head or self.head).logprobs(selected, flat, temperature).numpy()
         return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])
 
-
-def attention_cost(body) -> float:
-    """What attending to one more position costs a token, in fed tokens: the attention FLOPs per position
-    over the linear FLOPs per token. About 5e-4 for the benchmarks' Llama (8 × 256), 1e-4 for Gemma 4 E2B.
-
-    Scores and weighted values cost 4 × (query heads × head size) FLOPs per position and attention
-    layer; a token's linear layers 2 × their weights. Queries are told apart by their projections:
-    every attention layer has one named `q_proj`; a model with none is priced at 0 (length only).
-    """
-    linear = sum(m.weight.numel() for m in body.modules() if isinstance(m, torch.nn.Linear))
-    queries = sum(m.out_features for name, m in body.named_modules()
-                  if name.endswith("q_proj") and isinstance(m, torch.nn.Linear))
-    return 4.0 * queries / (2.0 * linear) if linear else 0.0
