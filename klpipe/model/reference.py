@@ -34,11 +34,9 @@ class ReferenceModel:
 
     def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None,
                  options: LoadOptions | None = None):
-        """`options`: as the loader was given them (`load`); their streaming share and cache cap are the model's."""
-        options = options if options is not None else LoadOptions()
+        options = options if options is not None else LoadOptions()  # the loader's: a streamed share, a cache cap
         self.model = model
-        self.device = device
-        self.dtype = dtype
+        self.device, self.dtype = device, dtype
         self.body = architecture.decoder_body(model)  # everything up to (and including) the final norm
         config = architecture.text_config(model.config)
         self.chunked_head = LMHead(model, config, device, logits_budget)
@@ -70,11 +68,9 @@ class ReferenceModel:
         # Whether rows run whole go packed, end to end without pads (packing.py), and if not, why (the check's words).
         self.packed = False
         self.padded_why: str | None = "not checked"
-        # Whether the tree's passes run packed (tree.py), until a call the cascade cannot take.
-        self.tree_passes_packed = True
-        # Whether a streamed tree runs its levels layer-major in one group (layered.py), until a layer's keys it freed
-        # are asked for.
-        self.tree_layered = True
+        # Whether the tree's passes run packed (tree.py) and a streamed tree's levels layer-major in one group
+        # (layered.py), until a call says otherwise (unpack_tree_passes, unlayer_tree); the verdict keeps its probe's.
+        self.tree_passes_packed, self.tree_layered = True, True
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
@@ -105,8 +101,7 @@ class ReferenceModel:
 
     @head.setter
     def head(self, head) -> None:
-        """The head, fp64 all the way through on an fp64 model: the one built here and any the load-time check puts
-        in its place (probes.py)."""
+        """The head, fp64 all the way through on an fp64 model: the one built here and any the checks put instead."""
         self._head = head
         if self.dtype == torch.float64:
             wide.install(head, "logprobs")
@@ -117,9 +112,8 @@ class ReferenceModel:
         packing, each adapter's side against the model's own forward, and the layers' norms and MLPs compiled where
         --compile asks and the probe agrees; or the remembered verdict applied and held to a short probe.
 
-        `options` (contract.LoadOptions: the adapters, streaming and its share of the budget, the verdict remembered),
-        or its `fields` by name (a test's, a benchmark's). Streamed, the decoder layers' weights stay in their files
-        (layer_major.py), the streamer sized by `options.streaming`."""
+        `options`: contract.LoadOptions (the adapters, streaming and its share of the budget, the verdict remembered),
+        or its `fields` by name. Streamed, the decoder layers' weights stay in their files (layer_major.py)."""
         options = options if options is not None else LoadOptions(**fields)
         if options.streamed:
             from klpipe.model import streamed_load
@@ -193,10 +187,9 @@ class ReferenceModel:
 
     def use_cascade(self) -> str | None:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
-        probe agrees with the model's own forward; None, or the line to log where the probe dropped it.
-
-        The tree's attention layers (full and sliding) then attend over each row's context where it lies: on CPU
-        under sdpa, in either layout, KV-shared layers through the keys of the layer they share."""
+        probe agrees with the model's own forward; None, or the line to log where the probe dropped it. The tree's
+        attention layers (full and sliding) then attend over each row's context where it lies: on CPU under sdpa, in
+        either layout, KV-shared layers through the keys of the layer they share."""
         if self.cascade or self.oracle is None:
             return None
         if self.verdict_reused and self.verdict.cascade is not None:  # the remembered verdict's
@@ -243,13 +236,11 @@ class ReferenceModel:
         self.notes.append(f"{type(self.model).__name__}: rows run whole go padded ({why})")
 
     def unpack_tree_passes(self) -> None:
-        """The tree's passes run as batches from now on: a call the cascade cannot take packed (tree.py). The verdict
-        holds what the tree's probe met (settle_tree), not a later chunk's."""
+        """The tree's passes run as batches from now on: a call the cascade cannot take packed (tree.py)."""
         self.tree_passes_packed = False
 
     def unlayer_tree(self) -> None:
-        """A streamed tree runs in waves from now on: a layer reused keys layered.py had freed (cascade.FreedKeys).
-        The verdict holds what the tree's probe met (settle_tree), not a later chunk's."""
+        """A streamed tree runs in waves from now on: a layer reused keys layered.py had freed (cascade.FreedKeys)."""
         self.tree_layered = False
 
     @property

@@ -176,7 +176,8 @@ def packs_passes(reference, kinds) -> bool:
 def _run_pass(run: TreeRun, step: Pass, shared: frozenset | None = None) -> None:
     """One pass; `shared`: in a layer-major group (layered.py), its state kept layer by layer, and the layers whose
     keys a later layer reuses."""
-    reference, tree, kinds, layout, kept, parents = run.reference, run.tree, run.kinds, run.layout, run.kept, run.parents
+    reference, tree, kinds, layout = run.reference, run.tree, run.kinds, run.layout
+    kept, parents = run.kept, run.parents
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
