@@ -30,7 +30,7 @@ Row = tuple[np.ndarray, np.ndarray]  # (prompt ids, response ids)
 class Streamer(Protocol):
     """A streamed model's layer-major runner, as precompute/ drives it."""
 
-    def run(self, calls: list[Callable[[], Any]], between: Callable[[], None] = ..., tokens: int = ...) -> list[Any]:
+    def run(self, calls: list[Callable[..., Any]], between: Callable[[], None] = ..., tokens: int = ...) -> list[Any]:
         """Each of `calls` layer-major, their results in order (model/layer_major.py)."""
         ...
 

@@ -80,8 +80,8 @@ def _head_given_up(reference, remembered: Verdict) -> str | None:
     reference.apply(remembered)
     if found is None or found > reference.probe_tolerance or getattr(reference.head, "unapplied", []):
         return None
-    return (f"they dropped klpipe's chunked head, which agrees with its own forward on the short probe (max |Δ logprob| "
-            f"= {found:.3g})")
+    return (f"they dropped klpipe's chunked head, which agrees with its own forward on the short probe "
+            f"(max |Δ logprob| = {found:.3g})")
 
 
 def _all(reference, compile: str, compiler=None) -> None:

@@ -112,7 +112,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import greenlet
@@ -150,7 +150,7 @@ class LayerMajor:
         self.store = store
         allocator.one_arena()  # before the reader's thread: see allocator.py
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
-        self._ahead: tuple[int, object] | None = None  # (layer, its read's future)
+        self._ahead: tuple[int, Future[None]] | None = None  # (layer, its read's future)
         self._steps: dict = {}  # greenlet -> the _Pass it runs, in a group
         self._abandon = False
         # The process's own resident memory above which what it freed is handed back to the kernel (allocator.trim);
@@ -221,7 +221,9 @@ class LayerMajor:
     def _wait_ahead(self) -> int:
         """The layer read ahead, once its read is over; a read that failed raises its error here, its layer freed
         (none of it half loaded, nor kept), and nothing is left read ahead."""
-        (layer, future), self._ahead = self._ahead, None
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None, "a layer is waited for only where one is read ahead"
+        layer, future = ahead
         try:
             future.result()
         except BaseException:
@@ -253,8 +255,8 @@ class LayerMajor:
         where less than 90% hid, the fed tokens a group would need to hide it (its tokens scaled by read over compute
         time: the read is the same whatever the group holds, the compute grows with its tokens)."""
         hidden = max(1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0, 0.0)
-        figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden, "kept": len(self.kept),
-                   "layers": len(self.store.layers)}
+        figures: dict[str, float | None] = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden,
+                                            "kept": len(self.kept), "layers": len(self.store.layers)}
         if self.store.device.type != "cpu":
             # On a GPU a layer's copy waits, in the device's one stream, behind the compute queued before it, and
             # the forwards wait for that copy: the host's clocks cannot tell the read from the compute. Not said.
@@ -355,6 +357,7 @@ class LayerMajor:
     def _resume(self, step: _Pass) -> None:
         """Run `step` until it stops at its next layer or ends; its error, if it failed, raised here, so that no other
         pass runs on after it."""
+        assert step.greenlet is not None, "run gives each pass its greenlet before any runs"
         step.greenlet.switch()
         # What the pass freed (its layer's activations) given back now if the process is over its allowance, before
         # the next pass allocates its own: otherwise a group's passes could together hold a layer's activations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -110,7 +111,7 @@ def row_key(row: tuple[np.ndarray, np.ndarray]) -> tuple:
     return np.asarray(row[0], dtype=np.int64).tobytes(), np.asarray(row[1], dtype=np.int64).tobytes()
 
 
-def prefetch(reference, more: tuple = (), klpipe: tuple = ()) -> None:
+def prefetch(reference, more: Sequence[tuple] = (), klpipe: tuple = ()) -> None:
     """A streamed model's load-time probes by its own forward (the oracle's row, the causality probe's, packing's),
     run as passes of one layer-major group before any of them is asked for (own_rows takes them from the memo): each
     of its layers read once for all of them, not once per probe. Run only while nothing of klpipe's is installed, as
@@ -171,7 +172,8 @@ def oracle_row(reference, length: int = PROBE_LENGTH) -> tuple[np.ndarray, np.nd
 def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
     prompt, response = oracle_row(reference)
-    with failures.failing_in_one_line(reference.model):  # the model's own code fails: nothing klpipe computes could be right
+    # The model's own code fails: nothing klpipe computes could be right.
+    with failures.failing_in_one_line(reference.model):
         return Oracle(np.concatenate([prompt, response]), own_rows(reference, [(prompt, response)])[0])
 
 

@@ -58,7 +58,7 @@ class ReferenceModel:
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = architecture.rope_length_limit(config)
         self.attention_cost = architecture.attention_cost(self.body)
-        self.own_attention = getattr(config, "_attn_implementation", None)  # as transformers loaded the model
+        self.own_attention: str = config._attn_implementation  # as transformers loaded the model (it names one)
         # Whether the tree's full-attention layers attend over each row's context where it lies (cascade.py):
         # installed by use_cascade, only for a tree, and only where the load-time probe agrees.
         self.cascade = False
@@ -328,11 +328,11 @@ class ReferenceModel:
         if self.own_forward is not None:
             return probes.own_logprobs(self.model, rows, temperature, needed, self.head.rows)
         if self.rows_alone and len(rows) > 1:
-            return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed)]
+            return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed, strict=True)]
         wanted = [np.flatnonzero(n) for n in needed]  # response indices to score
         # A response token is only ever a target after the last one scored: feed up to it, less it (plan.fed: a long
         # RoPE's row longer than its limit is fed whole, as its own forward's frequencies are the whole row's).
-        inputs = [plan.fed(p, r, w, self.rope_length_limit) for (p, r), w in zip(rows, wanted)]
+        inputs = [plan.fed(p, r, w, self.rope_length_limit) for (p, r), w in zip(rows, wanted, strict=True)]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
         results = [np.full(len(r), np.nan, dtype=self.result_dtype) for _, r in rows]
@@ -355,10 +355,10 @@ class ReferenceModel:
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
 
         # Position prompt_len - 1 + j predicts response token j.
-        positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted)]
-        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
-                                       head=head)
-        for values, w, out in zip(scored, wanted, results):
+        positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted, strict=True)]
+        targets = [r[w] for (_, r), w in zip(rows, wanted, strict=True)]
+        scored = self.targets_logprobs(hidden, positions, targets, temperature, head=head)
+        for values, w, out in zip(scored, wanted, results, strict=True):
             out[w] = values
         return results
 
@@ -376,10 +376,10 @@ class ReferenceModel:
         with packing.packed(segments, maskless):
             hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         # Row k's position prompt_len - 1 + j predicts its response token j: packed slot start_k + that.
-        positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted)]
-        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
-                                       packed=True, head=head)
-        for values, w, out in zip(scored, wanted, results):
+        positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted, strict=True)]
+        targets = [r[w] for (_, r), w in zip(rows, wanted, strict=True)]
+        scored = self.targets_logprobs(hidden, positions, targets, temperature, packed=True, head=head)
+        for values, w, out in zip(scored, wanted, results, strict=True):
             out[w] = values
         return results
 

@@ -135,8 +135,10 @@ def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> No
     """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes end to end, without pads,
     all but those plan.Pass.runs_packed keeps padded (model/attention/tree.py's packs_passes)."""
     stats.per_row_tokens += sum(len(f) for f in plan.fed)
+    tree = plan.tree
     for step in plan.passes:
-        own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
+        assert tree is not None, "a plan's passes are its tree's"
+        own = tree.end[step.nodes] - tree.start[step.nodes]
         stats.fed_tokens += int(own.sum())
         end_to_end = step.runs_packed(packed, plan.key[0])
         stats.padded_tokens += int(own.sum()) if end_to_end else len(own) * int(own.max())
@@ -158,13 +160,13 @@ def run_plan(model: ScoringModel, plan: ChunkPlan, rows: list[tuple[np.ndarray, 
 
         logprobs = score_tree(model, plan.tree, plan.passes, _wanted(rows, plan.needed, plan.tree_rows), temperature,
                               check_stop)
-        for i, values in zip(plan.tree_rows.tolist(), logprobs):
+        for i, values in zip(plan.tree_rows.tolist(), logprobs, strict=True):
             results[i] = values
     if model.streamer is not None:
         return _run_streamed(model, model.streamer, plan, rows, temperature, check_stop, results)
     for batch in plan.batches:
         scored = model.score_batch([rows[i] for i in batch], temperature, [plan.needed[i] for i in batch])
-        for i, values in zip(batch.tolist(), scored):
+        for i, values in zip(batch.tolist(), scored, strict=True):
             results[i] = values
         check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
     return results
@@ -192,8 +194,8 @@ def _run_streamed(model: ScoringModel, streamer: Streamer, plan: ChunkPlan, rows
         except NotPacked as exc:
             model.drop_packing(str(exc))  # every pass of the group again, padded: none is left half packed
             scored = streamer.run(calls, check_stop, fed)
-        for batch, values in zip(group, scored):
-            for i, row_values in zip(batch.tolist(), values):
+        for batch, values in zip(group, scored, strict=True):
+            for i, row_values in zip(batch.tolist(), values, strict=True):
                 results[i] = row_values
         check_stop()
     return results
@@ -219,7 +221,8 @@ def _wanted(rows, needed, chosen: np.ndarray) -> Wanted:
                   targets=[rows[i][1] for i in chosen], needed=[needed[i] for i in chosen])
 
 
-def _worth_a_tree(model: ScoringModel, rows, fed, needed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
+def _worth_a_tree(model: ScoringModel, rows, fed, needed, candidates: np.ndarray,
+                  sharing: str) -> tuple[np.ndarray, np.ndarray]:
     """(rows for the tree, rows to run whole): under "auto", on a model that skips no layers, a row that
     shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
     if sharing != "auto" or model.prefill_skips_layers:
@@ -272,7 +275,8 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
     """(batches of rows run whole, the tokens they feed padding included): batched by length, rows past a
     length-dependent RoPE's limit only with each other. `packed`: the model runs a batch's rows end to end
     (model/attention/packing.py), so a batch's size is its rows' tokens and it feeds no pad."""
-    batches, padded_total = [], 0
+    batches: list[np.ndarray] = []
+    padded_total = 0
     if not len(alone):
         return batches, padded_total
     lengths = np.array([len(fed[i]) for i in alone], dtype=np.int64)
@@ -280,9 +284,10 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
     for group in (np.flatnonzero(~past), np.flatnonzero(past)):
         if not len(group):
             continue
-        planned = pack_batches(lengths[group], max_tokens) if packed else plan_batches(lengths[group], max_tokens)
+        sizes = lengths[group].tolist()
+        planned = pack_batches(sizes, max_tokens) if packed else plan_batches(sizes, max_tokens)
         batches += [alone[group[batch]] for batch in planned]
-        padded_total += padding_efficiency(lengths[group], planned)[0 if packed else 1]
+        padded_total += padding_efficiency(sizes, planned)[0 if packed else 1]
     return batches, padded_total
 
 
@@ -300,7 +305,7 @@ def check_layout(model: ScoringModel) -> str | None:
     keys, values and states weigh: one token's forward); otherwise why not. Planning asks these before any
     tree runs, so they are checked first, in milliseconds; check_tree's probe comes when a tree is to run."""
     try:
-        model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node
+        _ = model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node  # each asked, once
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         return _in_our_words(model, _problem(exc))
     return None
@@ -314,9 +319,9 @@ def _problem(exc: Exception) -> str:
 
 def check_tree(model: ScoringModel) -> str | None:
     """None if the prefix tree reproduces the model's own forward (as transformers loaded it) on a probe;
-    otherwise why not. A model whose full-attention layers attend in place (model/attention/cascade.py) and fails the probe
-    is probed again with its own attention and its context gathered, and keeps the tree that way if that passes:
-    the cascade is trusted only where it agrees."""
+    otherwise why not. A model whose full-attention layers attend in place (model/attention/cascade.py) and fails the
+    probe is probed again with its own attention and its context gathered, and keeps the tree that way if that
+    passes: the cascade is trusted only where it agrees."""
     problem = _probe_tree(model)
     if problem is not None and model.cascade:
         model.drop_cascade()
@@ -381,12 +386,12 @@ def _probe_tree(model: ScoringModel) -> str | None:
         tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen,
                                      TreeBudget(max_tokens=prefix // 2 + 24, max_cache_tokens=prefix + 16,
                                                 attention=0.0, context_cost=0, min_prefix=1))
-        for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
+        for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen)), strict=True):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         return _in_our_words(model, _problem(exc))
     expected = model.own_logprobs(rows)
-    gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
-    if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:
+    gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(b)), default=0.0)
+    if any(a.shape != b.shape for a, b in zip(got, expected, strict=True)) or not gap <= model.probe_tolerance:
         return f"continuing a prefix's keys and values changes the logprobs (max |Δ logprob| = {gap:.3g})"
     return None

@@ -9,6 +9,7 @@ too (an SFT adapter over a base): its base's weights load, with that adapter on 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from klpipe.cache import Provenance
 from klpipe.contract import LoadOptions, ScoringModel, Streaming
@@ -17,6 +18,9 @@ from klpipe.precompute import adapters, budget
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.verdict_key import Remembering, run_key
 from klpipe.storage.verdicts import VerdictCache
+
+if TYPE_CHECKING:
+    from klpipe.model.loading import ModelSpec
 
 REFERENCE = "reference"  # the adapter --model names, active on the reference's side
 POLICY = "policy"  # the adapter --policy names, active on the policy's side
@@ -27,11 +31,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 class Models:
     """The weights to load, the adapters over them, and a policy with weights of its own where it has one."""
 
-    spec: object  # ModelSpec of the weights the reference runs on (--model, or its base when --model is an adapter)
+    spec: ModelSpec  # the weights the reference runs on (--model, or its base when --model is an adapter)
     adapters: list = field(default_factory=list)  # (name, folder, checked config) applied over spec's weights
     reference_side: str | None = None  # REFERENCE where --model is an adapter: active outside the policy's side
     policy_side: str | None = None  # POLICY where --policy is an adapter over spec's weights
-    policy_spec: object = None  # ModelSpec of a --policy with weights of its own
+    policy_spec: ModelSpec | None = None  # a --policy with weights of its own
 
     def folder(self, name: str) -> str:
         return next(path for side, path, _ in self.adapters if side == name)
@@ -48,11 +52,11 @@ def resolve(config: PrecomputeConfig) -> Models:
     adapters.refuse_bare_weights("--model", config.model)
     adapters.refuse_bare_weights("--policy", config.policy)
     models = Models(spec(config.model, config.revision, config.device))
-    if adapters.is_adapter(config.model):
+    if config.model is not None and adapters.is_adapter(config.model):
         models.spec = spec(adapters.base_to_load("--model", config.model), config.revision, config.device)
         models.adapters.append((REFERENCE, config.model, _read(config, "--model", config.model)))
         models.reference_side = REFERENCE
-    if adapters.is_adapter(config.policy):
+    if config.policy is not None and adapters.is_adapter(config.policy):
         for option, value in (("--policy-revision", config.policy_revision),
                               ("--policy-device", config.policy_device)):
             if value is not None and not (option == "--policy-device" and value == config.device):

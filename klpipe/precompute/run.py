@@ -127,7 +127,7 @@ def precompute(config: PrecomputeConfig, log: Callable[[str], None] = print,
 
     started = time.perf_counter()
     writes = (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS) if config.policy else (cache.REF_LOGPROBS,)
-    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns), writes=writes,  # before anything heavy
+    rollouts = open_rollouts([*config.inputs], ColumnMap(config.columns), writes=writes,  # before anything heavy
                              rollout_format=config.rollout_format)
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
@@ -161,7 +161,8 @@ def precompute(config: PrecomputeConfig, log: Callable[[str], None] = print,
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
-    decided = budget.decide(config, models, recorded.max_tokens_per_batch, log, recorded.max_cache_mib)
+    max_tokens, max_cache_mib = _budgets(recorded)
+    decided = budget.decide(config, models, max_tokens, log, max_cache_mib)
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
@@ -262,6 +263,13 @@ def write_groups_file(cache_path, output: Location, columns: ColumnMap) -> None:
         writer.close()
 
 
+def _budgets(recorded: cache.Provenance) -> tuple[int, int]:
+    """(tokens a batch, MiB of the tree's cache): the budgets in force, which a run's provenance records."""
+    if recorded.max_tokens_per_batch is None or recorded.max_cache_mib is None:
+        raise ValueError("a run's provenance records its budgets (provenance.provenance)")
+    return recorded.max_tokens_per_batch, recorded.max_cache_mib
+
+
 def _require_model_extra() -> None:
     """torch and transformers come with the `precompute` extra: scoring hosts install without them."""
     import importlib.util
@@ -298,7 +306,7 @@ def _run_chunks(loaded: Loaded, run: ChunkRun) -> None:
     sharing, policy_sharing = _sharing(loaded, run)
     joint = Joint(exact=run.work.provenance.full_kl, topk=run.work.provenance.ref_topk or 0)
     scorer = ChunkScorer(model, loaded.policy, loaded.policy_side, sharing, policy_sharing, config.temperature,
-                         run.work.provenance.max_tokens_per_batch, joint)  # the budgets recorded in run.json
+                         _budgets(run.work.provenance)[0], joint)  # the budgets recorded in run.json
     summary.check_seconds += time.perf_counter() - probing  # the cascade's probe, and the tree's under `on`
     startup.record(summary, [m for m in (model, own) if m is not None], run.started, config.progress != "none", log)
     progress = Progress(config.progress, total_rows=run.rows[1] - run.rows[0], initial_rows=summary.resumed_rows,
@@ -316,7 +324,7 @@ def _sharing(loaded: Loaded, run: ChunkRun) -> tuple[Sharing, Sharing | None]:
     """The reference's sharing mode and the policy's (a policy with weights of its own), the tree's probes run where
     the mode asks now; each model's kernel note logged once."""
     model, own, log = loaded.model, loaded.own, run.log
-    recorded = run.work.provenance.max_cache_mib
+    recorded = _budgets(run.work.provenance)[1]
     # A streamed model's tree keeps what the budget leaves it (budget.decide); the recorded figure otherwise.
     sharing = Sharing(model, run.config.prefix_sharing,
                       recorded if model.stream_cache_mib is None else model.stream_cache_mib, log,

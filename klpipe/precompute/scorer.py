@@ -102,7 +102,7 @@ class ChunkScorer:
                 plan = self.sharing.plan(slice_pairs, self.max_tokens, slice_needed)
             plan_stats(plan, stats, packs_passes(self.model))
             policy_plan = None
-            if self.own is not None:  # one plan for both where the policy plans alike (a fine-tune of the reference)
+            if self.own is not None and self.policy_sharing is not None:  # one plan for both where it plans alike
                 policy_plan = self.policy_sharing.plan_like(self.sharing, plan, slice_pairs, self.max_tokens,
                                                             slice_needed)
             parts.append(self._run(plan, policy_plan, slice_pairs, check_stop))
@@ -130,7 +130,7 @@ class ChunkScorer:
                 policy_slots = run_plan(model, plan, pairs, temperature, check_stop)
         elif self.joint.exact:
             with capture.capturing(self.own) as policy_capture:
-                policy_slots = run_plan(self.own, policy_plan, pairs, temperature, check_stop)
+                policy_slots = self._own_logprobs(policy_plan, pairs, check_stop)
         wide = any(m is not None and m.result_dtype == np.float64 for m in (model, self.own))
         columns = capture.finish(*self.sides, ref_capture, ref_slots, policy_capture, policy_slots,
                                  [response for _, response in pairs], temperature, capture.blocks_of(model),
@@ -144,6 +144,11 @@ class ChunkScorer:
         if self.policy is self.model:  # the same weights, the policy's adapter on: the same plan, its own caches
             with self.model.side(self.policy_side):
                 return run_plan(self.model, plan, pairs, self.temperature, check_stop)
+        return self._own_logprobs(policy_plan, pairs, check_stop)
+
+    def _own_logprobs(self, policy_plan: ChunkPlan | None, pairs, check_stop) -> list[np.ndarray]:
+        """A policy of its own on its plan (planned beside the reference's: `score`)."""
+        assert self.own is not None and policy_plan is not None, "a policy of its own is planned for in `score`"
         return run_plan(self.own, policy_plan, pairs, self.temperature, check_stop)
 
 

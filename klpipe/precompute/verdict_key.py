@@ -79,7 +79,8 @@ class Remembering:
         self.full = {**self.key, **verdict_parts(model)}
         if self.cache is None or self.recheck:
             return None
-        self.kept = self.cache.read(self.full, Verdict.from_json)
+        kept = self.cache.read(self.full, Verdict.from_json)
+        self.kept = kept if isinstance(kept, Verdict) else None  # from_json's, or None: none remembered
         return self.kept
 
     def keep(self, model: ScoringModel) -> None:

@@ -149,8 +149,8 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         cut[latest][1].extend(int(node) for node in step.release)
     grouped = []
     size = size or (lambda step: layered.fed_tokens(tree, step))
-    for wave, release in cut:  # a wave's release goes after its last group
-        groups = by_tokens(wave, [size(step) for step in wave], limit)
+    for in_wave, release in cut:  # a wave's release goes after its last group
+        groups = by_tokens(in_wave, [size(step) for step in in_wave], limit)
         grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
     return grouped
 
@@ -255,7 +255,7 @@ def _run_packed(run: TreeRun, step: Pass, shared: frozenset | None = None) -> No
     own = (end - start).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(own)[:-1]]).astype(np.int64)  # each node's first slot
     ids = np.concatenate([tree.tokens(node) for node in nodes]).astype(np.int64)
-    positions = np.concatenate([np.arange(s, e) for s, e in zip(start, end)]).astype(np.int64)
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(start, end, strict=True)]).astype(np.int64)
     segments = (offsets.tolist(), own.tolist())
     device = reference.input_device
     cache = ContextCache(run.kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree,
@@ -278,7 +278,10 @@ def _gather_logprobs(run: TreeRun, step: Pass, hidden: torch.Tensor, slot_of_sta
     """The logprobs of every row's needed positions that fall inside this pass's nodes (node k in hidden's batch row
     batch_rows[k], k by default)."""
     tree, wanted, rows_of, results = run.tree, run.wanted, run.rows_of, run.results
-    batch_row, slot, row, position = [], [], [], []
+    batch_row_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    row_parts: list[np.ndarray] = []
+    position_parts: list[np.ndarray] = []
     width = hidden.shape[1]
     for k, node in enumerate(step.nodes.tolist()):
         start, end = int(tree.start[node]), int(tree.end[node])
@@ -289,13 +292,14 @@ def _gather_logprobs(run: TreeRun, step: Pass, hidden: torch.Tensor, slot_of_sta
             p = np.arange(low, high)
             if wanted.needed is not None:  # a masked token is context only: no head for it
                 p = p[wanted.needed[r][p - wanted.base[r]]]
-            batch_row.append(np.full(len(p), k if batch_rows is None else batch_rows[k]))
-            slot.append(slot_of_start[k] + p - start)
-            row.append(np.full(len(p), r))
-            position.append(p)
-    if not batch_row:
+            batch_row_parts.append(np.full(len(p), k if batch_rows is None else batch_rows[k]))
+            slot_parts.append(slot_of_start[k] + p - start)
+            row_parts.append(np.full(len(p), r))
+            position_parts.append(p)
+    if not batch_row_parts:
         return
-    batch_row, slot, row, position = (np.concatenate(a) for a in (batch_row, slot, row, position))
+    batch_row, slot, row, position = (np.concatenate(parts)
+                                      for parts in (batch_row_parts, slot_parts, row_parts, position_parts))
     # One hidden state per (batch row, slot), read by every target that needs it.
     key = batch_row * width + slot
     unique, which = np.unique(key, return_inverse=True)
