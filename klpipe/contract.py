@@ -2,7 +2,8 @@
 reference model (model/reference.py's ReferenceModel satisfies it).
 
     ScoringModel  the model's members precompute/ reads, read-only: its plan's properties, how it runs rows, the
-                  load-time checks' findings, and the few decisions a run takes back (drop_cascade, drop_packing)
+                  load-time checks' findings, and the model's own methods for what a run decides (the tree's probe:
+                  use_cascade, settle_tree; a fallback: drop_cascade, drop_packing)
     Streamer      what precompute/ asks of a streamed model's layer-major runner (model/layer_major.py)
     Streaming     how a streamed model's layer-major groups share the memory budget (precompute/budget.py decides)
     LoadOptions   everything the loader takes besides the weights: --compile, the adapters, streaming, the budget's
