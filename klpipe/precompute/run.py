@@ -183,13 +183,7 @@ def precompute(config: PrecomputeConfig, log: Callable[[str], None] = print,
                 check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
             run = ChunkRun(rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk, started)
             _load_and_run(run, models, decided)
-        if groups_out:
-            # The cache, merged inside the work directory, goes out as the groups it was read from.
-            merged = work.path / "cache.parquet"
-            work.merge_into(merged)
-            write_groups_file(merged, output, rollouts.columns)
-        else:
-            work.merge_into(output)
+        _merge(work, output, rollouts, groups_out)
         summary.peak_memory = peak_memory()
         if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
@@ -198,6 +192,17 @@ def precompute(config: PrecomputeConfig, log: Callable[[str], None] = print,
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _merge(work: WorkDir, output: Location, rollouts: Rollouts, groups_out: bool) -> None:
+    """The chunks merged into the output: the cache, or (`groups_out`) the groups it was read from, the cache merged
+    inside the work directory first."""
+    if groups_out:
+        merged = work.path / "cache.parquet"
+        work.merge_into(merged)
+        write_groups_file(merged, output, rollouts.columns)
+    else:
+        work.merge_into(output)
 
 
 def _tokenizer(config: PrecomputeConfig, rollouts: Rollouts, tokenizer: Any, model_config: Any,
