@@ -56,7 +56,7 @@ def plan(path: Path):
     needed = [np.ones(len(r), dtype=bool) for _, r in rows]  # every response token's logprob
     fed = logprobs._fed(rows, needed, model.rope_length_limit)
     chosen, _ = logprobs._worth_a_tree(model, rows, fed, needed, np.flatnonzero([len(r) > 0 for _, r in rows]), "auto")
-    tree, passes, _ = logprobs._plan_tree(model, rows, fed, needed, chosen, 2048, 1 << 40, attention=5e-4)
+    tree, passes, _ = logprobs._plan_tree(model, rows, fed, needed, chosen, logprobs.TreeBudget(2048, 1 << 40, 5e-4))
     return tree, passes
 
 

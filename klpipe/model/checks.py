@@ -80,8 +80,8 @@ def _head_given_up(reference, remembered: Verdict) -> str | None:
     reference.apply(remembered)
     if found is None or found > reference.probe_tolerance or getattr(reference.head, "unapplied", []):
         return None
-    return (f"they dropped klpipe's chunked head, which agrees with its own forward on the short probe (max |Δ logprob| "
-            f"= {found:.3g})")
+    return (f"they dropped klpipe's chunked head, which agrees with its own forward on the short probe "
+            f"(max |Δ logprob| = {found:.3g})")
 
 
 def _all(reference, compile: str, compiler=None) -> None:
@@ -157,7 +157,7 @@ def compiled_verdict(reference, mode: str, verdict: Verdict, compiler=None) -> V
     if why_not is not None:
         return verdict.noted(f"{name}: runs eager, not compiled ({why_not})")
     started = time.perf_counter()
-    reference.compiled = compiled.Compiled(targets, compiler)
+    reference.compile_modules(targets, compiler)
     verdict = probes.check_compile(reference, reference.oracle, verdict)
     reference.compile_seconds = time.perf_counter() - started
     return verdict

@@ -168,7 +168,7 @@ class _TopK:
 
 def joint(ref: Side, policy: Side | None, ref_hidden: torch.Tensor, policy_hidden: torch.Tensor | None,
           targets: torch.Tensor, settings: Settings) -> Exact:
-    """Both heads over the hidden states of the same n positions, predicting `targets` (n,): see the module docstring."""
+    """Both heads over the same n positions, predicting `targets` (n,) (see the module docstring)."""
     device = ref.device
     n = int(targets.shape[0])
     targets = targets.to(device)

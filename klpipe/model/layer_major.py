@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import greenlet
 import torch
 
+from klpipe.contract import Streaming
 from klpipe.model import allocator
 from klpipe.model.weight_store import WeightStore
 
@@ -42,27 +43,29 @@ class LayerMajor:
     # `uncounted` leaves as it found it.
     STATISTICS = ("groups", "read_seconds", "waited_seconds", "group_seconds", "tokens")
 
-    def __init__(self, store: WeightStore):
+    def __init__(self, store: WeightStore, share: Streaming | None = None):
+        """`share`: what the budget gives the groups (precompute/budget.py decides it); None: no budget."""
+        share = share if share is not None else Streaming()
         self.store = store
         allocator.one_arena()  # before the reader's thread: see allocator.py
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="klpipe-layer-read")
-        self._ahead: tuple[int, object] | None = None  # (layer, its read's future)
+        self._ahead: tuple[int, Future[None]] | None = None  # (layer, its read's future)
         self._steps: dict = {}  # greenlet -> the _Pass it runs, in a group
         self._abandon = False
         # The process's own resident memory above which what it freed is handed back to the kernel (allocator.trim);
-        # None: always. A run sets it from its budget, less room for its widest pass (precompute/budget.py).
-        self.trim_above: int | None = None
+        # None: always. A run's budget, less room for its widest pass (precompute/budget.py).
+        self.trim_above = share.trim_above
         self.layer_reads = 0  # layers read since load
         self.groups = 0  # groups run layer-major since load
         self.read_seconds = 0.0  # spent reading layers, in the background or not
         self.waited_seconds = 0.0  # of which the forwards waited for: the read not hidden under compute
         self.group_seconds = 0.0  # groups' wall time, waits included
         self.tokens = 0  # fed tokens the groups held, as their callers said
-        # Memory the budget gives a group's waiting passes (`spare`, at `per_token` bytes a fed token; a run sets both,
-        # precompute/budget.py). What a group leaves of it keeps layers loaded from group to group (`kept`: layer ->
-        # bytes), read once rather than once a group; 0: none kept.
-        self.spare = 0
-        self.per_token = 0
+        # Memory the budget gives a group's waiting passes (`spare`, at `per_token` bytes a fed token: the run's
+        # budget). What a group leaves of it keeps layers loaded from group to group (`kept`: layer -> bytes), read once
+        # rather than once a group; 0: none kept.
+        self.spare = share.spare
+        self.per_token = share.per_token
         self.kept: dict[int, int] = {}
         self._room = 0  # what the group running now leaves for kept layers; 0 outside a group
         self._on_layer = None  # the running group's: see run
@@ -117,7 +120,9 @@ class LayerMajor:
     def _wait_ahead(self) -> int:
         """The layer read ahead, once its read is over; a read that failed raises its error here, its layer freed
         (none of it half loaded, nor kept), and nothing is left read ahead."""
-        (layer, future), self._ahead = self._ahead, None
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None, "a layer is waited for only where one is read ahead"
+        layer, future = ahead
         try:
             future.result()
         except BaseException:
@@ -149,8 +154,8 @@ class LayerMajor:
         where less than 90% hid, the fed tokens a group would need to hide it (its tokens scaled by read over compute
         time: the read is the same whatever the group holds, the compute grows with its tokens)."""
         hidden = max(1.0 - self.waited_seconds / self.read_seconds if self.read_seconds > 0 else 1.0, 0.0)
-        figures = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden, "kept": len(self.kept),
-                   "layers": len(self.store.layers)}
+        figures: dict[str, float | None] = {"bytes_read": self.store.reads, "groups": self.groups, "hidden": hidden,
+                                            "kept": len(self.kept), "layers": len(self.store.layers)}
         if self.store.device.type != "cpu":
             # On a GPU a layer's copy waits, in the device's one stream, behind the compute queued before it, and
             # the forwards wait for that copy: the host's clocks cannot tell the read from the compute. Not said.
@@ -251,6 +256,7 @@ class LayerMajor:
     def _resume(self, step: _Pass) -> None:
         """Run `step` until it stops at its next layer or ends; its error, if it failed, raised here, so that no other
         pass runs on after it."""
+        assert step.greenlet is not None, "run gives each pass its greenlet before any runs"
         step.greenlet.switch()
         # What the pass freed (its layer's activations) given back now if the process is over its allowance, before
         # the next pass allocates its own: otherwise a group's passes could together hold a layer's activations

@@ -12,9 +12,11 @@ import json
 import logging
 import os
 import re
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +62,8 @@ def resolve_device(device: str) -> tuple[str, str | dict | None]:
         if torch.cuda.device_count() > 1:
             # Several GPUs and one process: spread the model (for models larger than one GPU).
             if importlib.util.find_spec("accelerate") is None:
-                raise ModelError("--device auto over several GPUs needs the accelerate package (pip install accelerate)")
+                raise ModelError("--device auto over several GPUs needs the accelerate package "
+                                 "(pip install accelerate)")
             return "cuda:0", "auto"
         return "cuda:0", None
     if device == "cpu":
@@ -75,7 +78,7 @@ def resolve_device(device: str) -> tuple[str, str | dict | None]:
     raise ModelError(f"--device must be auto, cpu, cuda or cuda:N, not {device!r}")
 
 
-def local_device(device: str, env: dict | None = None) -> str:
+def local_device(device: str, env: Mapping[str, str] | None = None) -> str:
     """Under torchrun each rank takes its own GPU: `auto` becomes cuda:LOCAL_RANK."""
     env = os.environ if env is None else env
     if device == "auto" and "LOCAL_RANK" in env and torch.cuda.is_available():
@@ -234,10 +237,12 @@ def load_model(spec: ModelSpec):
         config = AutoConfig.from_pretrained(spec.name, **_source_kwargs(spec))
         plan = architecture.text_only(config)
         if plan is None:
-            model, info = AutoModelForCausalLM.from_pretrained(spec.name, config=config, **common)
+            # output_loading_info=True: (model, info), where the stub says the model alone.
+            model, info = AutoModelForCausalLM.from_pretrained(spec.name, config=config, **common)  # type: ignore[misc]
         else:
-            model, info = plan.causal_class.from_pretrained(spec.name, config=plan.text_config,
-                                                            key_mapping=plan.key_mapping, **common)
+            causal_class: Any = plan.causal_class  # a transformers model class (architecture.text_only)
+            model, info = causal_class.from_pretrained(spec.name, config=plan.text_config,
+                                                       key_mapping=plan.key_mapping, **common)
             # The towers' weights match no parameter of the text model: left unread on purpose.
             info["unexpected_keys"] = set(info.get("unexpected_keys") or ()) - plan.skipped
     except (OSError, ValueError, KeyError) as exc:
@@ -311,7 +316,7 @@ def _check_exists(spec: ModelSpec) -> None:
 
 
 def _source_kwargs(spec: ModelSpec) -> dict:
-    kwargs = {"trust_remote_code": spec.trust_remote_code}
+    kwargs: dict[str, bool | str] = {"trust_remote_code": spec.trust_remote_code}
     if is_local(spec.name):
         kwargs["local_files_only"] = True  # a local path never touches the network
     elif spec.revision:

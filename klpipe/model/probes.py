@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -84,15 +85,15 @@ def own_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]], block: int | 
     """own_logprobs of `rows`: those `prefetch` ran already, taken (once) from its memo; for a model whose layers
     stream (layer_major.py), the others each a pass of one layer-major group, so that each layer is read once for them
     all rather than once per row: the same forwards, in another order."""
-    memo = getattr(reference, "own_memo", None) or {}
+    memo = reference.own_memo
     found = [memo.pop(_key(row, block), None) for row in rows]
     missing = [row for row, value in zip(rows, found, strict=True) if value is None]
-    if getattr(reference, "streamer", None) is None or len(missing) < 2:
+    if reference.streamer is None or len(missing) < 2:
         computed = own_logprobs(reference.model, missing, block=block) if missing else []
     else:
         computed = _as_group(reference, [(row, block) for row in missing])
-    computed = iter(computed)
-    return [value if value is not None else next(computed) for value in found]
+    remaining = iter(computed)
+    return [value if value is not None else next(remaining) for value in found]
 
 
 def _as_group(reference, calls: list[tuple[tuple[np.ndarray, np.ndarray], int | None]]) -> list[np.ndarray]:
@@ -110,7 +111,7 @@ def row_key(row: tuple[np.ndarray, np.ndarray]) -> tuple:
     return np.asarray(row[0], dtype=np.int64).tobytes(), np.asarray(row[1], dtype=np.int64).tobytes()
 
 
-def prefetch(reference, more: tuple = (), klpipe: tuple = ()) -> None:
+def prefetch(reference, more: Sequence[tuple] = (), klpipe: tuple = ()) -> None:
     """A streamed model's load-time probes by its own forward (the oracle's row, the causality probe's, packing's),
     run as passes of one layer-major group before any of them is asked for (own_rows takes them from the memo): each
     of its layers read once for all of them, not once per probe. Run only while nothing of klpipe's is installed, as
@@ -121,7 +122,7 @@ def prefetch(reference, more: tuple = (), klpipe: tuple = ()) -> None:
     ask for (klpipe_rows takes them): passes of the same group, each under its own implementation (probe_group.py),
     their body's hidden states kept and the head applied when asked, so that the head the checks settle on is the
     one applied. A pass that fails keeps its error, raised when asked for."""
-    if getattr(reference, "streamer", None) is None:
+    if reference.streamer is None:
         return
     from klpipe.model import probe_group
 
@@ -153,7 +154,7 @@ def klpipe_rows(reference, rows: list[tuple[np.ndarray, np.ndarray]],
                 needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """reference.score_batch(rows, 1.0, needed), taken from what prefetch ran ahead where it did (a streamed model's
     checks: the body's hidden states, this model's head applied now), else computed."""
-    kept = getattr(reference, "probe_memo", {}).get(klpipe_key(rows, needed, reference.packed))
+    kept = reference.probe_memo.get(klpipe_key(rows, needed, reference.packed))
     if kept is None or reference.own_forward is not None or reference.rows_alone:
         return reference.score_batch(rows, 1.0, needed)
     if isinstance(kept, BaseException):
@@ -171,7 +172,8 @@ def oracle_row(reference, length: int = PROBE_LENGTH) -> tuple[np.ndarray, np.nd
 def take_oracle(reference) -> Oracle:
     """The probe's logprobs by the model as transformers loaded it: call before anything of klpipe's is installed."""
     prompt, response = oracle_row(reference)
-    with failures.failing_in_one_line(reference.model):  # the model's own code fails: nothing klpipe computes could be right
+    # The model's own code fails: nothing klpipe computes could be right.
+    with failures.failing_in_one_line(reference.model):
         return Oracle(np.concatenate([prompt, response]), own_rows(reference, [(prompt, response)])[0])
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from klpipe import plan
+from klpipe.contract import LoadOptions
 from klpipe.model import architecture, checks, compiled, loading, lora, probes, wide
 from klpipe.model.attention import cascade, packing
 from klpipe.model.head import LMHead, ModelHead
@@ -21,14 +23,20 @@ from klpipe.model.loading import ModelSpec
 from klpipe.model.transfer import to_device
 from klpipe.model.verdict import OWN, Verdict
 
+if TYPE_CHECKING:
+    from klpipe.model.attention.context_cache import CacheCost
+    from klpipe.model.attention.continuation import LayerKind
+    from klpipe.model.layer_major import LayerMajor
+
 
 class ReferenceModel:
     """A frozen causal LM that returns log p(response token | prefix) for batches of rows."""
 
-    def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None):
+    def __init__(self, model, device: str, dtype: torch.dtype, logits_budget: int | None = None,
+                 options: LoadOptions | None = None):
+        options = options if options is not None else LoadOptions()  # the loader's: a streamed share, a cache cap
         self.model = model
-        self.device = device
-        self.dtype = dtype
+        self.device, self.dtype = device, dtype
         self.body = architecture.decoder_body(model)  # everything up to (and including) the final norm
         config = architecture.text_config(model.config)
         self.chunked_head = LMHead(model, config, device, logits_budget)
@@ -49,8 +57,8 @@ class ReferenceModel:
         self.prefill_skips_layers = (self.accepts_logits_to_keep
                                      and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0)
         self.rope_length_limit = architecture.rope_length_limit(config)
-        self.attention_cost = attention_cost(self.body)
-        self.own_attention = getattr(config, "_attn_implementation", None)  # as transformers loaded the model
+        self.attention_cost = architecture.attention_cost(self.body)
+        self.own_attention: str = config._attn_implementation  # as transformers loaded the model (it names one)
         # Whether the tree's full-attention layers attend over each row's context where it lies (cascade.py):
         # installed by use_cascade, only for a tree, and only where the load-time probe agrees.
         self.cascade = False
@@ -60,16 +68,14 @@ class ReferenceModel:
         # Whether rows run whole go packed, end to end without pads (packing.py), and if not, why (the check's words).
         self.packed = False
         self.padded_why: str | None = "not checked"
-        # Whether the tree's passes run packed (tree.py), until a call the cascade cannot take.
-        self.tree_passes_packed = True
-        # Whether a streamed tree runs its levels layer-major in one group (layered.py), until a layer's keys it freed
-        # are asked for.
-        self.tree_layered = True
+        # Whether the tree's passes run packed (tree.py) and a streamed tree's levels layer-major in one group
+        # (layered.py), until a call says otherwise (unpack_tree_passes, unlayer_tree); the verdict keeps its probe's.
+        self.tree_passes_packed, self.tree_layered = True, True
         # Why each row runs alone, whole, by the model's own forward (probes.NOT_CAUSAL: every shortcut klpipe takes
         # assumes a causal forward; probes.NO_HEAD), or None: klpipe's body + head path, held to it at load.
         self.own_forward: str | None = None
-        self._layer_kinds = None
-        self._cache_cost = None
+        self._layer_kinds: list[LayerKind] | None = None
+        self._cache_cost: CacheCost | None = None
         self.slow_kernels: tuple[str, ...] = ()  # packages transformers fell back without (see `load`)
         # The layers' norms and MLPs compiled (compiled.py, --compile), where the load-time probe agrees; None: eager.
         self.compiled: compiled.Compiled | None = None
@@ -85,9 +91,9 @@ class ReferenceModel:
         self.verdict_reused = False  # whether it was remembered from an earlier run (checks.check) rather than checked
         self.recheck_why: str | None = None  # why a remembered verdict was not taken
         self.check_seconds = 0.0  # the load-time checks' time
-        self.streamer = None  # layer_major.LayerMajor where the decoder layers stream from their files; None: in memory
-        self.stream_tokens: int | None = None  # fed tokens a streamed layer-major group may hold (None: a chunk)
-        self.stream_cache_mib: int | None = None  # the tree cache the budget leaves (precompute/budget.py); None: the option
+        self.streamer: LayerMajor | None = None  # where the decoder layers stream from their files; None: in memory
+        self.stream_tokens = options.streaming.tokens  # fed tokens a streamed layer-major group holds (None: a chunk)
+        self.stream_cache_mib = options.cache_mib  # the tree cache the budget leaves; None: the option's
 
     @property
     def head(self):
@@ -95,34 +101,29 @@ class ReferenceModel:
 
     @head.setter
     def head(self, head) -> None:
-        """The head, fp64 all the way through on an fp64 model: the one built here and any the load-time check puts
-        in its place (probes.py)."""
+        """The head, fp64 all the way through on an fp64 model: the one built here and any the checks put instead."""
         self._head = head
         if self.dtype == torch.float64:
             wide.install(head, "logprobs")
 
     @classmethod
-    def load(cls, spec: ModelSpec, compile: str = "off", adapters: tuple = (), default: str | None = None,
-             streamed: bool = False, trim_above: int | None = None, room: tuple[int, int] = (0, 0),
-             remembered=None) -> ReferenceModel:
+    def load(cls, spec: ModelSpec, options: LoadOptions | None = None, **fields: Any) -> ReferenceModel:
         """Load `spec` safely (loading.py) and run the load-time checks (checks.py): the chunked head, padding,
         packing, each adapter's side against the model's own forward, and the layers' norms and MLPs compiled where
-        `compile` (auto | on | off: compiled.wanted) asks and the probe agrees.
+        --compile asks and the probe agrees; or the remembered verdict applied and held to a short probe.
 
-        `adapters`: (name, folder, checked config) of LoRA adapters to apply over the weights (lora.py), `default`
-        the one active outside `side` (the reference's, or None: the weights alone). `streamed`: the decoder layers'
-        weights stay in their files (layer_major.py), and the memory they free goes back to the kernel once the process
-        holds more than `trim_above` bytes (allocator.py; None: always); `room`: (bytes, bytes a fed token) the budget
-        gives a layer-major group's waiting passes. `remembered(model) -> Verdict | None`: an earlier run's verdict for
-        this model as loaded (storage/verdicts.py), applied and held to a short probe rather than checked again."""
-        if streamed:
+        `options`: contract.LoadOptions (the adapters, streaming and its share of the budget, the verdict remembered),
+        or its `fields` by name. Streamed, the decoder layers' weights stay in their files (layer_major.py)."""
+        options = options if options is not None else LoadOptions(**fields)
+        if options.streamed:
             from klpipe.model import streamed_load
 
-            return streamed_load.reference(cls, spec, compile, adapters, default, trim_above, room, remembered)
+            return streamed_load.reference(cls, spec, options)
         model, device, dtype, text_only = loading.load_model(spec)
-        reference = cls(model, device, dtype)
-        reference.adapters = lora.attach(model, adapters, default, text_only=text_only) if adapters else None
-        reference.run_checks(compile, remembered)
+        reference = cls(model, device, dtype, options=options)
+        reference.adapters = (lora.attach(model, options.adapters, options.default, text_only=text_only)
+                              if options.adapters else None)
+        reference.run_checks(options.compile, options.remembered)
         return reference
 
     def run_checks(self, compile: str = "off", remembered=None) -> None:
@@ -162,6 +163,10 @@ class ReferenceModel:
         `compiler`: compiled.Compiled's (torch.compile with klpipe's options unless a test gives one)."""
         self.apply(checks.compiled_verdict(self, mode, self.verdict, compiler))
 
+    def compile_modules(self, targets: list, compiler=None) -> None:
+        """Compile `targets` (checks.compile_targets) for the probe to hold to the model's own forward."""
+        self.compiled = compiled.Compiled(targets, compiler)
+
     def drop_compile(self) -> None:
         """Every compiled module eager again, for good."""
         if self.compiled is not None:
@@ -182,10 +187,9 @@ class ReferenceModel:
 
     def use_cascade(self) -> str | None:
         """Install the cascade attention for the prefix tree where it is known exact (cascade.enable) and the
-        probe agrees with the model's own forward; None, or the line to log where the probe dropped it.
-
-        The tree's attention layers (full and sliding) then attend over each row's context where it lies: on CPU
-        under sdpa, in either layout, KV-shared layers through the keys of the layer they share."""
+        probe agrees with the model's own forward; None, or the line to log where the probe dropped it. The tree's
+        attention layers (full and sliding) then attend over each row's context where it lies: on CPU under sdpa, in
+        either layout, KV-shared layers through the keys of the layer they share."""
         if self.cascade or self.oracle is None:
             return None
         if self.verdict_reused and self.verdict.cascade is not None:  # the remembered verdict's
@@ -209,7 +213,8 @@ class ReferenceModel:
             return self.verdict.tree
         noted, before = len(self.notes), (self.packed, self.padded_why)
         problem = probe()
-        changed = {"packed": self.packed, "padded_why": self.padded_why} if (self.packed, self.padded_why) != before else {}
+        changed = ({"packed": self.packed, "padded_why": self.padded_why} if (self.packed, self.padded_why) != before
+                   else {})
         self.verdict = self.verdict.but(
             tree_probed=True, tree=problem, cascade=self.cascade if self.verdict.cascade is not None else None,
             tree_passes_packed=self.tree_passes_packed, tree_layered=self.tree_layered,
@@ -229,6 +234,14 @@ class ReferenceModel:
         if not self.cascade:
             packing.disable(self.model, self.own_attention)
         self.notes.append(f"{type(self.model).__name__}: rows run whole go padded ({why})")
+
+    def unpack_tree_passes(self) -> None:
+        """The tree's passes run as batches from now on: a call the cascade cannot take packed (tree.py)."""
+        self.tree_passes_packed = False
+
+    def unlayer_tree(self) -> None:
+        """A streamed tree runs in waves from now on: a layer reused keys layered.py had freed (cascade.FreedKeys)."""
+        self.tree_layered = False
 
     @property
     def attention_name(self) -> str:
@@ -315,11 +328,11 @@ class ReferenceModel:
         if self.own_forward is not None:
             return probes.own_logprobs(self.model, rows, temperature, needed, self.head.rows)
         if self.rows_alone and len(rows) > 1:
-            return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed)]
+            return [self.score_batch([row], temperature, [need])[0] for row, need in zip(rows, needed, strict=True)]
         wanted = [np.flatnonzero(n) for n in needed]  # response indices to score
         # A response token is only ever a target after the last one scored: feed up to it, less it (plan.fed: a long
         # RoPE's row longer than its limit is fed whole, as its own forward's frequencies are the whole row's).
-        inputs = [plan.fed(p, r, w, self.rope_length_limit) for (p, r), w in zip(rows, wanted)]
+        inputs = [plan.fed(p, r, w, self.rope_length_limit) for (p, r), w in zip(rows, wanted, strict=True)]
         lengths = [len(x) for x in inputs]
         longest = max(lengths, default=0)
         results = [np.full(len(r), np.nan, dtype=self.result_dtype) for _, r in rows]
@@ -342,10 +355,10 @@ class ReferenceModel:
         hidden = self.body(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
 
         # Position prompt_len - 1 + j predicts response token j.
-        positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted)]
-        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
-                                       head=head)
-        for values, w, out in zip(scored, wanted, results):
+        positions = [len(p) - 1 + w for (p, _), w in zip(rows, wanted, strict=True)]
+        targets = [r[w] for (_, r), w in zip(rows, wanted, strict=True)]
+        scored = self.targets_logprobs(hidden, positions, targets, temperature, head=head)
+        for values, w, out in zip(scored, wanted, results, strict=True):
             out[w] = values
         return results
 
@@ -363,10 +376,10 @@ class ReferenceModel:
         with packing.packed(segments, maskless):
             hidden = self.body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         # Row k's position prompt_len - 1 + j predicts its response token j: packed slot start_k + that.
-        positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted)]
-        scored = self.targets_logprobs(hidden, positions, [r[w] for (_, r), w in zip(rows, wanted)], temperature,
-                                       packed=True, head=head)
-        for values, w, out in zip(scored, wanted, results):
+        positions = [start + len(p) - 1 + w for start, (p, _), w in zip(segments.starts, rows, wanted, strict=True)]
+        targets = [r[w] for (_, r), w in zip(rows, wanted, strict=True)]
+        scored = self.targets_logprobs(hidden, positions, targets, temperature, packed=True, head=head)
+        for values, w, out in zip(scored, wanted, results, strict=True):
             out[w] = values
         return results
 
@@ -385,16 +398,3 @@ class ReferenceModel:
         logprobs = (head or self.head).logprobs(selected, flat, temperature).numpy()
         return np.split(logprobs, np.cumsum([len(t) for t in targets])[:-1])
 
-
-def attention_cost(body) -> float:
-    """What attending to one more position costs a token, in fed tokens: the attention FLOPs per position
-    over the linear FLOPs per token. About 5e-4 for the benchmarks' Llama (8 × 256), 1e-4 for Gemma 4 E2B.
-
-    Scores and weighted values cost 4 × (query heads × head size) FLOPs per position and attention
-    layer; a token's linear layers 2 × their weights. Queries are told apart by their projections:
-    every attention layer has one named `q_proj`; a model with none is priced at 0 (length only).
-    """
-    linear = sum(m.weight.numel() for m in body.modules() if isinstance(m, torch.nn.Linear))
-    queries = sum(m.out_features for name, m in body.named_modules()
-                  if name.endswith("q_proj") and isinstance(m, torch.nn.Linear))
-    return 4.0 * queries / (2.0 * linear) if linear else 0.0

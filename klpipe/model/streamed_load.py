@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from klpipe.contract import LoadOptions, Streaming
 from klpipe.errors import ModelError
 from klpipe.model import architecture
 from klpipe.model.layer_major import LayerMajor
@@ -37,10 +38,10 @@ def _build(spec):
     return model, plan, device if device_map is None else "several devices", dtype
 
 
-def load(spec):
+def load(spec, share: Streaming | None = None):
     """(model, input device, dtype, LayerMajor, text-only plan or None): `spec`'s causal LM with its decoder layers
-    streamed from its files. What loading.load_model does for the model in memory, checked the same way; refuses what
-    does not stream yet."""
+    streamed from its files, the streamer keeping to `share` of the budget (None: no budget). What loading.load_model
+    does for the model in memory, checked the same way; refuses what does not stream yet."""
     refused = "--trust-remote-code" if spec.trust_remote_code else None
     if refused is None:
         try:
@@ -54,7 +55,7 @@ def load(spec):
                          f"with {refused} yet")
     store = WeightStore(model, weights_directory(spec), dtype, plan.key_mapping if plan is not None else None,
                         frozenset(plan.skipped) if plan is not None else frozenset(), device)
-    return model, device, dtype, LayerMajor(store), plan
+    return model, device, dtype, LayerMajor(store, share), plan
 
 
 # The LM head's fp32 blocks on CPU (head.py: 1,024 x 4,096 fp32), its running sums and a gathered copy of the hidden
@@ -194,11 +195,10 @@ def weights_directory(spec):
         raise ModelError(f"{spec.name}: cannot fetch its weights to stream ({exc})") from None
 
 
-def reference(cls, spec, compile: str, adapters: tuple, default: str | None = None, trim_above: int | None = None,
-              room: tuple[int, int] = (0, 0), remembered=None):
-    """ReferenceModel.load (`cls`) for a model whose decoder layers stream, checked as one in memory is (the oracle,
-    the chunked head, packing, each adapter's side: model/checks.py), before any row, or its remembered verdict
-    confirmed (`remembered`, as for ReferenceModel.load).
+def reference(cls, spec, options: LoadOptions):
+    """ReferenceModel.load (`cls`) for a model whose decoder layers stream, its streamer sized by `options.streaming`,
+    checked as one in memory is (the oracle, the chunked head, packing, each adapter's side: model/checks.py), before
+    any row, or its remembered verdict confirmed (`options.remembered`, as for ReferenceModel.load).
 
     LoRA adapters hook the layers' Linears as in memory (lora.py): their tensors stay resident (the budget counts
     them: adapter_bytes), the base weights stream under them, and the hooks run as each layer computes. A plain
@@ -206,16 +206,14 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
     for it in turn, then freed."""
     from klpipe.model import lora
 
-    if compile == "on":
+    if options.compile == "on":
         raise ModelError(f"{spec.name}: the weights do not fit the memory budget, and streaming them does not run "
                          "with --compile on yet")
-    model, device, dtype, streamer, text_only = load(spec)
-    streamer.trim_above = trim_above  # before the checks' forwards, which stream too
-    streamer.spare, streamer.per_token = room
-    model_ = cls(model, device, dtype)
+    model, device, dtype, streamer, text_only = load(spec, options.streaming)  # its share, before the checks' forwards
+    model_ = cls(model, device, dtype, options=options)
     model_.streamer = streamer
     model_.head.streamed = streamer.store.head  # the chunked head reads the head's blocks, where they stream
-    if adapters:
+    if options.adapters:
         store = streamer.store
         ensured = [None]  # the layer ensure() last made whole
 
@@ -229,10 +227,10 @@ def reference(cls, spec, compile: str, adapters: tuple, default: str | None = No
             return module.weight
 
         try:
-            model_.adapters = lora.attach(model, adapters, default, weight_of, device, text_only)
+            model_.adapters = lora.attach(model, options.adapters, options.default, weight_of, device, text_only)
         finally:
             streamer.release_all()
-    model_.run_checks("off", remembered)  # --compile on was refused above; auto compiles nothing streamed
+    model_.run_checks("off", options.remembered)  # --compile on was refused above; auto compiles nothing streamed
     return model_
 
 

@@ -59,7 +59,7 @@ class Verdict:
     def from_json(cls, data: object) -> Verdict:
         """The record `to_json` wrote; ValueError for anything else (a field missing, unknown or of another type)."""
         if not isinstance(data, dict):
-            raise ValueError("not a JSON object")  # noqa: TRY004 - the caller's one error for an unreadable entry
+            raise ValueError("not a JSON object")  # not TypeError: the caller's one error for an unreadable entry
         names = {f.name for f in dataclasses.fields(cls)}
         if set(data) != names:
             raise ValueError(f"fields {sorted(set(data) ^ names)} missing or unknown")

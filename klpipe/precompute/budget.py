@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from klpipe import process_memory
+from klpipe.contract import Streaming
 from klpipe.errors import InputError
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -158,7 +159,7 @@ def refuse_short_host(device: str, resident: int, largest_layer: int) -> None:
                          f"{fmt(2 * pinned_bytes(largest_layer))})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Streamed:
     """How a streamed run shares what the budget leaves after the weights' part."""
 
@@ -173,8 +174,15 @@ class Streamed:
     spare: int = 0
     per_token: int = 0
 
+    def share(self, policy: bool = False) -> Streaming:
+        """What the reference's streamer keeps to (the loader's contract.Streaming), or, `policy`, a streaming policy's:
+        it keeps no layers from group to group, and sizes its groups by fed tokens."""
+        if policy:
+            return Streaming(self.tokens, self.trim_above)
+        return Streaming(self.tokens, self.trim_above, self.spare, self.per_token)
 
-@dataclass
+
+@dataclass(frozen=True)
 class InMemory:
     """A run whose weights fit its budget, where what the budget leaves caps the prefix tree's cache below its
     --max-cache-mib."""
@@ -212,8 +220,8 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
     # On a GPU the weights alone decide whether they stream: a pass's activations are for --max-tokens-per-batch to
     # fit, and their estimate, on the safe side, would stream models that run in memory.
     fit = 0 if gpu else sizes.activations
-    if not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer, sizes.activations, beside,
-                   fit):
+    if limit is None or not streams(limit, footprint, sizes.weights, sizes.resident, sizes.largest_layer,
+                                    sizes.activations, beside, fit):
         if limit is None or config.prefix_sharing == "off":
             return None
         left = limit.bytes - footprint - GROWTH - sizes.weights - beside - fit
@@ -231,17 +239,19 @@ def decide(config, models, max_tokens: int, log, cache_mib: int = 0) -> Streamed
                          f"them does not run with {refused} yet")
     held = sizes.resident + 2 * sizes.largest_layer + beside
     activations = sizes.activations
-    policy_streams = policy is not None and footprint + GROWTH + held + sizes.activations > limit.bytes
-    if policy_streams:  # both stream: one runs at a time, so two layers of the larger at once
-        held = sizes.resident + policy.resident + 2 * max(sizes.largest_layer, policy.largest_layer)
-        activations = max(sizes.activations, policy.activations)  # the wider pass of the two
+    # The policy's sizes where it streams too; None where it is held in memory (or there is none).
+    streaming = policy if policy is not None and footprint + GROWTH + held + sizes.activations > limit.bytes else None
+    policy_streams = streaming is not None
+    if streaming is not None:  # both stream: one runs at a time, so two layers of the larger at once
+        held = sizes.resident + streaming.resident + 2 * max(sizes.largest_layer, streaming.largest_layer)
+        activations = max(sizes.activations, streaming.activations)  # the wider pass of the two
         smallest = footprint + GROWTH + held + activations
         if smallest > limit.bytes:
             raise InputError(f"{limit.source} is too small for the reference and the policy even streamed one layer "
                              f"at a time: it needs at least {fmt(smallest)}")
     if gpu:
-        refuse_short_host(device, sizes.resident + (policy.resident if policy_streams else 0),
-                          max(sizes.largest_layer, policy.largest_layer if policy_streams else 0))
+        refuse_short_host(device, sizes.resident + (streaming.resident if streaming is not None else 0),
+                          max(sizes.largest_layer, streaming.largest_layer if streaming is not None else 0))
     spare = limit.bytes - footprint - GROWTH - held - activations
     # The tree's kept keys and values come out of the budget too (rows run whole keep none).
     cache = 0 if config.prefix_sharing == "off" else min(cache_mib << 20, max(spare, 0) // 2)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from klpipe.contract import ScoringModel, Streamer
 from klpipe.plan import ROOT, Pass, Tree, Wanted, by_tokens
 from klpipe.plan import fed as row_fed
 from klpipe.precompute import prefix_tree
@@ -63,17 +64,17 @@ class ChunkPlan:
     masked: bool = False  # whether a mask said which logprobs are needed (else every one is)
 
 
-def plan_key(model, sharing: str) -> tuple:
+def plan_key(model: ScoringModel, sharing: str) -> tuple:
     """What a plan depends on besides the rows and the budgets (prefill_skips_layers first: plan_stats reads it).
     Rows run whole (`off`) ask nothing of the tree, so neither does their key."""
-    packed = getattr(model, "packed", False)  # rows run whole go end to end, without pads (model/attention/packing.py)
+    packed = model.packed  # rows run whole go end to end, without pads (model/attention/packing.py)
     if sharing == "off":
         return (model.prefill_skips_layers, model.rope_length_limit, packed, "off")
     return (model.prefill_skips_layers, model.rope_length_limit, model.attention_cost, model.keeps_state,
             model.state_tokens_per_node if model.keeps_state else 0, packed)
 
 
-def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
+def chunk_logprobs(model: ScoringModel, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, temperature: float,
                    sharing: str, stats: ForwardStats, check_stop: Callable[[], None] = lambda: None,
                    max_cache_tokens: int = 1 << 62, needed: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Reference logprobs of every (prompt ids, response ids) row of a chunk, in the chunk's row order.
@@ -93,7 +94,7 @@ def chunk_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens:
     return run_plan(model, plan, rows, temperature, check_stop)
 
 
-def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, sharing: str,
+def plan_chunk(model: ScoringModel, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int, sharing: str,
                max_cache_tokens: int = 1 << 62, needed: list[np.ndarray] | None = None) -> ChunkPlan:
     """The plan of chunk_logprobs (same arguments), made once: any model with the same plan_key runs it."""
     masked = needed is not None
@@ -112,15 +113,15 @@ def plan_chunk(model, rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int
         candidates, shared_nothing = _worth_a_tree(model, rows, fed, needed, candidates, sharing)
         alone = np.sort(np.concatenate([alone, shared_nothing]))
         if len(candidates):
-            tree, passes, _ = _plan_tree(model, rows, fed, needed, candidates, max_tokens, max_cache_tokens,
-                                         model.attention_cost)
-    batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens, getattr(model, "packed", False))
+            tree, passes, _ = _plan_tree(model, rows, fed, needed, candidates,
+                                         TreeBudget(max_tokens, max_cache_tokens, model.attention_cost))
+    batches, padded = _plan_alone(fed, alone, set(wanted[long].tolist()), max_tokens, model.packed)
     return ChunkPlan(plan_key(model, sharing), needed, fed, candidates, tree, passes, batches, padded, masked)
 
 
-def packs_passes(model) -> bool:
+def packs_passes(model: ScoringModel) -> bool:
     """Whether `model` runs the tree's passes packed (model/attention/tree.py; plan.Pass.runs_packed says which)."""
-    if not getattr(model, "cascade", False):
+    if not model.cascade:
         return False
     from klpipe.model.attention.tree import packs_passes as packs  # torch lives behind this import
 
@@ -134,8 +135,10 @@ def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> No
     """Add what `plan` feeds a model to `stats`. `packed`: the model runs the tree's passes end to end, without pads,
     all but those plan.Pass.runs_packed keeps padded (model/attention/tree.py's packs_passes)."""
     stats.per_row_tokens += sum(len(f) for f in plan.fed)
+    tree = plan.tree
     for step in plan.passes:
-        own = plan.tree.end[step.nodes] - plan.tree.start[step.nodes]
+        assert tree is not None, "a plan's passes are its tree's"
+        own = tree.end[step.nodes] - tree.start[step.nodes]
         stats.fed_tokens += int(own.sum())
         end_to_end = step.runs_packed(packed, plan.key[0])
         stats.padded_tokens += int(own.sum()) if end_to_end else len(own) * int(own.max())
@@ -146,7 +149,7 @@ def plan_stats(plan: ChunkPlan, stats: ForwardStats, packed: bool = False) -> No
     stats.padded_tokens += plan.padded_tokens_alone
 
 
-def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float,
+def run_plan(model: ScoringModel, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float,
              check_stop: Callable[[], None] = lambda: None) -> list[np.ndarray]:
     """`model`'s logprobs of every row of the chunk, by `plan` (made for a model of the same plan_key)."""
     if plan.key != plan_key(model, "off" if plan.key[-1] == "off" else "auto"):
@@ -157,19 +160,20 @@ def run_plan(model, plan: ChunkPlan, rows: list[tuple[np.ndarray, np.ndarray]], 
 
         logprobs = score_tree(model, plan.tree, plan.passes, _wanted(rows, plan.needed, plan.tree_rows), temperature,
                               check_stop)
-        for i, values in zip(plan.tree_rows.tolist(), logprobs):
+        for i, values in zip(plan.tree_rows.tolist(), logprobs, strict=True):
             results[i] = values
-    if getattr(model, "streamer", None) is not None:
-        return _run_streamed(model, plan, rows, temperature, check_stop, results)
+    if model.streamer is not None:
+        return _run_streamed(model, model.streamer, plan, rows, temperature, check_stop, results)
     for batch in plan.batches:
         scored = model.score_batch([rows[i] for i in batch], temperature, [plan.needed[i] for i in batch])
-        for i, values in zip(batch.tolist(), scored):
+        for i, values in zip(batch.tolist(), scored, strict=True):
             results[i] = values
         check_stop()  # a preempted run abandons this chunk; finished chunks are already on disk
     return results
 
 
-def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, results: list) -> list:
+def _run_streamed(model: ScoringModel, streamer: Streamer, plan: ChunkPlan, rows, temperature: float, check_stop,
+                  results: list) -> list:
     """run_plan's batches on a model whose weights stream (model/layer_major.py): each group of batches layer-major,
     every batch through a layer before any goes through the next, so the group reads the weights once. Groups hold
     at most `model.stream_tokens` fed tokens (their activations wait between layers), None: the whole chunk."""
@@ -181,17 +185,17 @@ def _run_streamed(model, plan: ChunkPlan, rows, temperature: float, check_stop, 
     sizes = [sum(len(plan.fed[i]) for i in batch.tolist()) if model.packed
              else len(batch) * max((len(plan.fed[i]) for i in batch.tolist()), default=0) for batch in plan.batches]
     # No group where every row went through the tree (no batch).
-    for group in by_tokens(plan.batches, sizes, getattr(model, "stream_tokens", None) or None):
+    for group in by_tokens(plan.batches, sizes, model.stream_tokens or None):
         calls = [lambda batch=batch: model.score_batch([rows[i] for i in batch], temperature,
                                                        [plan.needed[i] for i in batch]) for batch in group]
         fed = sum(len(plan.fed[i]) for batch in group for i in batch.tolist())
         try:
-            scored = model.streamer.run(calls, check_stop, fed)
+            scored = streamer.run(calls, check_stop, fed)
         except NotPacked as exc:
             model.drop_packing(str(exc))  # every pass of the group again, padded: none is left half packed
-            scored = model.streamer.run(calls, check_stop, fed)
-        for batch, values in zip(group, scored):
-            for i, row_values in zip(batch.tolist(), values):
+            scored = streamer.run(calls, check_stop, fed)
+        for batch, values in zip(group, scored, strict=True):
+            for i, row_values in zip(batch.tolist(), values, strict=True):
                 results[i] = row_values
         check_stop()
     return results
@@ -217,7 +221,8 @@ def _wanted(rows, needed, chosen: np.ndarray) -> Wanted:
                   targets=[rows[i][1] for i in chosen], needed=[needed[i] for i in chosen])
 
 
-def _worth_a_tree(model, rows, fed, needed, candidates: np.ndarray, sharing: str) -> tuple[np.ndarray, np.ndarray]:
+def _worth_a_tree(model: ScoringModel, rows, fed, needed, candidates: np.ndarray,
+                  sharing: str) -> tuple[np.ndarray, np.ndarray]:
     """(rows for the tree, rows to run whole): under "auto", on a model that skips no layers, a row that
     shares no prefix worth a pass gains nothing from a context, and runs whole (duplicates share one)."""
     if sharing != "auto" or model.prefill_skips_layers:
@@ -239,18 +244,27 @@ def pruned_tree(rows, fed, chosen: np.ndarray, needed=None, context_cost: int = 
     return prefix_tree.prune(tree, prefix_tree.needs(tree, first).uses, context_cost=context_cost)
 
 
-def _plan_tree(model, rows, fed, needed, chosen: np.ndarray, max_tokens: int, max_cache_tokens: int,
-               attention: float, context_cost: int = prefix_tree.CONTEXT_COST,
-               min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX):
+@dataclass(frozen=True)
+class TreeBudget:
+    """What a chunk's tree is planned within (prefix_tree.plan_passes), and how far its nodes are folded."""
+
+    max_tokens: int  # a pass's fed tokens, padding included
+    max_cache_tokens: int  # the keys and values kept alive at once, in tokens
+    attention: float  # what attending to one more position costs a token, in fed tokens (ReferenceModel's)
+    context_cost: int = prefix_tree.CONTEXT_COST  # a node shorter than it is not worth a pass (prefix_tree.prune)
+    min_prefix: int = prefix_tree.MIN_SKIPPED_PREFIX  # prefix_tree.split_prefixes's
+
+
+def _plan_tree(model: ScoringModel, rows, fed, needed, chosen: np.ndarray, budget: TreeBudget):
     """(tree, passes, first needed positions) for rows `chosen`: the chunk's runs and the load-time probe's."""
     first = _first_needed(rows, needed, chosen)
-    tree = pruned_tree(rows, fed, chosen, needed, context_cost)
+    tree = pruned_tree(rows, fed, chosen, needed, budget.context_cost)
     if model.prefill_skips_layers:
-        tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=min_prefix)
+        tree = prefix_tree.split_prefixes(tree, prefix_tree.needs(tree, first).lowest, min_prefix=budget.min_prefix)
     need = prefix_tree.needs(tree, first)
     exact_ends = model.keeps_state  # a recurrent state is handed on only from a pass's last position
-    passes = prefix_tree.plan_passes(tree, need.only_last, max_tokens, max_cache_tokens,
-                                     split_by_need=model.prefill_skips_layers, attention=attention,
+    passes = prefix_tree.plan_passes(tree, need.only_last, budget.max_tokens, budget.max_cache_tokens,
+                                     split_by_need=model.prefill_skips_layers, attention=budget.attention,
                                      exact_ends=exact_ends,
                                      node_tokens=model.state_tokens_per_node if exact_ends else 0)
     return tree, passes, first
@@ -261,7 +275,8 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
     """(batches of rows run whole, the tokens they feed padding included): batched by length, rows past a
     length-dependent RoPE's limit only with each other. `packed`: the model runs a batch's rows end to end
     (model/attention/packing.py), so a batch's size is its rows' tokens and it feeds no pad."""
-    batches, padded_total = [], 0
+    batches: list[np.ndarray] = []
+    padded_total = 0
     if not len(alone):
         return batches, padded_total
     lengths = np.array([len(fed[i]) for i in alone], dtype=np.int64)
@@ -269,9 +284,10 @@ def _plan_alone(fed, alone: np.ndarray, long_rows: set, max_tokens: int,
     for group in (np.flatnonzero(~past), np.flatnonzero(past)):
         if not len(group):
             continue
-        planned = pack_batches(lengths[group], max_tokens) if packed else plan_batches(lengths[group], max_tokens)
+        sizes = lengths[group].tolist()
+        planned = pack_batches(sizes, max_tokens) if packed else plan_batches(sizes, max_tokens)
         batches += [alone[group[batch]] for batch in planned]
-        padded_total += padding_efficiency(lengths[group], planned)[0 if packed else 1]
+        padded_total += padding_efficiency(sizes, planned)[0 if packed else 1]
     return batches, padded_total
 
 
@@ -284,12 +300,12 @@ PROBE_MAX_PREFIX = 1024
 PROBE_LONGEST_ROW = 30  # what the probe's longest row feeds beyond the system prompt (turn two's, below)
 
 
-def check_layout(model) -> str | None:
+def check_layout(model: ScoringModel) -> str | None:
     """None if the model tells the planner what the prefix tree needs of it (its layer table, what a token's
     keys, values and states weigh: one token's forward); otherwise why not. Planning asks these before any
     tree runs, so they are checked first, in milliseconds; check_tree's probe comes when a tree is to run."""
     try:
-        model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node
+        _ = model.keeps_state, model.kv_bytes_per_token, model.state_tokens_per_node  # each asked, once
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         return _in_our_words(model, _problem(exc))
     return None
@@ -301,11 +317,11 @@ def _problem(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first_line(exc)}"
 
 
-def check_tree(model) -> str | None:
+def check_tree(model: ScoringModel) -> str | None:
     """None if the prefix tree reproduces the model's own forward (as transformers loaded it) on a probe;
-    otherwise why not. A model whose full-attention layers attend in place (model/attention/cascade.py) and fails the probe
-    is probed again with its own attention and its context gathered, and keeps the tree that way if that passes:
-    the cascade is trusted only where it agrees."""
+    otherwise why not. A model whose full-attention layers attend in place (model/attention/cascade.py) and fails the
+    probe is probed again with its own attention and its context gathered, and keeps the tree that way if that
+    passes: the cascade is trusted only where it agrees."""
     problem = _probe_tree(model)
     if problem is not None and model.cascade:
         model.drop_cascade()
@@ -313,14 +329,14 @@ def check_tree(model) -> str | None:
     return problem
 
 
-def _in_our_words(model, problem: str) -> str:
+def _in_our_words(model: ScoringModel, problem: str) -> str:
     """A bare exception's text replaced by its cause where the model's config names one (failures.config_cause)."""
     from klpipe.model.failures import config_cause
 
     return config_cause(model.model) or problem
 
 
-def _probe_tree(model) -> str | None:
+def _probe_tree(model: ScoringModel) -> str | None:
     """check_tree's probe, once.
 
     The probe is a three-level tree and more: a system prompt longer than the model's sliding
@@ -367,14 +383,15 @@ def _probe_tree(model) -> str | None:
         # Every level kept, and tiny budgets: many passes of mixed contexts (see above).
         needed = [np.ones(len(r), dtype=bool) for _, r in rows]
         fed = _fed(rows, needed, model.rope_length_limit)
-        tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen, max_tokens=prefix // 2 + 24,
-                                     max_cache_tokens=prefix + 16, attention=0.0, context_cost=0, min_prefix=1)
-        for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen))):
+        tree, passes, _ = _plan_tree(model, rows, fed, needed, chosen,
+                                     TreeBudget(max_tokens=prefix // 2 + 24, max_cache_tokens=prefix + 16,
+                                                attention=0.0, context_cost=0, min_prefix=1))
+        for i, values in zip(chosen, score_tree(model, tree, passes, _wanted(rows, needed, chosen)), strict=True):
             got[i] = values
     except Exception as exc:  # noqa: BLE001 - any failure means: do not share on this model
         return _in_our_words(model, _problem(exc))
     expected = model.own_logprobs(rows)
-    gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected) if len(b)), default=0.0)
-    if any(a.shape != b.shape for a, b in zip(got, expected)) or not gap <= model.probe_tolerance:
+    gap = max((float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True) if len(b)), default=0.0)
+    if any(a.shape != b.shape for a, b in zip(got, expected, strict=True)) or not gap <= model.probe_tolerance:
         return f"continuing a prefix's keys and values changes the logprobs (max |Δ logprob| = {gap:.3g})"
     return None

@@ -9,10 +9,18 @@ too (an SFT adapter over a base): its base's weights load, with that adapter on 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from klpipe.cache import Provenance
+from klpipe.contract import LoadOptions, ScoringModel, Streaming
 from klpipe.errors import InputError, ModelError
-from klpipe.precompute import adapters
+from klpipe.precompute import adapters, budget
 from klpipe.precompute.config import PrecomputeConfig
+from klpipe.precompute.verdict_key import Remembering, run_key
+from klpipe.storage.verdicts import VerdictCache
+
+if TYPE_CHECKING:
+    from klpipe.model.loading import ModelSpec
 
 REFERENCE = "reference"  # the adapter --model names, active on the reference's side
 POLICY = "policy"  # the adapter --policy names, active on the policy's side
@@ -23,11 +31,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 class Models:
     """The weights to load, the adapters over them, and a policy with weights of its own where it has one."""
 
-    spec: object  # ModelSpec of the weights the reference runs on (--model, or its base when --model is an adapter)
+    spec: ModelSpec  # the weights the reference runs on (--model, or its base when --model is an adapter)
     adapters: list = field(default_factory=list)  # (name, folder, checked config) applied over spec's weights
     reference_side: str | None = None  # REFERENCE where --model is an adapter: active outside the policy's side
     policy_side: str | None = None  # POLICY where --policy is an adapter over spec's weights
-    policy_spec: object = None  # ModelSpec of a --policy with weights of its own
+    policy_spec: ModelSpec | None = None  # a --policy with weights of its own
 
     def folder(self, name: str) -> str:
         return next(path for side, path, _ in self.adapters if side == name)
@@ -44,11 +52,11 @@ def resolve(config: PrecomputeConfig) -> Models:
     adapters.refuse_bare_weights("--model", config.model)
     adapters.refuse_bare_weights("--policy", config.policy)
     models = Models(spec(config.model, config.revision, config.device))
-    if adapters.is_adapter(config.model):
+    if config.model is not None and adapters.is_adapter(config.model):
         models.spec = spec(adapters.base_to_load("--model", config.model), config.revision, config.device)
         models.adapters.append((REFERENCE, config.model, _read(config, "--model", config.model)))
         models.reference_side = REFERENCE
-    if adapters.is_adapter(config.policy):
+    if config.policy is not None and adapters.is_adapter(config.policy):
         for option, value in (("--policy-revision", config.policy_revision),
                               ("--policy-device", config.policy_device)):
             if value is not None and not (option == "--policy-device" and value == config.device):
@@ -63,6 +71,60 @@ def resolve(config: PrecomputeConfig) -> Models:
     elif config.policy is not None:
         models.policy_spec = spec(config.policy, config.policy_revision, config.policy_device or config.device)
     return models
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The models a run scores with: the reference, and the policy where there is one (the reference itself where it
+    is an adapter over the same weights, `policy_side` naming the adapter; else a model of its own)."""
+
+    model: ScoringModel
+    policy: ScoringModel | None
+    policy_side: str | None
+
+    @property
+    def own(self) -> ScoringModel | None:
+        """The policy where it has weights of its own."""
+        return self.policy if self.policy is not None and self.policy is not self.model else None
+
+    @property
+    def distinct(self) -> list[ScoringModel]:
+        """Each model loaded, once."""
+        return [self.model] if self.own is None else [self.model, self.own]
+
+
+def load_models(config: PrecomputeConfig, models: Models, recorded: Provenance,
+                decided: budget.Streamed | budget.InMemory | None,
+                verdicts: VerdictCache) -> tuple[Loaded, list[tuple[Remembering, ScoringModel]]]:
+    """The reference and the policy, loaded as the budget `decided` (streamed or in memory, the tree's cache capped),
+    each with what its checks decided kept at once; and each Remembering with its model, to keep again after the run.
+    Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is the same
+    model with its adapter on: one copy of the base weights."""
+    from klpipe import model as reference  # torch lives behind this import
+
+    streamed = decided if isinstance(decided, budget.Streamed) else None  # None: in memory
+    cache_mib = decided.cache_mib if decided is not None else None  # the budget's cap on the tree's cache
+    remembered = Remembering(verdicts, run_key(config, models, recorded.revision, streamed is not None),
+                             config.recheck)
+    model = reference.ReferenceModel.load(models.spec, LoadOptions(
+        config.compile, tuple(models.adapters), models.reference_side, streamed is not None,
+        streamed.share() if streamed is not None else Streaming(), cache_mib, remembered))
+    remembered.keep(model)
+    remembering: list[tuple[Remembering, ScoringModel]] = [(remembered, model)]
+    policy: ScoringModel | None = model if models.policy_side is not None else None
+    if models.policy_spec is not None:
+        # In the same share of the budget: its tree runs after the reference's. It streams where the budget said.
+        policy_streams = streamed is not None and streamed.policy
+        policy_remembered = Remembering(verdicts, run_key(config, models, recorded.policy_revision, policy_streams,
+                                                          policy=True), config.recheck)
+        if policy is None:
+            policy = reference.ReferenceModel.load(models.policy_spec, LoadOptions(
+                config.compile, streamed=policy_streams,
+                streaming=streamed.share(policy=True) if streamed is not None and policy_streams else Streaming(),
+                cache_mib=cache_mib, remembered=policy_remembered))
+        policy_remembered.keep(policy)
+        remembering.append((policy_remembered, policy))
+    return Loaded(model, policy, models.policy_side), remembering
 
 
 def _read(config: PrecomputeConfig, option: str, path: str) -> dict:

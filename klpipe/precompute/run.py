@@ -19,21 +19,26 @@ local disk, and the merged cache is uploaded once whole (storage/upload.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import Any
 
 from klpipe import cache, sharding
 from klpipe.atropos.reader import ATROPOS
 from klpipe.columns import ColumnMap
+from klpipe.contract import ScoringModel
 from klpipe.errors import InputError, ModelError, OutputError
 from klpipe.precompute import budget, provenance, startup
 from klpipe.precompute.chat import ChatRendering
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.precompute.logprobs import ForwardStats
+from klpipe.precompute.models import Loaded, Models, load_models
 from klpipe.precompute.models import resolve as resolve_models
 from klpipe.precompute.rollouts import (
     CHAT,
     INPUT_SUFFIXES,
+    Rollouts,
     chunk_sizes,
     iter_chunks,
     open_rollouts,
@@ -42,7 +47,6 @@ from klpipe.precompute.scorer import ChunkScorer, Joint, check_topk_room
 from klpipe.precompute.sharing import Sharing
 from klpipe.precompute.signals import StopOnSignal
 from klpipe.precompute.tokenize import ChunkTokenizer
-from klpipe.precompute.verdict_key import Remembering, run_key
 from klpipe.precompute.workdir import WorkDir
 from klpipe.progress import Progress, peak_memory
 from klpipe.sharding import Shard
@@ -86,6 +90,24 @@ class PrecomputeSummary:
         return self.forward.padding_efficiency
 
 
+@dataclass
+class ChunkRun:
+    """What scoring a run's chunks takes besides the models: the rows and their tokenizer, where they go, and who
+    hears of them."""
+
+    rollouts: Rollouts
+    tokenize: ChunkTokenizer
+    work: WorkDir
+    config: PrecomputeConfig
+    rows: tuple[int, int]  # the run's rows: a shard's, or all
+    done: set[int]  # chunks an earlier run finished
+    summary: PrecomputeSummary
+    stop: StopOnSignal
+    log: Callable[[str], None]
+    on_chunk: Callable[[int, int], None] | None = None  # (rows, tokens) of each chunk once checkpointed
+    started: float | None = None  # the stage's start: its start-up is measured to the first row
+
+
 def default_output(inputs: list[Location], shard: Shard | None = None, groups: bool = False) -> Location:
     """<stem>.cached.parquet beside a single input, by score's rule (`a.v1.parquet` → `a.v1.cached.parquet`);
     <stem>.ref.jsonl for Atropos groups out; a sharded run, several inputs or a URI pattern need --output."""
@@ -96,7 +118,8 @@ def default_output(inputs: list[Location], shard: Shard | None = None, groups: b
     return output_beside(inputs[0], GROUPS_SUFFIX if groups else OUTPUT_SUFFIX, INPUT_SUFFIXES)
 
 
-def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> PrecomputeSummary:
+def precompute(config: PrecomputeConfig, log: Callable[[str], None] = print,
+               on_chunk: Callable[[int, int], None] | None = None) -> PrecomputeSummary:
     """Cache the reference logprob of every response token of `config.inputs`, resuming finished chunks.
 
     `on_chunk(rows, tokens)`, where given, hears of each chunk once it is checkpointed (a Ray driver's progress)."""
@@ -105,7 +128,7 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
 
     started = time.perf_counter()
     writes = (cache.REF_LOGPROBS, cache.POLICY_LOGPROBS) if config.policy else (cache.REF_LOGPROBS,)
-    rollouts = open_rollouts(config.inputs, ColumnMap(config.columns), writes=writes,  # before anything heavy
+    rollouts = open_rollouts([*config.inputs], ColumnMap(config.columns), writes=writes,  # before anything heavy
                              rollout_format=config.rollout_format)
     if rollouts.skipped:
         log(f"skipping {len(rollouts.skipped)} klpipe output(s) found in an input directory, not rollouts: "
@@ -123,9 +146,8 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     if shard and destination.is_file():
         raise OutputError(f"{destination} is a file; a sharded run writes its part into an output directory")
     models = resolve_models(config)  # the weights to load, the adapters over them, a policy of its own
-    spec = models.spec
-    model_config = reference.load_config(spec)
-    tokenizer = provenance.with_template(reference.load_tokenizer(spec), config)
+    model_config = reference.load_config(models.spec)
+    tokenizer = provenance.with_template(reference.load_tokenizer(models.spec), config)
     policy_config = reference.load_config(models.policy_spec) if models.policy_spec is not None else None
     fingerprint = provenance.check_all_tokenizers(config, models, model_config, policy_config, tokenizer, rollouts)
     recorded = provenance.provenance(config, models, model_config, fingerprint, rollouts, rows, policy_config)
@@ -140,18 +162,12 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
                 overwrite_policy=config.overwrite_policy_logprobs).remove_if_finished()
         return summary
     # Before anything is written: the weights fit the budget, or stream, or the run is refused here.
-    decided = budget.decide(config, models, recorded.max_tokens_per_batch, log, recorded.max_cache_mib)
-    streamed = decided if isinstance(decided, budget.Streamed) else None  # None: in memory
-    cache_mib = decided.cache_mib if decided is not None else None  # the budget's cap on the tree's cache
+    max_tokens, max_cache_mib = _budgets(recorded)
+    decided = budget.decide(config, models, max_tokens, log, max_cache_mib)
     if shard is not None:
         sharding.unmark(output)  # a part is complete only once its marker is rewritten
 
-    vocab_size, max_positions = reference.vocab_and_context(model_config)
-    stop_ids = reference.stop_token_ids(spec)  # the generation config's EOS ids: a turn ends on any, and so may a row
-    chat = ChatRendering(tools=config.tools, template_kwargs=config.chat_template_kwargs,
-                         stop_ids=stop_ids if rollouts.mode == CHAT else (),
-                         template_given=config.chat_template is not None, rollout_format=config.rollout_format)
-    tokenize = ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, chat=chat, end_ids=stop_ids)
+    tokenize = _tokenizer(config, rollouts, tokenizer, model_config, models.spec)
     work = WorkDir(output, recorded, rollouts, rows, overwrite=config.overwrite, work_root=config.work_dir,
                    overwrite_policy=config.overwrite_policy_logprobs)
     with work.locked(), StopOnSignal(log) as stop:
@@ -166,63 +182,9 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
             tokens = _validate_rows(rollouts, tokenize, config.chunk_rows, rows, done, stop)
             if config.ref_topk:
                 check_topk_room(config.ref_topk, rows[1] - rows[0] - summary.resumed_rows, tokens, output, work, log)
-            load_started = time.perf_counter()
-            trim_above = streamed.trim_above if streamed is not None else None
-            # What the groups leave of the budget keeps layers loaded (layer_major.py): none where the policy streams.
-            room = (streamed.spare, streamed.per_token) if streamed is not None else (0, 0)
-            verdicts = VerdictCache(log=log)
-            remembered = Remembering(verdicts, run_key(config, models, recorded.revision, streamed is not None),
-                                     config.recheck)
-            model = reference.ReferenceModel.load(spec, compile=config.compile, adapters=tuple(models.adapters),
-                                                  default=models.reference_side, streamed=streamed is not None,
-                                                  trim_above=trim_above, room=room, remembered=remembered)
-            remembered.keep(model)
-            model.stream_tokens = streamed.tokens if streamed is not None else None
-            model.stream_cache_mib = cache_mib
-            # Both resident: each chunk's rows run through one, then the other, on one plan. An adapter policy is
-            # the same model with its adapter on: one copy of the base weights.
-            policy_streams = streamed is not None and streamed.policy
-            policy_remembered = (Remembering(verdicts, run_key(config, models, recorded.policy_revision,
-                                                               policy_streams, policy=True), config.recheck)
-                                 if models.policy_spec is not None else None)
-            policy = (model if models.policy_side is not None
-                      else reference.ReferenceModel.load(models.policy_spec, compile=config.compile,
-                                                         streamed=policy_streams, trim_above=trim_above,
-                                                         remembered=policy_remembered)
-                      if models.policy_spec is not None else None)
-            if policy_remembered is not None:
-                policy_remembered.keep(policy)
-            if policy is not None and policy.streamer is not None:
-                policy.stream_tokens = streamed.tokens
-            if policy is not None:  # its tree runs after the reference's, in the same share of the budget
-                policy.stream_cache_mib = cache_mib
-            summary.load_seconds = time.perf_counter() - load_started
-            from klpipe.model import layer_major  # torch lives behind this import (loaded by now)
-
-            streamers = [m.streamer for m in {id(m): m for m in (model, policy) if m is not None}.values()
-                         if m.streamer is not None]
-            for streamer in streamers:
-                streamer.reset_statistics()  # the run's reads, not the load-time probes'
-            loaded = list({id(m): m for m in (model, policy) if m is not None}.values())
-            summary.check_seconds = sum(m.check_seconds for m in loaded)
-            summary.verdicts = "reused" if all(m.verdict_reused for m in loaded) else "checked"
-            for line in startup.verdict_lines(loaded):
-                log(line)
-            try:
-                _run_chunks(model, policy, models.policy_side, rollouts, tokenize, work, config, rows, done, summary,
-                            stop, log, on_chunk, started)
-            finally:  # what the tree's probes decided joins the verdicts, whatever the run then met
-                remembered.keep(model)
-                if policy_remembered is not None:
-                    policy_remembered.keep(policy)
-            summary.streamed = layer_major.figures(streamers)
-        if groups_out:
-            # The cache, merged inside the work directory, goes out as the groups it was read from.
-            merged = work.path / "cache.parquet"
-            work.merge_into(merged)
-            write_groups_file(merged, output, rollouts.columns)
-        else:
-            work.merge_into(output)
+            run = ChunkRun(rollouts, tokenize, work, config, rows, done, summary, stop, log, on_chunk, started)
+            _load_and_run(run, models, decided)
+        _merge(work, output, rollouts, groups_out)
         summary.peak_memory = peak_memory()
         if shard is not None:
             # Its temporary file goes in the work dir, which the next line removes even after a kill.
@@ -231,6 +193,54 @@ def precompute(config: PrecomputeConfig, log=print, on_chunk=None) -> Precompute
     if not summary.seconds:
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _merge(work: WorkDir, output: Location, rollouts: Rollouts, groups_out: bool) -> None:
+    """The chunks merged into the output: the cache, or (`groups_out`) the groups it was read from, the cache merged
+    inside the work directory first."""
+    if groups_out:
+        merged = work.path / "cache.parquet"
+        work.merge_into(merged)
+        write_groups_file(merged, output, rollouts.columns)
+    else:
+        work.merge_into(output)
+
+
+def _tokenizer(config: PrecomputeConfig, rollouts: Rollouts, tokenizer: Any, model_config: Any,
+               spec: Any) -> ChunkTokenizer:
+    """The rows' tokenizer: the model's vocabulary and context, and its stop ids where a turn (or a row) ends."""
+    from klpipe import model as reference  # torch lives behind this import
+
+    vocab_size, max_positions = reference.vocab_and_context(model_config)
+    stop_ids = reference.stop_token_ids(spec)  # the generation config's EOS ids: a turn ends on any, and so may a row
+    chat = ChatRendering(tools=config.tools, template_kwargs=config.chat_template_kwargs,
+                         stop_ids=stop_ids if rollouts.mode == CHAT else (),
+                         template_given=config.chat_template is not None, rollout_format=config.rollout_format)
+    return ChunkTokenizer(rollouts, tokenizer, vocab_size, max_positions, chat=chat, end_ids=stop_ids)
+
+
+def _load_and_run(run: ChunkRun, models: Models, decided: budget.Streamed | budget.InMemory | None) -> None:
+    """Load the models as the budget `decided`, score the chunks, and keep what the checks and the tree's probes
+    decided (storage/verdicts.py)."""
+    load_started = time.perf_counter()
+    loaded, remembering = load_models(run.config, models, run.work.provenance, decided, VerdictCache(log=run.log))
+    run.summary.load_seconds = time.perf_counter() - load_started
+    from klpipe.model import layer_major  # torch lives behind this import (loaded by now)
+
+    distinct = loaded.distinct
+    streamers = [m.streamer for m in distinct if m.streamer is not None]
+    for streamer in streamers:
+        streamer.reset_statistics()  # the run's reads, not the load-time probes'
+    run.summary.check_seconds = sum(m.check_seconds for m in distinct)
+    run.summary.verdicts = "reused" if all(m.verdict_reused for m in distinct) else "checked"
+    for line in startup.verdict_lines(distinct):
+        run.log(line)
+    try:
+        _run_chunks(loaded, run)
+    finally:  # what the tree's probes decided joins the verdicts, whatever the run then met
+        for remembered, model in remembering:
+            remembered.keep(model)
+    run.summary.streamed = layer_major.figures(streamers)
 
 
 def _check_groups_output(config: PrecomputeConfig, rollouts) -> None:
@@ -257,6 +267,13 @@ def write_groups_file(cache_path, output: Location, columns: ColumnMap) -> None:
         writer.close()
 
 
+def _budgets(recorded: cache.Provenance) -> tuple[int, int]:
+    """(tokens a batch, MiB of the tree's cache): the budgets in force, which a run's provenance records."""
+    if recorded.max_tokens_per_batch is None or recorded.max_cache_mib is None:
+        raise ValueError("a run's provenance records its budgets (provenance.provenance)")
+    return recorded.max_tokens_per_batch, recorded.max_cache_mib
+
+
 def _require_model_extra() -> None:
     """torch and transformers come with the `precompute` extra: scoring hosts install without them."""
     import importlib.util
@@ -277,95 +294,110 @@ def _validate_rows(rollouts, tokenize: ChunkTokenizer, chunk_rows: int, rows: tu
     return tokens
 
 
-def _run_chunks(model, policy, policy_side, rollouts, tokenize: ChunkTokenizer, work: WorkDir, config: PrecomputeConfig,
-                rows: tuple[int, int], done: set[int], summary: PrecomputeSummary, stop: StopOnSignal, log,
-                on_chunk=None, started: float | None = None) -> None:
+def _run_chunks(loaded: Loaded, run: ChunkRun) -> None:
     """Score every chunk not yet done (with the policy too, when there is one) and checkpoint each one.
 
-    `policy` is `model` itself where it is an adapter over the same weights (`policy_side`, its adapter's name): one
-    plan, run once with the adapter off (or the reference's on) and once with the policy's on, its tree probed on
-    both sides."""
-    max_tokens = work.provenance.max_tokens_per_batch  # the budgets recorded in run.json
-    own = policy if policy is not None and policy is not model else None  # a policy with weights of its own
-    for note in model.notes + (own.notes if own is not None else []):  # what the load-time check dropped
+    `loaded.policy` is the reference itself where it is an adapter over the same weights (`loaded.policy_side`, its
+    adapter's name): one plan, run once with the adapter off (or the reference's on) and once with the policy's on,
+    its tree probed on both sides."""
+    model, own, config, summary, log = loaded.model, loaded.own, run.config, run.summary, run.log
+    for note in [*model.notes, *(own.notes if own is not None else [])]:  # what the load-time check dropped
         log(note)
     for line in (model.compile_note, own.compile_note if own is not None else None):
         if line is not None:
             log(line)
-    # A streamed model's tree keeps what the budget leaves it (budget.decide); the recorded figure otherwise.
-    cache_mib = work.provenance.max_cache_mib if model.stream_cache_mib is None else model.stream_cache_mib
     probing = time.perf_counter()
-    sharing = Sharing(model, config.prefix_sharing, cache_mib, log,
-                      sides=(policy_side,) if policy is model else ())
-    if model.kernel_note:
-        log(model.kernel_note)
-    policy_sharing = None
-    if own is not None:
-        # The two run one after the other, so each may hold the whole cache budget in turn.
-        policy_sharing = Sharing(own, config.prefix_sharing, work.provenance.max_cache_mib if own.stream_cache_mib
-                                 is None else own.stream_cache_mib, log)
-        if own.kernel_note and own.kernel_note != model.kernel_note:
-            log(own.kernel_note)
-    joint = Joint(exact=work.provenance.full_kl, topk=work.provenance.ref_topk or 0)
-    scorer = ChunkScorer(model, policy, policy_side, sharing, policy_sharing, config.temperature, max_tokens, joint)
+    sharing, policy_sharing = _sharing(loaded, run)
+    joint = Joint(exact=run.work.provenance.full_kl, topk=run.work.provenance.ref_topk or 0)
+    scorer = ChunkScorer(model, loaded.policy, loaded.policy_side, sharing, policy_sharing, config.temperature,
+                         _budgets(run.work.provenance)[0], joint)  # the budgets recorded in run.json
     summary.check_seconds += time.perf_counter() - probing  # the cascade's probe, and the tree's under `on`
-    startup.record(summary, [m for m in (model, own) if m is not None], started, config.progress != "none", log)
-    progress = Progress(config.progress, total_rows=rows[1] - rows[0], initial_rows=summary.resumed_rows,
+    startup.record(summary, [m for m in (model, own) if m is not None], run.started, config.progress != "none", log)
+    progress = Progress(config.progress, total_rows=run.rows[1] - run.rows[0], initial_rows=summary.resumed_rows,
                         log=log, interval=config.log_interval)
     compute_started = time.perf_counter()
     try:
-        chunks = iter_chunks(rollouts, config.chunk_rows, skip=done, rows=rows)
-        def read_ahead(chunk):  # in the read-ahead thread: tokenized rows and, where they can be made there, the plans
-            tokenized = tokenize(chunk)
-            pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
-            needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
-            return tokenized, pairs, needed, scorer.plan_ahead(pairs, needed)
-
-        def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk
-            tokenized, scored = item
-            work.write_chunk(tokenized, scored.ref_logprobs, scored.policy_logprobs, scored.extra)
-            response_tokens = tokenized.scored_tokens()
-            summary.rows += tokenized.num_rows
-            summary.tokens += response_tokens
-            summary.tool_tokens += tokenized.tool_tokens()
-            summary.pads += tokenized.pads
-            progress.update(tokenized.num_rows, response_tokens)
-            if on_chunk is not None:
-                on_chunk(tokenized.num_rows, response_tokens)
-
-        # Reading, tokenizing and planning the next chunks overlap with the model's work on this one, and
-        # so does writing the last one (write behind). On an error or a stop, closing the stream stops the
-        # reader now, not when the stream is collected; then the writer finishes the chunk handed to it
-        # (finished work, kept as every chunk written before a stop is) and ends before the error goes on.
-        # depth=0: the model runs at most one chunk ahead of the disk, so a slow disk holds one chunk back.
-        # Read-ahead depth 1: reading, tokenizing and planning a chunk takes far less than scoring one, so one
-        # chunk ahead keeps the model fed. At most three chunks are held (read ahead, scored, written), and a
-        # 3-chunk input already holds as much as any longer one: memory stops growing at the third chunk.
-        with in_background(checkpoint, depth=0, on_error="finish") as writer, \
-                closing(prefetch(map(read_ahead, chunks), depth=1)) as stream:
-            def check():  # between batches: a stop asked for, or the writer failed (a full disk)
-                stop.check()
-                writer.check()
-
-            for tokenized, pairs, needed, ahead in stream:
-                scored = scorer.score(pairs, needed, ahead, summary.forward, check)
-                for line in _compile_failures(model) + (_compile_failures(own) if own is not None else []):
-                    log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager now
-                # The last chunk written first, then the check: a stop asked for during that write leaves this
-                # chunk unwritten, as a stop between two chunks does.
-                writer.wait_for_room()
-                check()
-                writer.submit((tokenized, scored))
-        # Here the last chunk is written (the block waits for it: the merge reads every chunk). A stop asked
-        # for while it was written stops the run before the merge, as one asked for between chunks does.
-        stop.check()
+        _score_chunks(loaded, run, scorer, progress)
     finally:
         progress.close()
         summary.prefix_sharing = sharing.mode  # auto falls back to off where the tree's probe fails
         summary.seconds = time.perf_counter() - compute_started
 
 
-def _compile_failures(model) -> list[str]:
+def _sharing(loaded: Loaded, run: ChunkRun) -> tuple[Sharing, Sharing | None]:
+    """The reference's sharing mode and the policy's (a policy with weights of its own), the tree's probes run where
+    the mode asks now; each model's kernel note logged once."""
+    model, own, log = loaded.model, loaded.own, run.log
+    recorded = _budgets(run.work.provenance)[1]
+    # A streamed model's tree keeps what the budget leaves it (budget.decide); the recorded figure otherwise.
+    sharing = Sharing(model, run.config.prefix_sharing,
+                      recorded if model.stream_cache_mib is None else model.stream_cache_mib, log,
+                      sides=(loaded.policy_side,) if loaded.policy is model else ())
+    if model.kernel_note:
+        log(model.kernel_note)
+    if own is None:
+        return sharing, None
+    # The two run one after the other, so each may hold the whole cache budget in turn.
+    policy_sharing = Sharing(own, run.config.prefix_sharing,
+                             recorded if own.stream_cache_mib is None else own.stream_cache_mib, log)
+    if own.kernel_note and own.kernel_note != model.kernel_note:
+        log(own.kernel_note)
+    return sharing, policy_sharing
+
+
+def _score_chunks(loaded: Loaded, run: ChunkRun, scorer: ChunkScorer, progress: Progress) -> None:
+    """The chunks read, tokenized and planned ahead, scored here, and written behind."""
+    work, summary, stop = run.work, run.summary, run.stop
+    chunks = iter_chunks(run.rollouts, run.config.chunk_rows, skip=run.done, rows=run.rows)
+
+    def read_ahead(chunk):  # in the read-ahead thread: tokenized rows and, where they can be made there, the plans
+        tokenized = run.tokenize(chunk)
+        pairs = [tokenized.row(i) for i in range(tokenized.num_rows)]  # (prompt ids, response ids)
+        needed = None if tokenized.mask is None else [tokenized.row_mask(i) for i in range(tokenized.num_rows)]
+        return tokenized, pairs, needed, scorer.plan_ahead(pairs, needed)
+
+    def checkpoint(item):  # in the writer thread: a chunk is counted once it is on disk
+        tokenized, scored = item
+        work.write_chunk(tokenized, scored.ref_logprobs, scored.policy_logprobs, scored.extra)
+        response_tokens = tokenized.scored_tokens()
+        summary.rows += tokenized.num_rows
+        summary.tokens += response_tokens
+        summary.tool_tokens += tokenized.tool_tokens()
+        summary.pads += tokenized.pads
+        progress.update(tokenized.num_rows, response_tokens)
+        if run.on_chunk is not None:
+            run.on_chunk(tokenized.num_rows, response_tokens)
+
+    # Reading, tokenizing and planning the next chunks overlap with the model's work on this one, and
+    # so does writing the last one (write behind). On an error or a stop, closing the stream stops the
+    # reader now, not when the stream is collected; then the writer finishes the chunk handed to it
+    # (finished work, kept as every chunk written before a stop is) and ends before the error goes on.
+    # depth=0: the model runs at most one chunk ahead of the disk, so a slow disk holds one chunk back.
+    # Read-ahead depth 1: reading, tokenizing and planning a chunk takes far less than scoring one, so one
+    # chunk ahead keeps the model fed. At most three chunks are held (read ahead, scored, written), and a
+    # 3-chunk input already holds as much as any longer one: memory stops growing at the third chunk.
+    with in_background(checkpoint, depth=0, on_error="finish") as writer, \
+            closing(prefetch(map(read_ahead, chunks), depth=1)) as stream:
+        def check():  # between batches: a stop asked for, or the writer failed (a full disk)
+            stop.check()
+            writer.check()
+
+        for tokenized, pairs, needed, ahead in stream:
+            scored = scorer.score(pairs, needed, ahead, summary.forward, check)
+            for model in loaded.distinct:
+                for line in _compile_failures(model):
+                    run.log(line)  # a compiled module that failed on a shape the load-time probe did not meet: eager
+            # The last chunk written first, then the check: a stop asked for during that write leaves this
+            # chunk unwritten.
+            writer.wait_for_room()
+            check()
+            writer.submit((tokenized, scored))
+    # Here the last chunk is written (the block waits for it: the merge reads every chunk). A stop asked
+    # for while it was written stops the run before the merge.
+    stop.check()
+
+
+def _compile_failures(model: ScoringModel) -> list[str]:
     """The lines to log for compiled modules that fell back to eager since the last call (compiled.py)."""
     if model.compiled is None:
         return []

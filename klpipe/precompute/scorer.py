@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from klpipe import cache
+from klpipe.contract import ScoringModel
 from klpipe.errors import OutputError
 from klpipe.precompute.logprobs import ChunkPlan, ForwardStats, packs_passes, plan_stats, run_plan
 from klpipe.precompute.sharing import Sharing
@@ -50,8 +51,8 @@ class ChunkScorer:
     """Runs chunks on the reference and, where there is one, the policy: `policy` is `model` itself where it is an
     adapter over the same weights (`policy_side` names it), a model of its own, or None."""
 
-    def __init__(self, model, policy, policy_side, sharing: Sharing, policy_sharing: Sharing | None,
-                 temperature: float, max_tokens: int, joint: Joint):
+    def __init__(self, model: ScoringModel, policy: ScoringModel | None, policy_side: str | None, sharing: Sharing,
+                 policy_sharing: Sharing | None, temperature: float, max_tokens: int, joint: Joint):
         self.model, self.policy, self.policy_side = model, policy, policy_side
         self.own = policy if policy is not None and policy is not model else None  # a policy with weights of its own
         self.sharing, self.policy_sharing = sharing, policy_sharing
@@ -101,7 +102,7 @@ class ChunkScorer:
                 plan = self.sharing.plan(slice_pairs, self.max_tokens, slice_needed)
             plan_stats(plan, stats, packs_passes(self.model))
             policy_plan = None
-            if self.own is not None:  # one plan for both where the policy plans alike (a fine-tune of the reference)
+            if self.own is not None and self.policy_sharing is not None:  # one plan for both where it plans alike
                 policy_plan = self.policy_sharing.plan_like(self.sharing, plan, slice_pairs, self.max_tokens,
                                                             slice_needed)
             parts.append(self._run(plan, policy_plan, slice_pairs, check_stop))
@@ -129,8 +130,7 @@ class ChunkScorer:
                 policy_run = capture.Captured(policy_capture, run_plan(model, plan, pairs, temperature, check_stop))
         elif self.joint.exact:
             with capture.capturing(self.own) as policy_capture:
-                policy_run = capture.Captured(policy_capture, run_plan(self.own, policy_plan, pairs, temperature,
-                                                                       check_stop))
+                policy_run = capture.Captured(policy_capture, self._own_logprobs(policy_plan, pairs, check_stop))
         wide = any(m is not None and m.result_dtype == np.float64 for m in (model, self.own))
         settings = joint_head.Settings(temperature, capture.blocks_of(model), model.vocab_size, self.joint.topk)
         columns = capture.finish(*self.sides, ref_run, policy_run, [response for _, response in pairs], settings,
@@ -144,6 +144,11 @@ class ChunkScorer:
         if self.policy is self.model:  # the same weights, the policy's adapter on: the same plan, its own caches
             with self.model.side(self.policy_side):
                 return run_plan(self.model, plan, pairs, self.temperature, check_stop)
+        return self._own_logprobs(policy_plan, pairs, check_stop)
+
+    def _own_logprobs(self, policy_plan: ChunkPlan | None, pairs, check_stop) -> list[np.ndarray]:
+        """A policy of its own on its plan (planned beside the reference's: `score`)."""
+        assert self.own is not None and policy_plan is not None, "a policy of its own is planned for in `score`"
         return run_plan(self.own, policy_plan, pairs, self.temperature, check_stop)
 
 

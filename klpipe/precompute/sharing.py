@@ -15,8 +15,11 @@ layer table, one token's forward: logprobs.check_layout) is checked before any c
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
+from klpipe.contract import ScoringModel
 from klpipe.errors import ModelError
 from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan_chunk, plan_key
 
@@ -24,7 +27,8 @@ from klpipe.precompute.logprobs import ChunkPlan, check_layout, check_tree, plan
 class Sharing:
     """`model`'s sharing mode (`asked`, until the probe fails under auto) and its chunk plans."""
 
-    def __init__(self, model, asked: str, max_cache_mib: int, log, sides: tuple = ()):
+    def __init__(self, model: ScoringModel, asked: str, max_cache_mib: int, log: Callable[[str], None],
+                 sides: tuple[str | None, ...] = ()):
         """`sides`: the adapters over `model`'s weights (model/lora.py) whose forwards run the same plans: the tree's
         probe runs with each of them on too."""
         self.model = model
@@ -118,8 +122,8 @@ class Sharing:
         self.model.drop_cascade()  # rows run whole from now on: the model's own attention
 
 
-def uncounted(model):
+def uncounted(model: ScoringModel) -> AbstractContextManager[Any]:
     """What runs inside (the tree's probes, a cost measured once per model) left out of a streamed model's figures
     (model/layer_major.py's statistics: the run's reads, groups and times), though a probe under auto runs mid-run."""
-    streamer = getattr(model, "streamer", None)
+    streamer = model.streamer
     return nullcontext() if streamer is None else streamer.uncounted()

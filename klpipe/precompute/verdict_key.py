@@ -15,10 +15,15 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import klpipe
+from klpipe.contract import ScoringModel
 from klpipe.precompute.config import PrecomputeConfig
 from klpipe.storage.verdicts import VerdictCache
+
+if TYPE_CHECKING:
+    from klpipe.model.verdict import Verdict
 
 
 @cache
@@ -65,19 +70,20 @@ class Remembering:
     def __init__(self, cache: VerdictCache | None, key: dict, recheck: bool = False):
         self.cache, self.key, self.recheck = cache, key, recheck
         self.full: dict | None = None  # the key with the model's parts, once loaded
-        self.kept = None  # the verdict last read or written
+        self.kept: Verdict | None = None  # the verdict last read or written
 
-    def __call__(self, model):
+    def __call__(self, model: Any) -> Verdict | None:
         from klpipe.model.runtime import verdict_parts
         from klpipe.model.verdict import Verdict
 
         self.full = {**self.key, **verdict_parts(model)}
         if self.cache is None or self.recheck:
             return None
-        self.kept = self.cache.read(self.full, Verdict.from_json)
+        kept = self.cache.read(self.full, Verdict.from_json)
+        self.kept = kept if isinstance(kept, Verdict) else None  # from_json's, or None: none remembered
         return self.kept
 
-    def keep(self, model) -> None:
+    def keep(self, model: ScoringModel) -> None:
         """Write `model`'s verdict under the key where it differs from what was read or last written."""
         if self.cache is None or self.full is None or model.verdict == self.kept:
             return

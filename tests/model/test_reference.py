@@ -119,3 +119,19 @@ def test_the_hub_multimodal_layout_loads_its_text_model_alone():
     rows += [(rows[0][0], r) for _, r in random_rows(reference.vocab_size, 3, seed=4)]  # a shared prompt
     for results in (reference.score_batch(rows), chunk_logprobs(reference, rows, 4096, 1.0, "auto", ForwardStats())):
         assert worst_error(whole, rows, results) <= TOLERANCE
+
+
+def test_a_reference_model_has_every_member_precompute_reads(reference):
+    # precompute/ reads a model only through klpipe/contract.py's Protocol (tests/test_contract.py): a loaded model
+    # holds every member, of the Protocol's kind (mypy holds the types).
+    import inspect
+
+    from klpipe.contract import ScoringModel
+
+    members = {name for name in dir(ScoringModel) if not name.startswith("_")}
+    assert {"packed", "streamer", "stream_tokens", "score_batch", "settle_tree"} <= members
+    missing = sorted(name for name in members if not hasattr(reference, name))
+    assert not missing, missing
+    methods = {name for name in members if inspect.isfunction(getattr(ScoringModel, name))}
+    assert all(callable(getattr(reference, name)) for name in methods), methods
+    assert reference.streamer is None and reference.stream_tokens is None and reference.stream_cache_mib is None

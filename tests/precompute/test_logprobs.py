@@ -109,9 +109,9 @@ def test_the_kept_keys_and_values_respect_the_cache_budget(reference, monkeypatc
     peak = []
     real = tree_module._run_pass
 
-    def run_pass(reference, tree, step, kinds, layout, kept, *args):
-        real(reference, tree, step, kinds, layout, kept, *args)
-        peak.append(sum(int(tree.end[n] - tree.start[n]) for n in kept))
+    def run_pass(run, step, *args):
+        real(run, step, *args)
+        peak.append(sum(int(run.tree.end[n] - run.tree.start[n]) for n in run.kept))
 
     monkeypatch.setattr(tree_module, "_run_pass", run_pass)
     results = chunk_logprobs(reference, rows, 96, 1.0, "on", ForwardStats(), max_cache_tokens=budget)

@@ -60,7 +60,7 @@ def group_limit(reference) -> tuple[int | None, bool]:
     streamer = reference.streamer
     if streamer.per_token:
         return streamer.spare, True
-    return getattr(reference, "stream_tokens", None), False
+    return reference.stream_tokens, False
 
 
 def held(reference, tree: Tree):
@@ -103,8 +103,7 @@ def fed_tokens(tree: Tree, step: Pass) -> int:
 
 def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, run_pass, check_stop) -> bool:
     """Run `passes` layer-major in groups (run_pass(step, owners) runs one, its state kept layer by layer); False
-    where a layer reused keys freed here (`reference.tree_layered` set False: the caller runs the tree again in
-    waves)."""
+    where a layer reused keys freed here (the caller runs the tree again in waves, `reference.unlayer_tree` called)."""
     streamer = reference.streamer
     limit, budgeted = group_limit(reference)
     shared = owners(reference)
@@ -134,7 +133,7 @@ def score(reference, tree: Tree, passes: list[Pass], parents: set, kept: dict, r
             streamer.run([lambda step=step: run_pass(step, shared) for step in group], check_stop, fed, held_bytes,
                          on_layer=leaving, after_layer=past)
         except cascade.FreedKeys:
-            reference.tree_layered = False
+            reference.unlayer_tree()
             return False
         for node in release:
             kept.pop(node, None)

@@ -177,7 +177,7 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     heads, kv_heads = query.shape[1], key.shape[1]
     gqa = heads != kv_heads
     out = query.new_empty((1, heads, rows.total, value.shape[-1]))  # (1, H, N, d_v)
-    for start, length in zip(rows.starts, rows.lengths):
+    for start, length in zip(rows.starts, rows.lengths, strict=True):
         if length:
             span = slice(start, start + length)
             out[:, :, span] = segment(query[:, :, span], key[:, :, span], value[:, :, span], scaling, window, gqa)
@@ -196,7 +196,7 @@ def attend_spans(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
         raise NotPacked(f"{type(module).__name__} attends over other slots than the pass's own")
     gqa = heads != key.shape[1]
     out = query.new_zeros((batch, heads, queries, value.shape[-1]))  # (b, H, q, d_v)
-    for row, (start, length) in enumerate(zip(rows.starts, rows.lengths)):
+    for row, (start, length) in enumerate(zip(rows.starts, rows.lengths, strict=True)):
         if not length:
             continue
         if queries == slots:

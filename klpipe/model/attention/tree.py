@@ -16,6 +16,8 @@ why each layout is as it is.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ import torch
 from klpipe.model.attention import cascade, layered, packing
 from klpipe.model.attention.context_cache import ContextCache, Kept
 from klpipe.plan import Pass, Tree, Wanted, by_tokens
+
+if TYPE_CHECKING:
+    from klpipe.model.reference import ReferenceModel
 
 
 def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float = 1.0,
@@ -48,26 +53,43 @@ def score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temper
     return _score_tree(reference, tree, passes, wanted, temperature, check_stop)
 
 
+@dataclass
+class TreeRun:
+    """One run of a chunk's tree: what each of its passes reads, and the state and results they leave."""
+
+    reference: ReferenceModel
+    tree: Tree
+    wanted: Wanted
+    temperature: float
+    kinds: list  # the model's layer kinds (continuation.layer_kinds)
+    layout: str  # pass_layout's
+    rows_of: list[list[int]]  # per node, the rows whose sequence passes through it
+    parents: set[int]  # the nodes whose state a later pass continues
+    kept: dict[int, list[Kept]]  # node -> per layer, the state its own tokens leave
+    results: list[np.ndarray]  # per row, its logprobs (NaN until computed)
+
+    @classmethod
+    def of(cls, reference, tree: Tree, wanted: Wanted, temperature: float) -> TreeRun:
+        results = [np.full(len(t), np.nan, dtype=reference.result_dtype) for t in wanted.targets]
+        parents = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
+        return cls(reference, tree, wanted, temperature, reference.layer_kinds, pass_layout(reference),
+                   _rows_through(tree), parents, {}, results)
+
+
 def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, temperature: float,
                 check_stop) -> list[np.ndarray]:
-    results = [np.full(len(t), np.nan, dtype=reference.result_dtype) for t in wanted.targets]
-    rows_of = _rows_through(tree)
-    kinds = reference.layer_kinds
-    layout = pass_layout(reference)
-    kept: dict[int, list[Kept]] = {}  # node -> per layer, the state its own tokens leave
-    parent_of_kept = {int(tree.parent[n]) for n in range(1, tree.num_nodes) if tree.parent[n] != 0}
-    streamer = getattr(reference, "streamer", None)
+    run = TreeRun.of(reference, tree, wanted, temperature)
+    results, kept, parent_of_kept = run.results, run.kept, run.parents
+    streamer = reference.streamer
     with torch.inference_mode():
         if streamer is not None and reference.tree_layered:
             # Weights streamed: the tree's levels layer-major in one group where the budget holds them (layered.py).
-            def run(step, shared):
-                _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
-                          results, shared)
             try:
-                if layered.score(reference, tree, passes, parent_of_kept, kept, run, check_stop):
+                if layered.score(reference, tree, passes, parent_of_kept, kept,
+                                 lambda step, shared: _run_pass(run, step, shared), check_stop):
                     return results
             except cascade.NotPackedPass:
-                pass  # the tree's passes run as batches from now on (reference.tree_passes_packed)
+                pass  # the tree's passes run as batches from now on (reference.unpack_tree_passes)
             return _score_tree(reference, tree, passes, wanted, temperature, check_stop)  # nothing of this run kept
         if streamer is not None:  # streamed, keys reused that layered.py freed: waves
             # A pass in a wave keeps every layer's keys until it ends; held None: no budget given.
@@ -75,16 +97,14 @@ def _score_tree(reference, tree: Tree, passes: list[Pass], wanted: Wanted, tempe
             held = layered.waiting_bytes(reference, tree, reference.kv_bytes_per_token) if budgeted else None
             for group, release in waves(tree, passes, parent_of_kept, limit, held):
                 fed = sum(layered.fed_tokens(tree, step) for step in group)
-                streamer.run([lambda step=step: _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept,
-                                                          rows_of, wanted, temperature, results) for step in group],
+                streamer.run([lambda step=step: _run_pass(run, step) for step in group],
                              check_stop, fed, None if held is None else sum(held(step) for step in group))
                 for node in release:
                     kept.pop(node, None)
                 check_stop()
             return results
         for step in passes:
-            _run_pass(reference, tree, step, kinds, layout, kept, parent_of_kept, rows_of, wanted, temperature,
-                      results)
+            _run_pass(run, step)
             for node in step.release:
                 kept.pop(node, None)
             check_stop()
@@ -116,8 +136,8 @@ def waves(tree: Tree, passes: list[Pass], parents: set, limit: int | None = None
         cut[latest][1].extend(int(node) for node in step.release)
     grouped = []
     size = size or (lambda step: layered.fed_tokens(tree, step))
-    for wave, release in cut:  # a wave's release goes after its last group
-        groups = by_tokens(wave, [size(step) for step in wave], limit)
+    for in_wave, release in cut:  # a wave's release goes after its last group
+        groups = by_tokens(in_wave, [size(step) for step in in_wave], limit)
         grouped += [(group, release if k == len(groups) - 1 else []) for k, group in enumerate(groups)]
     return grouped
 
@@ -140,21 +160,22 @@ def packs_passes(reference, kinds) -> bool:
             and not any(kind.continuation.state for kind in kinds))
 
 
-def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, parents: set, rows_of, wanted: Wanted,
-              temperature: float, results: list[np.ndarray], shared: frozenset | None = None) -> None:
+def _run_pass(run: TreeRun, step: Pass, shared: frozenset | None = None) -> None:
     """One pass; `shared`: in a layer-major group (layered.py), its state kept layer by layer, and the layers whose
     keys a later layer reuses."""
+    reference, tree, kinds, layout = run.reference, run.tree, run.kinds, run.layout
+    kept, parents = run.kept, run.parents
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = end - start
     if step.runs_packed(packs_passes(reference, kinds), reference.prefill_skips_layers):
         try:
-            _run_packed(reference, tree, step, kinds, kept, parents, rows_of, wanted, temperature, results, shared)
+            _run_packed(run, step, shared)
             return
         except cascade.NotPackedPass:
             # Nothing of the pass was kept: it runs as a batch below, and so do the model's later passes. In a
             # layer-major group the passes after it have read what it kept: the group stops, and the tree runs again.
-            reference.tree_passes_packed = False
+            reference.unpack_tree_passes()
             if shared is not None:
                 raise
     fed_len = int(own.max())
@@ -202,11 +223,10 @@ def _run_pass(reference, tree: Tree, step: Pass, kinds, layout: str, kept, paren
     hidden = out.last_hidden_state  # (b, T, H), or (b, 1, H) with logits_to_keep
     cache.finish()
     slot_of_start = first - (fed_len - hidden.shape[1])  # hidden's slot of each node's first own token
-    _gather_logprobs(reference, tree, step, hidden, slot_of_start, rows_of, wanted, temperature, results)
+    _gather_logprobs(run, step, hidden, slot_of_start)
 
 
-def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, rows_of, wanted: Wanted,
-                temperature: float, results: list[np.ndarray], shared: frozenset | None = None) -> None:
+def _run_packed(run: TreeRun, step: Pass, shared: frozenset | None = None) -> None:
     """A pass, its nodes' own tokens end to end in one sequence with no pad and no mask (whether they continue a
     context or not):
 
@@ -216,18 +236,19 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
     Each node's attention is the cascade's over its own tokens and its path (window_cascade.attend_packed). Not for
     a pass that keeps only each node's last position on a model that skips layers for the rest (Pass.runs_packed):
     logits_to_keep needs every row to end at the batch's last slot."""
+    reference, tree = run.reference, run.tree
     nodes = step.nodes.tolist()
     start, end = tree.start[step.nodes], tree.end[step.nodes]  # (b,)
     own = (end - start).astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(own)[:-1]]).astype(np.int64)  # each node's first slot
     ids = np.concatenate([tree.tokens(node) for node in nodes]).astype(np.int64)
-    positions = np.concatenate([np.arange(s, e) for s, e in zip(start, end)]).astype(np.int64)
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(start, end, strict=True)]).astype(np.int64)
     segments = (offsets.tolist(), own.tolist())
     device = reference.input_device
-    cache = ContextCache(kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree, kept,
-                         True, None, segments)
-    cache.keep([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in parents], len(ids),
-               shared)
+    cache = ContextCache(run.kinds, int(start.max()), [tree.path(node)[:-1] for node in nodes], start.copy(), tree,
+                         run.kept, True, None, segments)
+    cache.keep([(node, 0, int(offsets[k]), int(own[k])) for k, node in enumerate(nodes) if node in run.parents],
+               len(ids), shared)
     with cascade.active(cache):
         out = reference.body(input_ids=torch.from_numpy(ids)[None].to(device),
                              position_ids=torch.from_numpy(positions)[None].to(device), use_cache=True,
@@ -236,16 +257,18 @@ def _run_packed(reference, tree: Tree, step: Pass, kinds, kept, parents: set, ro
         raise cascade.NotInPlace("a layer's update handed back keys that no attention call of ours read")
     hidden = out.last_hidden_state  # (1, N, H)
     cache.finish()
-    _gather_logprobs(reference, tree, step, hidden, offsets, rows_of, wanted, temperature, results,
-                     batch_rows=np.zeros(len(nodes), dtype=np.int64))
+    _gather_logprobs(run, step, hidden, offsets, batch_rows=np.zeros(len(nodes), dtype=np.int64))
 
 
-def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, slot_of_start: np.ndarray, rows_of,
-                     wanted: Wanted, temperature: float, results: list[np.ndarray],
+def _gather_logprobs(run: TreeRun, step: Pass, hidden: torch.Tensor, slot_of_start: np.ndarray,
                      batch_rows: np.ndarray | None = None) -> None:
     """The logprobs of every row's needed positions that fall inside this pass's nodes (node k in hidden's batch row
     batch_rows[k], k by default)."""
-    batch_row, slot, row, position = [], [], [], []
+    tree, wanted, rows_of, results = run.tree, run.wanted, run.rows_of, run.results
+    batch_row_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    row_parts: list[np.ndarray] = []
+    position_parts: list[np.ndarray] = []
     width = hidden.shape[1]
     for k, node in enumerate(step.nodes.tolist()):
         start, end = int(tree.start[node]), int(tree.end[node])
@@ -256,13 +279,14 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
             p = np.arange(low, high)
             if wanted.needed is not None:  # a masked token is context only: no head for it
                 p = p[wanted.needed[r][p - wanted.base[r]]]
-            batch_row.append(np.full(len(p), k if batch_rows is None else batch_rows[k]))
-            slot.append(slot_of_start[k] + p - start)
-            row.append(np.full(len(p), r))
-            position.append(p)
-    if not batch_row:
+            batch_row_parts.append(np.full(len(p), k if batch_rows is None else batch_rows[k]))
+            slot_parts.append(slot_of_start[k] + p - start)
+            row_parts.append(np.full(len(p), r))
+            position_parts.append(p)
+    if not batch_row_parts:
         return
-    batch_row, slot, row, position = (np.concatenate(a) for a in (batch_row, slot, row, position))
+    batch_row, slot, row, position = (np.concatenate(parts)
+                                      for parts in (batch_row_parts, slot_parts, row_parts, position_parts))
     # One hidden state per (batch row, slot), read by every target that needs it.
     key = batch_row * width + slot
     unique, which = np.unique(key, return_inverse=True)
@@ -276,7 +300,7 @@ def _gather_logprobs(reference, tree: Tree, step: Pass, hidden: torch.Tensor, sl
     targets = np.empty(len(row), dtype=np.int64)
     for part in parts:
         targets[part] = wanted.targets[int(row[part[0]])][offset[part]]
-    logprobs = reference.head.logprobs(selected, torch.from_numpy(targets), temperature,
+    logprobs = run.reference.head.logprobs(selected, torch.from_numpy(targets), run.temperature,
                                        rows=torch.from_numpy(which.astype(np.int64))).numpy()
     for part in parts:
         results[int(row[part[0]])][offset[part]] = logprobs[part]
