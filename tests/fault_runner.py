@@ -242,8 +242,8 @@ def _install_precompute(inj: _Injector) -> None:
 def _install_model(inj: _Injector) -> None:
     original_load = klpipe.model.reference.ReferenceModel.load.__func__
 
-    def load(cls, spec, **options):
-        model = original_load(cls, spec, **options)  # its probe forward passes (check_head) are not counted
+    def load(cls, spec, *options, **fields):
+        model = original_load(cls, spec, *options, **fields)  # its probe forward passes (check_head) are not counted
         layers = [m for name, m in model.model.named_modules() if name.endswith("layers.0")]
 
         def hook(module, args, output):
