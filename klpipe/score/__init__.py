@@ -15,7 +15,7 @@ __all__ = ["ADJUSTED_REWARD", "KL", "KL_COEFF", "KL_PENALTY", "KL_PER_TOKEN", "O
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from klpipe.score import run
+        from klpipe.score import run, scored_file
 
-        return getattr(run, name)
+        return getattr(scored_file if hasattr(scored_file, name) else run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

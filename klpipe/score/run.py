@@ -15,25 +15,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextlib import closing
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from klpipe import __version__
 from klpipe.arrow import from_numpy, list_array
-from klpipe.atropos.writer import GroupWriter, check_groups
-from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, SCORED_METADATA_KEY, STEP
+from klpipe.atropos.writer import check_groups
+from klpipe.cache import POLICY_LOGPROBS, PROMPT, PROMPT_IDS, SAMPLER_LOGPROBS, STEP
 from klpipe.columns import ColumnMap, for_caches
 from klpipe.errors import InputError, OutputError
 from klpipe.progress import Progress
 from klpipe.rows import RowLocator
 from klpipe.score import exact as exact_section
-from klpipe.score import report, state
+from klpipe.score import report, scored_file, state
 from klpipe.score import sampler as sampler_section
 from klpipe.score.config import ScoreConfig
 from klpipe.score.input import (
@@ -43,9 +41,9 @@ from klpipe.score.input import (
     expand_cache_inputs,
     open_caches,
     policy_source,
-    read_batches,
 )
 from klpipe.score.kl import RowKL, row_kl
+from klpipe.score.scored_file import SCORED_COLUMNS
 from klpipe.score.steps import ControllerSteps
 from klpipe.storage.atomic import OutputGroup
 from klpipe.storage.discover import (
@@ -53,20 +51,7 @@ from klpipe.storage.discover import (
     output_beside,
     refuse_overwriting_inputs,
 )
-from klpipe.storage.parquet import RowGroups, parquet_writer
 from klpipe.storage.store import Location, check_output, expand
-from klpipe.threads import in_background, prefetch
-
-# Columns score adds to every row.
-KL = "kl"
-KL_COEFF = "kl_coeff"
-KL_PENALTY = "kl_penalty"
-ADJUSTED_REWARD = "adjusted_reward"
-KL_PER_TOKEN = "kl_per_token"  # only with per_token
-SCORED_COLUMNS = (KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD, KL_PER_TOKEN)
-
-# Output schema-metadata key with the settings a scored file was made with.
-SCORE_METADATA_KEY = SCORED_METADATA_KEY
 
 # Default output name beside the first input: cache.parquet → cache.scored.parquet.
 OUTPUT_SUFFIX = ".scored.parquet"
@@ -179,7 +164,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
                 if name in schema.names]
     if replaced:
         warnings.append(f"the input already has scored columns ({', '.join(replaced)}); they are replaced")
-    out_schema = _output_schema(schema, config, replaced, has_sampler)
+    out_schema = scored_file.output_schema(schema, config, replaced, has_sampler)
 
     has_steps = names.name(STEP) in schema.names
     sampler = sampler_section.SamplerRun(config.estimator, has_steps) if has_sampler else None
@@ -206,7 +191,7 @@ def _score(config: ScoreConfig, caches: _Caches, held: state.HeldState, warnings
                 progress.update(batch.num_rows, totals.tokens - tokens)
                 return columns
 
-            write = _write_groups if config.writes_groups else _write_parquet
+            write = scored_file.write_groups if config.writes_groups else scored_file.write_parquet
             write(tmp, files, config, score_batch, names, out_schema)
         batches.finish()
         # The run's own time, not the wait for the state.
@@ -236,7 +221,7 @@ def _report(scoring: _Scoring, caches: _Caches, warnings: list[str], seconds: fl
     if totals.extreme_count:
         warnings.append(report.extreme_rows_warning(totals.extreme_rows, totals.extreme_count, config.extreme_nats,
                                                     source["computed"]))
-    settings = _settings(config)
+    settings = scored_file.settings(config)
     settings["kl_from"] = scoring.kl_from
     settings.update(state=str(config.state) if config.state is not None else None, reset_state=config.reset_state)
     run = report.RunFacts(inputs=caches.files, output=caches.output, settings=settings,
@@ -308,65 +293,6 @@ def _kl_from(config: ScoreConfig, has_sampler: bool, source: dict[str, Any], nam
                          f"{names.name(POLICY_LOGPROBS)} were computed by {source.get('model')}; the sampler's "
                          "logprobs were not kept")
     return "sampler"
-
-
-def _output_schema(schema: pa.Schema, config: ScoreConfig, replaced: list[str], has_sampler: bool = False) -> pa.Schema:
-    kept = [f for f in schema if f.name not in replaced]
-    added = [pa.field(name, pa.float64()) for name in (KL, KL_COEFF, KL_PENALTY, ADJUSTED_REWARD)]
-    if config.per_token:
-        added.append(pa.field(KL_PER_TOKEN, pa.list_(pa.float64())))
-    if has_sampler:
-        added += sampler_section.output_fields(config.per_token)
-    metadata = dict(schema.metadata or {})
-    metadata[SCORE_METADATA_KEY] = json.dumps(_settings(config), sort_keys=True).encode()
-    return pa.schema(kept + added, metadata=metadata)
-
-
-def _settings(config: ScoreConfig) -> dict[str, Any]:
-    return {
-        "klpipe_version": __version__,
-        "estimator": config.estimator,
-        "aggregate": config.aggregate,
-        "clamp": config.clamp,
-        "per_token": config.per_token,
-        "controller": asdict(config.controller),
-        "columns": dict(config.columns),
-    }
-
-
-# One record batch (and where its rows come from) to its output columns.
-ScoreBatch: TypeAlias = Callable[[pa.RecordBatch, RowLocator], list[pa.Array]]
-
-
-def _scored(files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
-            out_schema: pa.Schema) -> Generator[pa.RecordBatch, None, None]:
-    """The one loop both writers share: read a record batch (a thread decodes the next meanwhile), score it."""
-    with closing(prefetch(read_batches(files, config.batch_tokens, config.batch_bytes, names))) as stream:
-        for batch, rows in stream:
-            yield pa.RecordBatch.from_arrays(score_batch(batch, rows), schema=out_schema)
-
-
-def _write_parquet(tmp: Path, files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
-                   out_schema: pa.Schema) -> None:
-    # Three stages overlap: a thread decodes the next record batch, this thread scores, and
-    # another thread encodes the previous row group (parquet and numpy release the GIL).
-    with parquet_writer(tmp, out_schema) as writer, in_background(writer.write_table, depth=1) as write, \
-            closing(_scored(files, config, score_batch, names, out_schema)) as scored:
-        row_groups = RowGroups(write, config.row_group_bytes)
-        for batch in scored:
-            row_groups.add(batch)
-        row_groups.flush()
-
-
-def _write_groups(tmp: Path, files: list[Location], config: ScoreConfig, score_batch: ScoreBatch, names: ColumnMap,
-                  out_schema: pa.Schema) -> None:
-    """The scored rows as the Atropos groups they came from (klpipe/atropos/writer.py), one JSON line each."""
-    with open(tmp, "w", encoding="utf-8") as out, \
-            closing(_scored(files, config, score_batch, names, out_schema)) as scored:
-        writer = GroupWriter(out, names, scored=True)
-        for batch in scored:
-            writer.add(batch)
-        writer.close()
 
 
 # -- the stream -------------------------------------------------------------------------------------
