@@ -12,6 +12,7 @@ A group's rows are consecutive (precompute and score keep the row order), so one
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TextIO
 
 import pyarrow as pa
@@ -20,6 +21,7 @@ from klpipe import cache
 from klpipe.atropos.groups import GROUP_COLUMN, KL, KL_COEFF, RAW_SCORE, aligned_ref_logprobs, fill_line
 from klpipe.columns import ColumnMap
 from klpipe.errors import InputError
+from klpipe.storage.store import Location
 
 # score's columns (klpipe/score/run.py), read here by name: this module sits below score.
 SCORED = ("kl", "kl_coeff", "adjusted_reward")
@@ -95,3 +97,17 @@ class GroupWriter:
         self.out.write(fill_line(self._line, values) + "\n")
         self.groups += 1
         self._line, self._size, self._rows = None, 0, []
+
+
+def write_groups_file(cache_path: Path, output: Location, columns: ColumnMap) -> None:
+    """A precompute cache's rows as the Atropos groups they came from, ref_logprobs filled, appearing whole."""
+    import pyarrow.parquet as pq
+
+    from klpipe.storage.atomic import atomic_output
+
+    with atomic_output(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        writer = GroupWriter(out, columns, scored=False)
+        parquet = pq.ParquetFile(cache_path)
+        for group in range(parquet.num_row_groups):  # one row group (a chunk) in memory at a time
+            writer.add(parquet.read_row_group(group))
+        writer.close()

@@ -199,6 +199,8 @@ def _merge(work: WorkDir, output: Location, rollouts: Rollouts, groups_out: bool
     """The chunks merged into the output: the cache, or (`groups_out`) the groups it was read from, the cache merged
     inside the work directory first."""
     if groups_out:
+        from klpipe.atropos.writer import write_groups_file
+
         merged = work.path / "cache.parquet"
         work.merge_into(merged)
         write_groups_file(merged, output, rollouts.columns)
@@ -250,21 +252,6 @@ def _check_groups_output(config: PrecomputeConfig, rollouts) -> None:
                          "none (JSON Lines of tokens, masks and scores); write the parquet cache instead")
     if config.shard is not None:
         raise InputError("--output-format atropos writes one file of groups; a sharded run writes parquet parts")
-
-
-def write_groups_file(cache_path, output: Location, columns: ColumnMap) -> None:
-    """The cache's rows as the Atropos groups they came from, ref_logprobs filled, appearing whole."""
-    import pyarrow.parquet as pq
-
-    from klpipe.atropos.writer import GroupWriter
-    from klpipe.storage.atomic import atomic_output
-
-    with atomic_output(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        writer = GroupWriter(out, columns, scored=False)
-        parquet = pq.ParquetFile(cache_path)
-        for group in range(parquet.num_row_groups):  # one row group (a chunk) in memory at a time
-            writer.add(parquet.read_row_group(group))
-        writer.close()
 
 
 def _budgets(recorded: cache.Provenance) -> tuple[int, int]:
