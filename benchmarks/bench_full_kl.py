@@ -1,4 +1,4 @@
-"""What the exact KL costs: `precompute --policy` with `--full-kl` against `--no-full-kl`.
+"""What the exact KL costs: `precompute --policy` with `--full-kl` (the default) against `--no-full-kl`.
 
 With --policy, both models run every response position; --full-kl keeps their final hidden states and applies the two
 heads together, vocabulary block by block (klpipe/model/joint_head.py): the same two head matmuls, plus the sums over

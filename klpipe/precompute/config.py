@@ -159,11 +159,10 @@ class PrecomputeConfig:
              "reference's own weights with the adapter on, or a full model (hub id or local directory). It must "
              "share the reference's tokenizer.")
     full_kl: bool = option(
-        False, flags=("--full-kl/--no-full-kl",), panel=POLICY_PANEL,
+        True, flags=("--full-kl/--no-full-kl",), panel=POLICY_PANEL,
         help="With --policy: also write the exact per-token KL over the whole vocabulary, both ways "
              "(kl_policy_ref, kl_ref_policy), and both models' entropies, from the two heads applied together "
-             "(`klpipe score --estimator full` reads it). Off by default: it costs more than the 15% it was "
-             "allowed (docs/benchmarks.md).")
+             "(`klpipe score --estimator full` reads it).")
     ref_topk: int = option(
         0, metavar="K", panel=POLICY_PANEL,
         help="Also write the reference's K most likely token ids and their logprobs per response token "

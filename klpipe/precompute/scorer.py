@@ -65,7 +65,7 @@ class ChunkScorer:
             problem = capture.refusal(model, self.own if joint.exact else None, joint.topk)
             if problem is not None:
                 asked = " and ".join(f for f, on in (("--full-kl", joint.exact), ("--ref-topk", joint.topk)) if on)
-                raise ModelError(f"{asked} cannot run: {problem}" + (" (run without --full-kl)" if joint.exact else ""))
+                raise ModelError(f"{asked} cannot run: {problem}" + (" (pass --no-full-kl)" if joint.exact else ""))
 
             self.sides = (joint_head.Side.of(model), None if not joint.exact else
                           joint_head.Side.of(model, lambda: model.side(policy_side)) if policy is model else

@@ -42,7 +42,7 @@ from klpipe.storage.store import Location
 
 FIGURES = ("exact_kl", "exact_kl_ref_policy", "k1_kl", "k3_kl", "k1_spread", "k3_spread", "policy_entropy",
            "ref_entropy")
-PRECOMPUTE = "`klpipe precompute --policy MODEL --full-kl` computes it"
+PRECOMPUTE = "`klpipe precompute --policy MODEL` computes it"
 
 
 def exact_source(files: list[Location], schema: pa.Schema, estimator: str) -> tuple[bool, str | None]:

@@ -249,7 +249,7 @@ def test_full_without_the_exact_kl_is_one_line_naming_precompute_policy(tmp_path
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr == (f"Error: {cache}: --estimator full reads the exact per-token KL (kl_policy_ref), and this "
                              "cache has no kl_policy_ref or kl_ref_policy or policy_entropy or ref_entropy column; "
-                             "`klpipe precompute --policy MODEL --full-kl` computes it\n")
+                             "`klpipe precompute --policy MODEL` computes it\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

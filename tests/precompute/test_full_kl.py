@@ -169,7 +169,7 @@ def test_a_model_run_by_its_own_forward_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("Error: --full-kl cannot run: CpmAntForCausalLM runs each "
                                                           "row by its own forward")
-    assert "(run without --full-kl)" in done.stderr and not list(tmp_path.glob("out.parquet*"))
+    assert "--no-full-kl" in done.stderr and not list(tmp_path.glob("out.parquet*"))
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoModelForCausalLM
 
-from klpipe.cache import read_provenance
+from klpipe.cache import FULL_KL_COLUMNS, read_provenance
 from klpipe.errors import InputError, ModelError, OutputError, ProvenanceError
 from klpipe.precompute import PrecomputeConfig, precompute
 from klpipe.score import ScoreConfig, score
@@ -122,7 +122,7 @@ def test_an_input_with_policy_logprobs_keeps_them_as_the_samplers(tmp_path):
     table = pq.read_table(summary.output)
     source = pq.read_table(ROLLOUTS)
     renamed = [("sampler_logprobs" if c == "policy_logprobs" else c) for c in source.column_names]
-    assert table.column_names == [*renamed, "ref_logprobs", "policy_logprobs"]  # --full-kl is off by default
+    assert table.column_names == [*renamed, "ref_logprobs", "policy_logprobs", *FULL_KL_COLUMNS]
     assert table.column("sampler_logprobs").to_pylist() == source.column("policy_logprobs").to_pylist()
     provenance = read_provenance(summary.output)
     assert provenance.sampler_source == "policy_logprobs" and provenance.policy_model == str(POLICY)
@@ -140,7 +140,7 @@ def test_an_input_with_policy_logprobs_keeps_them_as_the_samplers(tmp_path):
     summary = run(tmp_path, [ROLLOUTS], name="dropped.parquet", overwrite_policy_logprobs=True)
     table = pq.read_table(summary.output)
     assert table.column_names == [c for c in source.column_names if c != "policy_logprobs"] + [
-        "ref_logprobs", "policy_logprobs"]
+        "ref_logprobs", "policy_logprobs", *FULL_KL_COLUMNS]
     assert not table.column("policy_logprobs").equals(source.column("policy_logprobs"))
     assert read_provenance(summary.output).sampler_source is None
 

@@ -311,10 +311,10 @@ def test_full_without_the_exact_kl_is_refused_naming_precompute_policy(tmp_path)
         run(tmp_path, [no_columns], estimator="full")
     assert str(caught.value) == (
         f"{no_columns}: --estimator full reads the exact per-token KL (kl_policy_ref), and this cache has no "
-        f"{' or '.join(FULL_KL_COLUMNS)} column; `klpipe precompute --policy MODEL --full-kl` computes it")
+        f"{' or '.join(FULL_KL_COLUMNS)} column; `klpipe precompute --policy MODEL` computes it")
     made_without = bad(tmp_path, lambda rows: None, made=exact_provenance(full_kl=False))
     with pytest.raises(InputError, match=r"was made without it \(its provenance says full_kl false\); `klpipe "
-                                         r"precompute --policy MODEL --full-kl` computes it"):
+                                         r"precompute --policy MODEL` computes it"):
         run(tmp_path, [made_without], estimator="full")
     part = pa.schema([f for f in EXACT_SCHEMA if f.name != REF_ENTROPY])
     with pytest.raises(InputError, match="this cache has no ref_entropy column"):
