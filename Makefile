@@ -59,7 +59,7 @@ lint: install
 	$(BIN)/mypy klpipe
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 # The documentation site (mkdocs.yml, docs/) into build/site. --strict with mkdocs.yml's validation: a broken
 # link or anchor, or a page left out of the nav, fails the build. The docs extra (mkdocs, mkdocs-material) goes

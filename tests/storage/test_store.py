@@ -177,7 +177,10 @@ def test_an_upload_interrupted_by_ctrl_c_never_appears(aws, bucket, tmp_path):
     aws.put(bucket, "cache.parquet", b"the good cache")
     fifo = tmp_path / "source"
     os.mkfifo(fifo)
-    code = ("import sys; from pathlib import Path; from klpipe.storage.upload import publish; "
+    # Ctrl-C's own disposition in the child, as a terminal gives it: a shell that starts jobs in the background
+    # (nohup, `&` without job control) leaves SIGINT ignored in every process it starts.
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from pathlib import Path; from klpipe.storage.upload import publish; "
             "from klpipe.storage.store import location; publish([(Path(sys.argv[1]), location(sys.argv[2]))])")
     process = subprocess.Popen([sys.executable, "-c", code, str(fifo), f"s3://{bucket}/cache.parquet"], cwd=ROOT,
                                stderr=subprocess.PIPE, text=True)
